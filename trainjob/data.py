@@ -1,0 +1,95 @@
+"""The lab's embedded data set: generation from a seeded LCG, and strict loading.
+
+``generate`` is deterministic: the same bytes on every call and every machine. ``load_dataset``
+validates every line (one-line errors naming file and line) and returns the records together
+with a SHA-256 over the files, so a resumed attempt can prove it trains on the same data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+
+from .errors import InputError
+from .records import LinearModel, Sample, dumps, load
+
+N_TRAIN = 40
+N_HOLDOUT = 20
+BASELINE = LinearModel(weights=(1.0, 0.5, -1.0), bias=0.0)
+FILES = ("train.jsonl", "holdout.jsonl", "baseline.json")
+
+_MASK64 = (1 << 64) - 1
+
+
+def lcg_stream(state: int = 7) -> Iterator[float]:
+    """Uniform-ish floats in [-1, 1) from the lab's 64-bit linear congruential generator."""
+    while True:
+        state = (state * 6364136223846793005 + 1442695040888963407) & _MASK64
+        yield ((state >> 40) / (1 << 24)) * 2.0 - 1.0
+
+
+def label(x: tuple[float, float, float]) -> int:
+    return int(x[0] + 0.5 * x[1] - x[2] > 0.0)
+
+
+def generate_files() -> dict[str, bytes]:
+    """The three data files, as bytes: 40 training samples, then 20 holdout samples."""
+    rng = lcg_stream()
+    samples = []
+    for _ in range(N_TRAIN + N_HOLDOUT):
+        x = (next(rng), next(rng), next(rng))
+        samples.append(Sample(x=x, y=label(x)))
+
+    def jsonl(rows: list[Sample]) -> bytes:
+        return "".join(dumps(r) + "\n" for r in rows).encode()
+
+    return {
+        "train.jsonl": jsonl(samples[:N_TRAIN]),
+        "holdout.jsonl": jsonl(samples[N_TRAIN:]),
+        "baseline.json": (dumps(BASELINE) + "\n").encode(),
+    }
+
+
+@attrs.frozen
+class Dataset:
+    train: tuple[Sample, ...]
+    holdout: tuple[Sample, ...]
+    baseline: LinearModel
+    sha256: str  # over the three files, in FILES order
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise InputError(f"{path}: missing (create it with `trainjob gen {path.parent}`)") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _samples(path: Path, raw: bytes) -> tuple[Sample, ...]:
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    rows = tuple(load(line, Sample, where=f"{path}:{n}") for n, line in enumerate(lines, 1))
+    if not rows:
+        raise InputError(f"{path}: holds no samples")
+    return rows
+
+
+def load_dataset(directory: Path) -> Dataset:
+    if not directory.is_dir():
+        raise InputError(f"{directory}: data directory not found (create it with `trainjob gen {directory}`)")
+    raw = {name: _read(directory / name) for name in FILES}
+    digest = hashlib.sha256()
+    for name in FILES:
+        digest.update(hashlib.sha256(raw[name]).digest())
+    return Dataset(
+        train=_samples(directory / "train.jsonl", raw["train.jsonl"]),
+        holdout=_samples(directory / "holdout.jsonl", raw["holdout.jsonl"]),
+        baseline=load(raw["baseline.json"], LinearModel, where=str(directory / "baseline.json")),
+        sha256=digest.hexdigest(),
+    )

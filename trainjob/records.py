@@ -1,0 +1,177 @@
+"""The records trainjob writes and reads, and the one converter that (de)serialises them.
+
+Every file on the PVC and in the data directory is one of these attrs classes. The converter is
+strict: unknown keys, wrong types (``true`` for an int, ``"1"`` for a float), non-finite numbers
+and out-of-range values are rejected with a message naming the field. JSON encoding is canonical
+(sorted keys, fixed separators) so the same record always yields the same bytes.
+
+This module does no I/O; ``pvc.py`` and ``data.py`` read and write the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from attrs import validators as v
+
+from .errors import InputError
+
+N_FEATURES = 3
+
+T = TypeVar("T")
+
+
+def _finite(_inst: object, attr: attrs.Attribute, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"'{attr.name}' must be a finite number, got {value!r}")
+
+
+def _finite_items(_inst: object, attr: attrs.Attribute, value: list[float]) -> None:
+    if not all(math.isfinite(x) for x in value):
+        raise ValueError(f"'{attr.name}' must hold finite numbers, got {value!r}")
+
+
+def _weights() -> Any:
+    return attrs.field(
+        converter=tuple,
+        validator=[v.min_len(N_FEATURES), v.max_len(N_FEATURES), _finite_items],
+    )
+
+
+@attrs.frozen
+class Sample:
+    """One labelled example: three features and a 0/1 label."""
+
+    x: tuple[float, ...] = _weights()
+    y: int = attrs.field(validator=v.in_((0, 1)))
+
+
+@attrs.frozen
+class LinearModel:
+    """Three weights and a bias; the baseline file holds one of these."""
+
+    weights: tuple[float, ...] = _weights()
+    bias: float = attrs.field(validator=_finite)
+
+
+@attrs.frozen
+class Checkpoint:
+    """Everything needed to continue training: the lab's ``checkpoint.json``."""
+
+    step: int = attrs.field(validator=v.ge(0))
+    weights: tuple[float, ...] = _weights()
+    bias: float = attrs.field(validator=_finite)
+    loss_milli: int = attrs.field(validator=v.ge(0))
+
+
+@attrs.frozen
+class RunState:
+    """Where the machine stood when this PVC was last written (``state.json``).
+
+    ``lr`` and ``data_sha256`` pin what an in-flight attempt was training on, so a relaunch
+    with other settings is refused instead of silently mixing two runs into one artifact.
+    """
+
+    state: str
+    attempt: int = attrs.field(validator=v.ge(1))
+    lr: float = attrs.field(validator=_finite)
+    data_sha256: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{64}"))
+
+
+@attrs.frozen
+class Score:
+    correct: int = attrs.field(validator=v.ge(0))
+    total: int = attrs.field(validator=v.ge(0))
+
+    def __str__(self) -> str:
+        return f"{self.correct}/{self.total}"
+
+
+@attrs.frozen
+class Artifact:
+    """The versioned model a passing run publishes as ``artifacts/model-v{attempt}.json``."""
+
+    attempt: int = attrs.field(validator=v.ge(1))
+    step: int = attrs.field(validator=v.ge(0))
+    weights: tuple[float, ...] = _weights()
+    bias: float = attrs.field(validator=_finite)
+    holdout: Score
+    baseline: Score
+
+
+@attrs.frozen
+class Event:
+    """One line of the JSON-lines decision log."""
+
+    ts: str
+    event: str
+    detail: str
+
+
+# --- the converter -----------------------------------------------------------------------------
+
+converter = cattrs.Converter(forbid_extra_keys=True)
+
+
+def _strict(kind: type, accepts: tuple[type, ...]) -> None:
+    def structure(value: Any, _type: type) -> Any:
+        # bool is an int subclass in Python; JSON's true is never a number here.
+        if isinstance(value, bool) or not isinstance(value, accepts):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        return kind(value)
+
+    converter.register_structure_hook(kind, structure)
+
+
+_strict(int, (int,))
+_strict(float, (int, float))
+_strict(str, (str,))
+
+
+def _describe(exc: BaseException, _type: Any) -> str:
+    if isinstance(exc, KeyError):
+        return "required field is missing"
+    return str(exc) or type(exc).__name__
+
+
+def structure(data: Any, cls: type[T], *, where: str) -> T:
+    """Build ``cls`` from parsed JSON, or raise InputError naming ``where`` and the field."""
+    if not isinstance(data, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    try:
+        return converter.structure(data, cls)
+    except cattrs.BaseValidationError as exc:
+        problems = cattrs.transform_error(exc, path=where, format_exception=_describe)
+        raise InputError("; ".join(problems)) from None
+    except (TypeError, ValueError) as exc:  # raised by an attrs validator in __init__
+        raise InputError(f"{where}: {exc}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not valid JSON")
+
+
+def parse_json(text: str | bytes, *, where: str) -> Any:
+    """Parse strict JSON (no NaN/Infinity), raising InputError that names ``where``."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:
+        raise InputError(f"{where}: invalid JSON: {exc}") from None
+
+
+def load(text: str | bytes, cls: type[T], *, where: str) -> T:
+    return structure(parse_json(text, where=where), cls, where=where)
+
+
+def dumps(record: Any) -> str:
+    """Canonical JSON for a record: sorted keys, no spaces, exact float round-trip."""
+    return json.dumps(converter.unstructure(record), sort_keys=True, separators=(",", ":"),
+                      allow_nan=False)
