@@ -80,10 +80,14 @@ def _samples(path: Path, raw: bytes) -> tuple[Sample, ...]:
     return rows
 
 
-def load_dataset(directory: Path) -> Dataset:
-    if not directory.is_dir():
+def load_dataset(directory: Path | None) -> Dataset:
+    """Load and validate the data set in ``directory``; ``None`` means the embedded lab data."""
+    if directory is None:
+        raw, directory = generate_files(), Path("<embedded>")
+    elif not directory.is_dir():
         raise InputError(f"{directory}: data directory not found (create it with `trainjob gen {directory}`)")
-    raw = {name: _read(directory / name) for name in FILES}
+    else:
+        raw = {name: _read(directory / name) for name in FILES}
     digest = hashlib.sha256()
     for name in FILES:
         digest.update(hashlib.sha256(raw[name]).digest())

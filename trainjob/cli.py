@@ -1,0 +1,157 @@
+"""The command line: parses arguments, calls the engine, and turns every outcome into an exit code.
+
+This is the only place that knows exit codes:
+
+    0   completed
+    1   honest failure: drift_failed or job_failed
+    2   usage or input error (bad flag, missing or invalid file, already-completed PVC)
+    75  killed, preempted, PVC busy or storage trouble: safe to relaunch
+    70  an unexpected internal error (a bug in trainjob, never an honest failure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+
+from . import __version__
+from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
+from .errors import InputError, TrainJobError, TryAgainLater, UsageError
+from .eventlog import EventLog
+from .job import RunConfig, StopFlag, run
+from .pvc import Pvc, atomic_write
+from .status import summarize
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
+
+# Errors, most specific first; the first isinstance match wins.
+EXIT_FOR_ERROR: list[tuple[type[TrainJobError], int]] = [
+    (UsageError, EXIT_USAGE),
+    (InputError, EXIT_USAGE),
+    (TryAgainLater, EXIT_RELAUNCH),
+]
+# Where the machine (or a log) ended -> exit code. Anything still training was cut short.
+EXIT_FOR_STATE = {"completed": EXIT_OK, "drift_failed": EXIT_FAILED, "job_failed": EXIT_FAILED,
+                  "killed": EXIT_RELAUNCH}
+DEFAULT_LOG = "log.jsonl"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block: the usage is one --help away.
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _weights(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers like 0,0,0, got {text!r}") from None
+    if len(values) != 3 or not all(math.isfinite(x) for x in values):
+        raise argparse.ArgumentTypeError(f"expected three finite numbers like 0,0,0, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trainjob", description="A training job that refuses silent success.")
+    parser.add_argument("--version", action="version", version=f"trainjob {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("gen", help="write the lab's data set (train, holdout, baseline)")
+    gen.add_argument("dir", type=Path)
+
+    r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
+    d = RunConfig()
+    r.add_argument("--pvc", type=Path, required=True, help="durable directory for state, checkpoints, artifacts")
+    r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
+    r.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+    r.add_argument("--steps", type=int, default=d.steps)
+    r.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
+    r.add_argument("--lr", type=float, default=d.lr)
+    r.add_argument("--max-drop", type=int, default=d.max_drop, help="allowed drop vs baseline, percent")
+    r.add_argument("--backoff-limit", type=int, default=d.backoff_limit, help="fresh attempts allowed after the first")
+    r.add_argument("--die-at", type=int, help="teaching hook: exit 75 after this step (and its checkpoint)")
+    r.add_argument("--force-weights", type=_weights, metavar="W0,W1,W2",
+                   help="teaching hook: gate these weights (bias 0) instead of the trained ones")
+
+    s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
+    s.add_argument("log", type=Path)
+    s.add_argument("--json", action="store_true")
+    return parser
+
+
+def cmd_gen(args: argparse.Namespace) -> int:
+    directory: Path = args.dir
+    if directory.exists() and not directory.is_dir():
+        raise InputError(f"{directory}: exists and is not a directory")
+    directory.mkdir(parents=True, exist_ok=True)
+    files = generate_files()
+    for name in FILES:  # check all before writing any: refuse to overwrite different data
+        path = directory / name
+        if path.exists() and path.read_bytes() != files[name]:
+            raise InputError(f"{path}: exists with different contents; refusing to overwrite it")
+    for name in FILES:
+        atomic_write(directory / name, files[name])
+    print(f"wrote train.jsonl ({N_TRAIN}), holdout.jsonl ({N_HOLDOUT}), baseline.json to {directory}")
+    return EXIT_OK
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    cfg = RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
+                    backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights)
+    cfg.check()
+    stop = StopFlag()
+    stop.install()
+    data = load_dataset(args.data)
+    pvc = Pvc(args.pvc)
+    pvc.create()
+    log_path = args.log if args.log is not None else pvc.root / DEFAULT_LOG
+    with pvc.lock():
+        for path in pvc.remove_stray_tmp():
+            print(f"trainjob: removed {path}, left by a writer that was killed mid-write", file=sys.stderr)
+        final = run(cfg, pvc, EventLog(log_path), data, stop)
+    return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    status = summarize(args.log)
+    if args.json:
+        print(json.dumps(attrs.asdict(status), sort_keys=True))
+    else:
+        print(f"lines: {status.lines}")
+        print(f"last_event: {status.last_event}")
+        print(f"attempts: {status.attempts}")
+        print(f"artifact: {status.artifact or 'none'}")
+        print(f"drift: {status.drift}")
+        for problem in status.skipped:
+            print(f"skipped: {problem}")
+    return EXIT_FOR_STATE.get(status.last_event or "", EXIT_RELAUNCH)
+
+
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except TrainJobError as exc:
+        print(f"trainjob {args.command}: {exc}", file=sys.stderr)
+        return next(code for kind, code in EXIT_FOR_ERROR if isinstance(exc, kind))
+    except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
+        traceback.print_exc()
+        print(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it",
+              file=sys.stderr)
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

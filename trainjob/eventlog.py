@@ -1,0 +1,84 @@
+"""The JSON-lines decision log: durable appends and a streaming, forgiving reader.
+
+Appends are one ``write`` of one complete line on an O_APPEND descriptor, then fsync, so
+concurrent readers never see half an event from a live writer. A line torn by a crash (power
+loss, a full disk) is skipped and counted by the reader, and the next append starts on a fresh
+line, so one torn line never swallows the event after it. JSON encoding escapes newlines and
+control characters in a detail: no detail can forge a second line.
+
+The reader streams: memory stays flat however long the log grows. It knows nothing about
+which sequences are legal; ``machine.py`` owns that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import attrs
+
+from .errors import InputError, TryAgainLater
+from .records import Event, converter, load
+from .pvc import FILE_MODE
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class EventLog:
+    """Appends events to one log file."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def append(self, event: str, detail: str) -> Event:
+        record = Event(ts=utc_now(), event=event, detail=detail)
+        line = json.dumps(converter.unstructure(record), separators=(",", ":")) + "\n"
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+            try:
+                if _ends_mid_line(fd):
+                    line = "\n" + line
+                os.write(fd, line.encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TryAgainLater(f"{self.path}: cannot append to log: {exc.strerror or exc}") from None
+        return record
+
+
+def _ends_mid_line(fd: int) -> bool:
+    size = os.fstat(fd).st_size
+    return size > 0 and os.pread(fd, 1, size - 1) != b"\n"
+
+
+@attrs.define
+class LogLine:
+    number: int
+    event: Event | None  # None: torn or not an event
+    problem: str = ""
+
+
+def read_log(path: Path) -> Iterator[LogLine]:
+    """Yield every line of the log; lines that are not valid events carry a problem instead."""
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        raise InputError(f"{path}: log not found") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, not a log file") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read log: {exc.strerror}") from None
+    with handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
+                continue
+            try:
+                yield LogLine(number, load(raw, Event, where=f"{path}:{number}"))
+            except InputError as exc:
+                yield LogLine(number, None, str(exc))

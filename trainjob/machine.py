@@ -1,0 +1,85 @@
+"""The job's state machine: one declarative table, read top to bottom in the order a run meets it.
+
+This table is the single source of truth. The engine (``job.py``) drives it, the diagrams are
+drawn from it, and the log reader checks recorded paths against it.
+
+Each process starts in ``pending``; its one ``start`` trigger decides, through guards that call
+the pure functions in ``decisions.py``, whether this is a resumed attempt, a fresh attempt, or
+the end of the retry budget. Each state (but ``pending``) names the event logged on entering it.
+
+Callback order, and why: ``before`` callbacks persist to the PVC *before* the state changes, so
+a failed write leaves the machine where it was and nothing is announced; the machine-wide
+``after_state_change`` then appends the log event. The log never claims what is not on disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from transitions import Machine
+from transitions.core import State
+
+INITIAL = "pending"
+# Where an attempt can be while it trains; a kill can land in any of them.
+TRAINING = ["started", "resumed", "checkpointed"]
+FINAL = ["killed", "drift_failed", "job_failed", "completed"]
+STATES = [INITIAL, *TRAINING, *FINAL]
+
+TRANSITIONS: list[dict[str, Any]] = [
+    # A process begins: continue the cut-short attempt, start a fresh one, or give up.
+    dict(trigger="start", source=INITIAL, dest="resumed",
+         conditions="should_resume", before="persist_resume"),
+    dict(trigger="start", source=INITIAL, dest="started",
+         conditions="within_backoff", unless="should_resume", before="persist_start"),
+    dict(trigger="start", source=INITIAL, dest="job_failed",
+         unless=["should_resume", "within_backoff"], before="persist_state"),
+    # Training: after each step, a checkpoint when due; a kill between any two steps.
+    dict(trigger="checkpoint", source=TRAINING, dest="checkpointed",
+         conditions="should_checkpoint", before="persist_checkpoint"),
+    dict(trigger="kill", source=TRAINING, dest="killed", before="persist_state"),
+    # The gate: publish only a model that holds up against the baseline.
+    dict(trigger="gate", source=["resumed", "checkpointed"], dest="completed",
+         conditions="drift_passes", before=["persist_artifact", "persist_state"],
+         after="announce_artifact"),
+    dict(trigger="gate", source=["resumed", "checkpointed"], dest="drift_failed",
+         unless="drift_passes", before="persist_state"),
+]
+
+# The log event announced on entering each state, and how its detail reads.
+EVENT_FOR_STATE = {state: state for state in STATES if state != INITIAL}
+EVENT_FOR_STATE["started"] = "job_started"
+STATE_FOR_EVENT = {event: state for state, event in EVENT_FOR_STATE.items()}
+# Logged inside a transition rather than as one: artifact_written comes just before completed.
+ANNOUNCED_WITHIN = {"artifact_written": "completed"}
+
+Facts = Mapping[str, Any]
+DETAIL: dict[str, Callable[[Facts], str]] = {
+    "job_started": "steps={steps} attempt={attempt}".format_map,
+    "resumed": "from_step={from_step}".format_map,
+    "job_failed": "attempts={attempts} backoffLimit={backoff_limit}".format_map,
+    "checkpointed": "step={step} loss_milli={loss_milli}".format_map,
+    "killed": lambda f: f"at_step={f['at_step']}" + (f" signal={f['signal']}" if f.get("signal") else ""),
+    "artifact_written": "sha256={sha256} path={path}".format_map,
+    "completed": "holdout: {holdout} vs baseline {baseline}".format_map,
+    "drift_failed": (
+        "holdout: {holdout} vs baseline {baseline} (max drop {max_drop}%); refusing artifact".format_map
+    ),
+}
+
+
+def build(model: object) -> Machine:
+    """Attach the machine to ``model``, which provides the guards and callbacks the table names.
+
+    ``send_event=True``: every guard and callback receives the trigger's EventData, so trigger
+    keyword arguments (``step=4``) reach them. Illegal triggers raise ``MachineError``.
+    """
+    return Machine(
+        model=model,
+        states=[State(s, final=s in FINAL) for s in STATES],
+        transitions=TRANSITIONS,
+        initial=INITIAL,
+        auto_transitions=False,
+        send_event=True,
+        after_state_change="announce",
+    )

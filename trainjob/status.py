@@ -1,0 +1,58 @@
+"""What a decision log says happened: the summary ``trainjob status`` prints.
+
+Streams the log once, in constant memory. Lines that are not valid events (torn by a crash,
+edited by hand) are counted and reported, never fatal. The outcome vocabulary comes from the
+state machine's table, not from string lists kept here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from .errors import InputError
+from .eventlog import read_log
+from .machine import FINAL
+
+
+def detail_fields(detail: str) -> dict[str, str]:
+    """``"step=4 loss_milli=241"`` -> ``{"step": "4", "loss_milli": "241"}``."""
+    return dict(token.split("=", 1) for token in detail.split() if "=" in token)
+
+
+@attrs.define
+class Status:
+    lines: int = 0
+    last_event: str | None = None
+    attempts: int = 0
+    artifact: str | None = None
+    drift: str = "none"  # pass | fail | none
+    skipped: list[str] = attrs.Factory(list)
+
+    @property
+    def finished(self) -> bool:
+        return self.last_event in FINAL and self.last_event != "killed"
+
+
+def summarize(path: Path) -> Status:
+    status = Status()
+    for line in read_log(path):
+        if line.event is None:
+            status.skipped.append(f"line {line.number}: {line.problem}")
+            continue
+        ev = line.event
+        status.lines += 1
+        status.last_event = ev.event
+        fields = detail_fields(ev.detail)
+        if ev.event == "job_started" and fields.get("attempt", "").isdigit():
+            status.attempts = max(status.attempts, int(fields["attempt"]))
+        elif ev.event == "artifact_written" and "path" in fields:
+            status.artifact = fields["path"]
+        elif ev.event == "completed":
+            status.drift = "pass"
+        elif ev.event == "drift_failed":
+            status.drift = "fail"
+    if status.lines == 0:
+        raise InputError(f"{path}: holds no events")
+    return status
