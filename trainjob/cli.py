@@ -104,6 +104,16 @@ def cmd_gen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_log_location(path: Path) -> None:
+    """Fail before training, not at the first announcement, when the log cannot be written."""
+    if path.is_dir():
+        raise InputError(f"{path}: --log must be a file, but this is a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{path.parent}: cannot create the log's directory: {exc.strerror}") from None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
                     backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights)
@@ -114,6 +124,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     pvc = Pvc(args.pvc)
     pvc.create()
     log_path = args.log if args.log is not None else pvc.root / DEFAULT_LOG
+    _check_log_location(log_path)
     with pvc.lock():
         for path in pvc.remove_stray_tmp():
             print(f"trainjob: removed {path}, left by a writer that was killed mid-write", file=sys.stderr)

@@ -158,6 +158,8 @@ def _reject_constant(name: str) -> Any:
 def parse_json(text: str | bytes, *, where: str) -> Any:
     """Parse strict JSON (no NaN/Infinity), raising InputError that names ``where``."""
     try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")  # json.loads would guess UTF-16/32 from the first bytes
         return json.loads(text, parse_constant=_reject_constant)
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None

@@ -1,0 +1,33 @@
+"""Shared helpers: run the real CLI in a subprocess, read what it left on the PVC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def trainjob(*args: str | Path, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainjob", *map(str, args)],
+        cwd=cwd, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def events(log: Path) -> list[tuple[str, str]]:
+    return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+@pytest.fixture
+def pvc(tmp_path: Path) -> Path:
+    return tmp_path / "pvc"
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` with its bytes, to prove nothing changed."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}

@@ -1,0 +1,197 @@
+"""End to end through the real CLI: the lab's walkthrough, exit codes, and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import events, snapshot, trainjob
+from trainjob import cli
+
+WALKTHROUGH = [
+    ("job_started", "steps=10 attempt=1"),
+    ("checkpointed", "step=2 loss_milli=310"),
+    ("checkpointed", "step=4 loss_milli=241"),
+    ("killed", "at_step=4"),
+    ("resumed", "from_step=4"),
+    ("checkpointed", "step=6 loss_milli=228"),
+    ("checkpointed", "step=8 loss_milli=226"),
+    ("checkpointed", "step=10 loss_milli=225"),
+    ("artifact_written", "sha256=<hex> path=artifacts/model-v1.json"),
+    ("completed", "holdout: 20/20 vs baseline 20/20"),
+]
+
+
+def hide_hash(pairs):
+    return [(e, re.sub(r"sha256=[0-9a-f]{64}", "sha256=<hex>", d)) for e, d in pairs]
+
+
+def test_walkthrough_event_for_event(pvc):
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4, "--steps", 10).returncode == 75
+    assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 4
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    log = pvc / "log.jsonl"
+    assert hide_hash(events(log)) == WALKTHROUGH
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", json.loads(l)["ts"]) for l in log.read_text().splitlines())
+    status = trainjob("status", log)
+    assert status.returncode == 0
+    assert status.stdout.splitlines() == [
+        "lines: 10", "last_event: completed", "attempts: 1", "artifact: artifacts/model-v1.json", "drift: pass"]
+
+
+def test_logged_sha256_is_the_hash_of_the_artifact_bytes(pvc):
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    detail = dict(events(pvc / "log.jsonl"))["artifact_written"]
+    digest = re.search(r"sha256=([0-9a-f]{64})", detail).group(1)
+    assert digest == hashlib.sha256((pvc / "artifacts/model-v1.json").read_bytes()).hexdigest()
+
+
+def test_forced_zero_weights_fail_the_gate_honestly(pvc):
+    result = trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0")
+    assert result.returncode == 1
+    assert events(pvc / "log.jsonl")[-1] == (
+        "drift_failed", "holdout: 14/20 vs baseline 20/20 (max drop 20%); refusing artifact")
+    assert not (pvc / "artifacts").exists()
+    status = trainjob("status", pvc / "log.jsonl")
+    assert status.returncode == 1 and "drift: fail" in status.stdout and "artifact: none" in status.stdout
+
+
+def test_backoff_limit_stops_the_loop(pvc):
+    codes = [trainjob("run", "--pvc", pvc, "--backoff-limit", 1, "--force-weights", "0,0,0").returncode
+             for _ in range(3)]
+    assert codes == [1, 1, 1]
+    names = [e for e, _ in events(pvc / "log.jsonl")]
+    assert names.count("job_started") == 2 and names.count("drift_failed") == 2
+    assert events(pvc / "log.jsonl")[-1] == ("job_failed", "attempts=2 backoffLimit=1")
+    assert (pvc / "attempts").read_text().strip() == "2"
+
+
+def test_die_at_a_step_without_checkpoint_repeats_that_step(pvc):
+    assert trainjob("run", "--pvc", pvc, "--die-at", 3).returncode == 75
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    assert ("resumed", "from_step=2") in events(pvc / "log.jsonl")
+
+
+def test_data_directory_from_gen_gives_the_same_artifact(tmp_path):
+    assert trainjob("gen", tmp_path / "data").stdout.startswith("wrote train.jsonl (40), holdout.jsonl (20)")
+    assert trainjob("run", "--pvc", tmp_path / "a", "--data", tmp_path / "data").returncode == 0
+    assert trainjob("run", "--pvc", tmp_path / "b").returncode == 0
+    assert snapshot(tmp_path / "a" / "artifacts") == snapshot(tmp_path / "b" / "artifacts")
+
+
+def test_log_flag_puts_the_log_elsewhere(tmp_path, pvc):
+    assert trainjob("run", "--pvc", pvc, "--log", tmp_path / "logs/run.jsonl").returncode == 0
+    assert events(tmp_path / "logs/run.jsonl")[-1][0] == "completed"
+    assert not (pvc / "log.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--ckpt-every", "0"], "--ckpt-every must be at least 1"),
+        (["--die-at", "11"], "--die-at must be a step from 1 to --steps"),
+        (["--backoff-limit", "-1"], "--backoff-limit"),
+        (["--max-drop", "101"], "--max-drop"),
+        (["--lr", "nan"], "--lr"),
+        (["--force-weights", "0,0"], "three"),
+        (["--steps", "ten"], "invalid int"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(pvc, flags, message):
+    result = trainjob("run", "--pvc", pvc, *flags)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not pvc.exists()  # nothing written for a run that could never work
+
+
+def test_status_of_missing_log_is_exit_2_not_1(tmp_path):
+    result = trainjob("status", tmp_path / "nope.jsonl")
+    assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_status_of_killed_run_is_75(pvc):
+    trainjob("run", "--pvc", pvc, "--die-at", 2)
+    assert trainjob("status", pvc / "log.jsonl").returncode == 75
+
+
+def test_status_json(pvc):
+    trainjob("run", "--pvc", pvc)
+    result = trainjob("status", pvc / "log.jsonl", "--json")
+    assert json.loads(result.stdout) == {"lines": 8, "last_event": "completed", "attempts": 1,
+                                          "artifact": "artifacts/model-v1.json", "drift": "pass", "skipped": []}
+
+
+def test_pvc_that_is_a_file_exits_2(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    result = trainjob("run", "--pvc", tmp_path / "f")
+    assert result.returncode == 2 and "must be a directory" in result.stderr
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("checkpoint.json", '{"step": 4, "weights": [0,0], "bias": 0, "loss_milli": 1}'),
+        ("checkpoint.json", "{half"),
+        ("state.json", '{"state": "checkpointed", "attempt": "one"}'),
+        ("attempts", "-3"),
+    ],
+)
+def test_corrupt_pvc_file_exits_2_and_is_left_untouched(pvc, name, content):
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
+    (pvc / name).write_text(content)
+    before = snapshot(pvc)
+    result = trainjob("run", "--pvc", pvc)
+    assert result.returncode == 2 and name in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert snapshot(pvc) == before
+
+
+def test_bad_data_exits_2_naming_file_and_line(tmp_path, pvc):
+    trainjob("gen", tmp_path / "data")
+    with open(tmp_path / "data/train.jsonl", "a") as f:
+        f.write('{"x":[1,2,"3"],"y":1}\n')
+    result = trainjob("run", "--pvc", pvc, "--data", tmp_path / "data")
+    assert result.returncode == 2 and "train.jsonl:41" in result.stderr
+
+
+def test_gen_refuses_to_overwrite_different_data(tmp_path):
+    trainjob("gen", tmp_path / "data")
+    (tmp_path / "data/baseline.json").write_text('{"weights":[0,0,0],"bias":0}')
+    result = trainjob("gen", tmp_path / "data")
+    assert result.returncode == 2 and "refusing to overwrite" in result.stderr
+    assert (tmp_path / "data/baseline.json").read_text() == '{"weights":[0,0,0],"bias":0}'
+
+
+def test_completed_pvc_refuses_a_new_run(pvc):
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    before = snapshot(pvc)
+    result = trainjob("run", "--pvc", pvc)
+    assert result.returncode == 2 and "already completed" in result.stderr
+    assert snapshot(pvc) == before
+
+
+def test_resume_with_other_settings_is_refused(pvc):
+    trainjob("run", "--pvc", pvc, "--die-at", 4)
+    result = trainjob("run", "--pvc", pvc, "--lr", "0.1")
+    assert result.returncode == 2 and "same --lr" in result.stderr
+
+
+def test_fresh_attempt_may_change_settings(pvc):
+    assert trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0").returncode == 1
+    assert trainjob("run", "--pvc", pvc, "--lr", "0.1").returncode == 0
+    assert events(pvc / "log.jsonl")[-2][1].endswith("path=artifacts/model-v2.json")
+
+
+def test_internal_error_is_70_never_1(pvc, monkeypatch, capsys):
+    def boom(*_args, **_kw):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "run", boom)
+    assert cli.main(["run", "--pvc", str(pvc)]) == 70
+    assert "internal error" in capsys.readouterr().err

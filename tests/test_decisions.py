@@ -1,0 +1,82 @@
+"""The pure decisions, including the lab's boundary cases, checked exhaustively or by property."""
+
+from fractions import Fraction
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainjob.decisions import drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
+
+counts = st.integers(min_value=0, max_value=10_000)
+percent = st.integers(min_value=0, max_value=100)
+
+
+class TestDriftPasses:
+    def test_lab_numbers(self):
+        assert drift_passes(20, 20, 20, 20)
+        assert drift_passes(16, 20, 20, 20)  # exactly on the boundary: 1600 >= 1600
+        assert not drift_passes(15, 20, 20, 20)
+        assert not drift_passes(14, 20, 20, 20)  # the forced-zero model
+
+    def test_max_drop_zero_needs_the_baseline_count(self):
+        assert drift_passes(20, 20, 20, 0)
+        assert not drift_passes(19, 20, 20, 0)
+
+    @given(counts, percent)
+    def test_empty_holdout_never_passes(self, bcorrect, max_drop):
+        assert not drift_passes(0, 0, bcorrect, max_drop)
+
+    @given(counts, counts, percent)
+    def test_agrees_with_exact_rational_rule(self, correct, bcorrect, max_drop):
+        exact = Fraction(correct) >= Fraction(bcorrect) * Fraction(100 - max_drop, 100)
+        assert drift_passes(correct, max(correct, 1), bcorrect, max_drop) == exact
+
+    @given(counts, counts, percent)
+    def test_more_correct_never_turns_pass_into_fail(self, correct, bcorrect, max_drop):
+        if drift_passes(correct, correct + 1, bcorrect, max_drop):
+            assert drift_passes(correct + 1, correct + 1, bcorrect, max_drop)
+
+
+class TestWithinBackoff:
+    @given(st.integers(min_value=0, max_value=1000))
+    def test_limit_b_allows_b_plus_one_attempts(self, limit):
+        allowed = [n for n in range(limit + 5) if within_backoff(n, limit)]
+        assert allowed == list(range(limit + 1))
+
+    def test_lab_case(self):
+        assert within_backoff(1, 1)
+        assert not within_backoff(2, 1)
+
+
+class TestShouldResume:
+    def test_an_attempt_cut_short_is_resumed_even_before_its_first_checkpoint(self):
+        for state in ("started", "resumed", "checkpointed", "killed"):
+            assert should_resume(state, None, 10)
+            assert should_resume(state, 4, 10)
+            assert should_resume(state, 10, 10)  # killed after the last checkpoint, before the gate
+
+    def test_an_attempt_that_ended_is_never_resumed(self):
+        for state in ("completed", "drift_failed", "job_failed"):
+            assert not should_resume(state, 4, 10)
+            assert not should_resume(state, 10, 10)
+
+    def test_without_a_run_record_the_lab_rule_applies(self):
+        assert should_resume(None, 4, 10)
+        assert not should_resume(None, 10, 10)  # a finished-but-failed attempt is not a resume
+        assert not should_resume(None, None, 10)
+
+
+class TestShouldCheckpoint:
+    @given(st.integers(1, 500), st.integers(1, 50), st.integers(1, 500))
+    def test_every_k_steps_and_always_the_last(self, step, every, steps):
+        assert should_checkpoint(step, every, steps) == (step % every == 0 or step == steps)
+
+    def test_lab_schedule(self):
+        assert [s for s in range(1, 11) if should_checkpoint(s, 2, 10)] == [2, 4, 6, 8, 10]
+        assert [s for s in range(1, 8) if should_checkpoint(s, 3, 7)] == [3, 6, 7]
+
+
+def test_loss_milli_rounds_half_away_from_zero():
+    assert loss_milli(0.2405) == 241  # Python's round() would give 240 (banker's rounding)
+    assert loss_milli(0.2404) == 240
+    assert loss_milli(0.0) == 0

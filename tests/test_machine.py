@@ -1,0 +1,162 @@
+"""The transition table in isolation: legal and illegal sequences, callback order. No disk."""
+
+from __future__ import annotations
+
+import pytest
+from transitions import MachineError
+
+from trainjob import machine
+
+
+class FakeJob:
+    """A model with settable guards that records persistence and announcements in memory."""
+
+    def __init__(self, resume=False, budget=True, passes=True):
+        self.guards = {"should_resume": resume, "within_backoff": budget, "drift_passes": passes}
+        self.record: list[str] = []
+        self.fail_persist = False
+        machine.build(self)
+
+    def __getattr__(self, name):
+        if name in ("guards", "record", "fail_persist"):
+            raise AttributeError(name)
+        if name in self.guards:
+            return lambda ev: self.guards[name]
+        if name.startswith("persist_"):
+            def persist(ev):
+                if self.fail_persist:
+                    raise OSError("disk full")
+                self.record.append(f"persist {ev.transition.dest} (state still {self.state})")
+            return persist
+        if name.startswith("announce"):
+            return lambda ev: self.record.append(f"announce {name} in {self.state}")
+        raise AttributeError(name)
+
+    def should_checkpoint(self, ev):
+        return ev.kwargs.get("force", False) or ev.kwargs["step"] % 2 == 0
+
+
+def test_states_are_the_lab_states_plus_pending():
+    assert set(machine.STATES) == {"pending", "started", "resumed", "checkpointed", "killed",
+                                   "drift_failed", "job_failed", "completed"}
+
+
+def test_every_state_but_pending_announces_an_event_with_a_detail_format():
+    for state in machine.STATES[1:]:
+        assert machine.EVENT_FOR_STATE[state] in machine.DETAIL
+    assert set(machine.ANNOUNCED_WITHIN) <= set(machine.DETAIL)
+
+
+def test_walkthrough_first_process_kill_at_step_4():
+    job = FakeJob(budget=True)
+    job.start()
+    assert job.state == "started"
+    for step in range(1, 5):
+        job.checkpoint(step=step)
+    assert job.state == "checkpointed"
+    job.kill(at_step=4)
+    assert job.state == "killed"
+
+
+def test_terminal_states_are_marked_final():
+    m = machine.build(FakeJob())
+    assert {s for s in machine.STATES if m.get_state(s).final} == set(machine.FINAL)
+
+
+def test_walkthrough_second_process_resumes_and_completes():
+    job = FakeJob(resume=True)
+    job.start()
+    assert job.state == "resumed"
+    job.checkpoint(step=6)
+    job.gate()
+    assert job.state == "completed"
+
+
+def test_start_prefers_resume_over_a_fresh_attempt():
+    job = FakeJob(resume=True, budget=True)
+    job.start()
+    assert job.state == "resumed"
+
+
+def test_spent_budget_ends_in_job_failed():
+    job = FakeJob(resume=False, budget=False)
+    job.start()
+    assert job.state == "job_failed"
+
+
+def test_failing_gate_ends_in_drift_failed():
+    job = FakeJob(budget=True, passes=False)
+    job.start()
+    job.checkpoint(step=2)
+    job.gate()
+    assert job.state == "drift_failed"
+
+
+def test_checkpoint_guard_skips_steps_that_are_not_due():
+    job = FakeJob(budget=True)
+    job.start()
+    assert job.checkpoint(step=1) is False
+    assert job.state == "started"
+    assert job.checkpoint(step=1, force=True) is True
+    assert job.state == "checkpointed"
+
+
+@pytest.mark.parametrize(
+    "path, illegal",
+    [
+        ([], "checkpoint"),                        # nothing before start
+        ([], "gate"),
+        ([], "kill"),
+        (["start"], "start"),                      # one start per process
+        (["start"], "gate"),                       # a fresh attempt must train first
+        (["start", "kill"], "start"),              # final states are final
+        (["start", "kill"], "checkpoint"),
+        (["start", ("checkpoint", 2), "gate"], "kill"),
+    ],
+)
+def test_illegal_triggers_raise(path, illegal):
+    job = FakeJob(budget=True)
+    for trigger in path:
+        name, *step = trigger if isinstance(trigger, tuple) else (trigger,)
+        getattr(job, name)(**({"step": step[0]} if step else {}))
+    with pytest.raises(MachineError):
+        getattr(job, illegal)(step=2)
+
+
+def test_no_auto_transitions():
+    job = FakeJob()
+    assert not hasattr(job, "to_completed")
+
+
+def test_persistence_runs_before_the_state_changes_and_announcement_after():
+    job = FakeJob(budget=True)
+    job.start()
+    job.checkpoint(step=2)
+    assert job.record == [
+        "persist started (state still pending)", "announce announce in started",
+        "persist checkpointed (state still started)", "announce announce in checkpointed",
+    ]
+
+
+def test_completed_announces_the_artifact_before_completion():
+    job = FakeJob(resume=True)
+    job.start()
+    job.record.clear()
+    job.gate()
+    assert job.record == [
+        "persist completed (state still resumed)",
+        "persist completed (state still resumed)",
+        "announce announce_artifact in completed",
+        "announce announce in completed",
+    ]
+
+
+def test_a_failed_persist_leaves_the_state_and_announces_nothing():
+    job = FakeJob(budget=True)
+    job.start()
+    job.record.clear()
+    job.fail_persist = True
+    with pytest.raises(OSError):
+        job.checkpoint(step=2)
+    assert job.state == "started"
+    assert job.record == []

@@ -1,0 +1,121 @@
+"""The PVC's one atomic writer, its lock and its strict readers."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+
+import pytest
+
+from trainjob.errors import InputError, PvcBusy, TryAgainLater
+from trainjob.pvc import Pvc, atomic_write
+
+
+def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    calls: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append("rename")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    atomic_write(tmp_path / "f", b"new")
+    assert calls == ["fsync file", "rename", "fsync dir"]
+    assert (tmp_path / "f").read_bytes() == b"new"
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_failed_write_keeps_the_old_bytes_and_leaves_no_tmp(tmp_path, monkeypatch):
+    target = tmp_path / "f"
+    target.write_bytes(b"old")
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(TryAgainLater, match="No space left"):
+        atomic_write(target, b"new")
+    assert target.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["f"]
+
+
+def test_written_files_are_not_group_or_world_writable(tmp_path):
+    old = os.umask(0)
+    try:
+        atomic_write(tmp_path / "f", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) & 0o022 == 0
+
+
+def test_second_lock_holder_is_told_to_relaunch(tmp_path):
+    store = Pvc(tmp_path)
+    with store.lock():
+        with pytest.raises(PvcBusy, match="another trainjob run"):
+            with Pvc(tmp_path).lock():
+                pass
+    with store.lock():  # released on exit
+        pass
+
+
+def test_lock_is_released_when_the_holder_dies(tmp_path):
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.close(fd)
+    with Pvc(tmp_path).lock():
+        pass
+
+
+def test_corrupt_files_are_input_errors_not_absent(tmp_path):
+    store = Pvc(tmp_path)
+    assert store.read_checkpoint() is None and store.read_state() is None and store.read_attempts() == 0
+    (tmp_path / "checkpoint.json").write_text('{"step": 4')
+    with pytest.raises(InputError, match="checkpoint.json.*will not overwrite"):
+        store.read_checkpoint()
+    (tmp_path / "attempts").write_text("two")
+    with pytest.raises(InputError, match="attempts"):
+        store.read_attempts()
+
+
+def test_symlinks_on_the_pvc_are_refused(tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"step":1,"weights":[0,0,0],"bias":0,"loss_milli":0}')
+    root = tmp_path / "pvc"
+    root.mkdir()
+    (root / "checkpoint.json").symlink_to(outside)
+    with pytest.raises(InputError, match="symlink"):
+        Pvc(root).read_checkpoint()
+
+
+def test_artifact_is_never_overwritten_with_different_bytes(tmp_path):
+    store = Pvc(tmp_path)
+    store.write_artifact("model-v1.json", b"A")
+    store.write_artifact("model-v1.json", b"A")  # identical: a relaunch after a kill may redo it
+    with pytest.raises(InputError, match="refusing to overwrite"):
+        store.write_artifact("model-v1.json", b"B")
+    assert (tmp_path / "artifacts" / "model-v1.json").read_bytes() == b"A"
+
+
+def test_stray_tmp_files_are_removed_and_nothing_else(tmp_path):
+    store = Pvc(tmp_path)
+    (tmp_path / "checkpoint.json.tmp.12345").write_text("half")
+    (tmp_path / "checkpoint.json").write_text("{}")
+    (tmp_path / "notes.tmp.txt").write_text("user file")
+    removed = store.remove_stray_tmp()
+    assert [p.name for p in removed] == ["checkpoint.json.tmp.12345"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.json", "notes.tmp.txt"]
+
+
+def test_pvc_that_is_a_file_is_an_input_error(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(InputError, match="must be a directory"):
+        Pvc(tmp_path / "f").create()
+
