@@ -5,7 +5,7 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.decisions import drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
+from trainjob.decisions import completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
 
 counts = st.integers(min_value=0, max_value=10_000)
 percent = st.integers(min_value=0, max_value=100)
@@ -80,3 +80,10 @@ def test_loss_milli_rounds_half_away_from_zero():
     assert loss_milli(0.2405) == 241  # Python's round() would give 240 (banker's rounding)
     assert loss_milli(0.2404) == 240
     assert loss_milli(0.0) == 0
+
+
+def test_completion_is_unannounced_only_when_committed_but_not_logged():
+    assert completion_unannounced("completed", log_says_completed=False)
+    assert not completion_unannounced("completed", log_says_completed=True)
+    for state in (None, "checkpointed", "killed", "drift_failed"):
+        assert not completion_unannounced(state, log_says_completed=False)

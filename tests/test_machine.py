@@ -12,7 +12,8 @@ class FakeJob:
     """A model with settable guards that records persistence and announcements in memory."""
 
     def __init__(self, resume=False, budget=True, passes=True):
-        self.guards = {"should_resume": resume, "within_backoff": budget, "drift_passes": passes}
+        self.guards = {"should_resume": resume, "within_backoff": budget, "drift_passes": passes,
+                       "completion_unannounced": False}
         self.record: list[str] = []
         self.fail_persist = False
         machine.build(self)
@@ -22,7 +23,7 @@ class FakeJob:
             raise AttributeError(name)
         if name in self.guards:
             return lambda ev: self.guards[name]
-        if name.startswith("persist_"):
+        if name.startswith(("persist_", "recall_")):
             def persist(ev):
                 if self.fail_persist:
                     raise OSError("disk full")
@@ -76,6 +77,14 @@ def test_start_prefers_resume_over_a_fresh_attempt():
     job = FakeJob(resume=True, budget=True)
     job.start()
     assert job.state == "resumed"
+
+
+def test_unannounced_completion_is_announced_by_the_next_process():
+    job = FakeJob(resume=True, budget=True)
+    job.guards["completion_unannounced"] = True
+    job.start()
+    assert job.state == "completed"
+    assert job.record[-2:] == ["announce announce_artifact in completed", "announce announce in completed"]
 
 
 def test_spent_budget_ends_in_job_failed():

@@ -22,6 +22,11 @@ def should_resume(last_state: str | None, checkpoint_step: int | None, steps: in
     return checkpoint_step is not None and checkpoint_step < steps
 
 
+def completion_unannounced(last_state: str | None, log_says_completed: bool) -> bool:
+    """Did the previous process commit "completed" but die before logging it?"""
+    return last_state == "completed" and not log_says_completed
+
+
 def within_backoff(attempts: int, limit: int) -> bool:
     """May a fresh attempt start? A limit of B allows B + 1 attempts in all."""
     return attempts <= limit

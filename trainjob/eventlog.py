@@ -51,6 +51,27 @@ class EventLog:
             raise TryAgainLater(f"{self.path}: cannot append to log: {exc.strerror or exc}") from None
         return record
 
+    def last_event(self) -> str | None:
+        """Name of the last valid event, reading only the log's tail (logs grow without bound)."""
+        try:
+            with open(self.path, "rb") as f:
+                size = f.seek(0, os.SEEK_END)
+                f.seek(max(0, size - _TAIL))
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise InputError(f"{self.path}: cannot read log: {exc.strerror}") from None
+        for raw in reversed(lines[1:] if size > _TAIL else lines):  # the first may be cut
+            try:
+                return load(raw, Event, where=str(self.path)).event
+            except InputError:
+                continue  # a torn line: look further back
+        return None
+
+
+_TAIL = 64 * 1024
+
 
 def _ends_mid_line(fd: int) -> bool:
     size = os.fstat(fd).st_size

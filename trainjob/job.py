@@ -23,7 +23,7 @@ from .errors import AlreadyCompleted, InputError, UsageError
 from .eventlog import EventLog
 from .model import evaluate, train_one_epoch
 from .pvc import Pvc
-from .records import Artifact, Checkpoint, RunState, dumps
+from .records import Artifact, Checkpoint, RunState, dumps, load
 
 
 @attrs.frozen
@@ -74,7 +74,9 @@ class Job:
     def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str) -> None:
         self.cfg, self.pvc, self.log, self.data_sha256 = cfg, pvc, log, data_sha256
         self.last = pvc.read_state()
-        if self.last is not None and self.last.state == "completed":
+        completed = self.last is not None and self.last.state == "completed"
+        self.completion_announced = completed and log.last_event() == "completed"
+        if self.completion_announced:
             raise AlreadyCompleted(
                 f"{pvc.root}: this job already completed (attempt {self.last.attempt}); "
                 "use a fresh --pvc for a new job"
@@ -84,10 +86,15 @@ class Job:
         self.attempt = max(self.attempts, 1)
         self.from_step = 0
         self.persisted_state: str | None = self.last.state if self.last else None
-        self.artifact: dict[str, str] = {}
+        self.artifact: dict[str, Any] = {}
         machine.build(self)
 
     # --- guards: each one asks exactly one pure decision --------------------------------------
+
+    def completion_unannounced(self, _ev: EventData) -> bool:
+        return decisions.completion_unannounced(
+            self.last.state if self.last else None, self.completion_announced
+        )
 
     def should_resume(self, _ev: EventData) -> bool:
         ckpt = self.checkpoint_loaded
@@ -151,6 +158,15 @@ class Job:
         )
         self._write_state("checkpointed")
 
+    def recall_artifact(self, _ev: EventData) -> None:
+        """Re-read the artifact the killed predecessor published, to announce it truthfully."""
+        self.attempt = self.last.attempt
+        name = f"model-v{self.attempt}.json"
+        data = self.pvc.read_artifact(name)
+        record = load(data, Artifact, where=str(self.pvc.artifacts / name))
+        self.artifact = {"sha256": hashlib.sha256(data).hexdigest(), "path": f"artifacts/{name}",
+                         "holdout": record.holdout, "baseline": record.baseline}
+
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
         record = Artifact(attempt=self.attempt, step=self.cfg.steps, weights=kw["weights"], bias=kw["bias"],
@@ -183,7 +199,7 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, data: Dataset, stop: StopFlag) 
     """Run this process's share of the job; return the state the machine ended in."""
     job = Job(cfg, pvc, log, data.sha256)
     job.start()
-    if job.state == "job_failed":
+    if job.state in machine.FINAL:
         return job.state
 
     ckpt = job.checkpoint_loaded if job.state == "resumed" else None

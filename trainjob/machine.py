@@ -27,7 +27,12 @@ FINAL = ["killed", "drift_failed", "job_failed", "completed"]
 STATES = [INITIAL, *TRAINING, *FINAL]
 
 TRANSITIONS: list[dict[str, Any]] = [
-    # A process begins: continue the cut-short attempt, start a fresh one, or give up.
+    # A process begins. Its predecessor may have been killed after committing "completed" but
+    # before logging it: finish that announcement (transitions takes the first edge whose
+    # guards pass, so this one must come first).
+    dict(trigger="start", source=INITIAL, dest="completed",
+         conditions="completion_unannounced", before="recall_artifact", after="announce_artifact"),
+    # Otherwise: continue the cut-short attempt, start a fresh one, or give up.
     dict(trigger="start", source=INITIAL, dest="resumed",
          conditions="should_resume", before="persist_resume"),
     dict(trigger="start", source=INITIAL, dest="started",

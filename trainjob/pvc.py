@@ -142,6 +142,12 @@ class Pvc:
             raise InputError(f"{self.attempts_path}: expected a small non-negative integer, got {text[:40]!r}")
         return int(text)
 
+    def read_artifact(self, name: str) -> bytes:
+        data = self._read(self.artifacts / name)
+        if data is None:
+            raise InputError(f"{self.artifacts / name}: missing, but state.json says the job completed")
+        return data
+
     # --- writers -------------------------------------------------------------------------------
 
     def write_state(self, state: RunState) -> None:
