@@ -1,8 +1,8 @@
 """What a decision log says happened: the summary ``trainjob status`` prints.
 
 Streams the log once, in constant memory. Lines that are not valid events (torn by a crash,
-edited by hand) are counted and reported, never fatal. The outcome vocabulary comes from the
-state machine's table, not from string lists kept here.
+edited by hand) are counted and reported, never fatal. It only summarises; whether a sequence
+of events is legal is the state machine's business.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import attrs
 
 from .errors import InputError
 from .eventlog import read_log
-from .machine import FINAL
 
 
 def detail_fields(detail: str) -> dict[str, str]:
@@ -29,10 +28,6 @@ class Status:
     artifact: str | None = None
     drift: str = "none"  # pass | fail | none
     skipped: list[str] = attrs.Factory(list)
-
-    @property
-    def finished(self) -> bool:
-        return self.last_event in FINAL and self.last_event != "killed"
 
 
 def summarize(path: Path) -> Status:
