@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,3 +197,10 @@ def test_internal_error_is_70_never_1(pvc, monkeypatch, capsys):
     monkeypatch.setattr(cli, "run", boom)
     assert cli.main(["run", "--pvc", str(pvc)]) == 70
     assert "internal error" in capsys.readouterr().err
+
+
+def test_status_into_a_closed_pipe_keeps_its_exit_code(pvc):
+    trainjob("run", "--pvc", pvc, "--die-at", 2)
+    result = subprocess.run(f"{sys.executable} -m trainjob status {pvc}/log.jsonl | head -c 0; exit ${{PIPESTATUS[0]}}",
+                            shell=True, executable="/bin/bash", capture_output=True, text=True)
+    assert result.returncode == 75 and "internal error" not in result.stderr

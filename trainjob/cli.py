@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -100,7 +101,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
             raise InputError(f"{path}: exists with different contents; refusing to overwrite it")
     for name in FILES:
         atomic_write(directory / name, files[name])
-    print(f"wrote train.jsonl ({N_TRAIN}), holdout.jsonl ({N_HOLDOUT}), baseline.json to {directory}")
+    emit(f"wrote train.jsonl ({N_TRAIN}), holdout.jsonl ({N_HOLDOUT}), baseline.json to {directory}")
     return EXIT_OK
 
 
@@ -132,18 +133,27 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
 
 
+def emit(text: str) -> None:
+    """Print to stdout; a reader that went away (``| head``) must not turn into exit 70."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     status = summarize(args.log)
     if args.json:
-        print(json.dumps(attrs.asdict(status), sort_keys=True))
+        emit(json.dumps(attrs.asdict(status), sort_keys=True))
     else:
-        print(f"lines: {status.lines}")
-        print(f"last_event: {status.last_event}")
-        print(f"attempts: {status.attempts}")
-        print(f"artifact: {status.artifact or 'none'}")
-        print(f"drift: {status.drift}")
-        for problem in status.skipped:
-            print(f"skipped: {problem}")
+        emit("\n".join([
+            f"lines: {status.lines}",
+            f"last_event: {status.last_event}",
+            f"attempts: {status.attempts}",
+            f"artifact: {status.artifact or 'none'}",
+            f"drift: {status.drift}",
+            *(f"skipped: {problem}" for problem in status.skipped),
+        ]))
     return EXIT_FOR_STATE.get(status.last_event or "", EXIT_RELAUNCH)
 
 
