@@ -142,6 +142,8 @@ def test_pvc_that_is_a_file_exits_2(tmp_path):
         ("checkpoint.json", "{half"),
         ("state.json", '{"state": "checkpointed", "attempt": "one"}'),
         ("attempts", "-3"),
+        ("attempts", "3"),  # valid on its own, but disagrees with state.json
+        ("state.json", '{"state": "checkpoint3d", "attempt": 1, "lr": 0.05, "data_sha256": "' + "0" * 64 + '"}'),
     ],
 )
 def test_corrupt_pvc_file_exits_2_and_is_left_untouched(pvc, name, content):

@@ -129,6 +129,12 @@ class Job:
     def persist_resume(self, ev: EventData) -> None:
         if self.last is not None:
             self.attempt = self.last.attempt
+            # The counter is bumped right after state.json, so it may lag by one, never more.
+            if self.attempts not in (self.attempt - 1, self.attempt):
+                raise InputError(
+                    f"{self.pvc.attempts_path}: says {self.attempts} attempts but state.json says attempt "
+                    f"{self.attempt} is in flight; one of them was edited, fix it by hand"
+                )
             if (self.last.lr, self.last.data_sha256) != (self.cfg.lr, self.data_sha256):
                 raise InputError(
                     f"{self.pvc.state_path}: attempt {self.attempt} was cut short while training with "

@@ -19,6 +19,9 @@ import cattrs
 from attrs import validators as v
 
 from .errors import InputError
+from .machine import INITIAL, STATES
+
+PERSISTED_STATES = tuple(s for s in STATES if s != INITIAL)  # pending is never written
 
 N_FEATURES = 3
 
@@ -76,7 +79,7 @@ class RunState:
     with other settings is refused instead of silently mixing two runs into one artifact.
     """
 
-    state: str
+    state: str = attrs.field(validator=v.in_(PERSISTED_STATES))
     attempt: int = attrs.field(validator=v.ge(1))
     lr: float = attrs.field(validator=_finite)
     data_sha256: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{64}"))
