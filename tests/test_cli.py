@@ -206,3 +206,24 @@ def test_status_into_a_closed_pipe_keeps_its_exit_code(pvc):
     result = subprocess.run(f"{sys.executable} -m trainjob status {pvc}/log.jsonl | head -c 0; exit ${{PIPESTATUS[0]}}",
                             shell=True, executable="/bin/bash", capture_output=True, text=True)
     assert result.returncode == 75 and "internal error" not in result.stderr
+
+
+def test_nothing_created_is_group_or_world_writable_even_with_umask_0(tmp_path):
+    script = f"import os, sys; os.umask(0); from trainjob.cli import main; sys.exit(main(['run', '--pvc', '{tmp_path}/a/b/pvc']))"
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 0
+    created = [tmp_path / "a", *(tmp_path / "a").rglob("*")]
+    assert [p for p in created if p.stat().st_mode & 0o022] == []
+
+
+@pytest.mark.parametrize("entry", ["artifacts", "log.jsonl", "state.json", ".lock"])
+def test_a_pvc_entry_that_is_a_symlink_out_of_the_pvc_is_refused(tmp_path, pvc, entry):
+    assert trainjob("run", "--pvc", pvc, "--die-at", 8).returncode == 75
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = pvc / entry
+    target.unlink(missing_ok=True)  # artifacts does not exist yet: the run was killed at step 8
+    target.symlink_to(outside / entry, target_is_directory=entry == "artifacts")
+    before = snapshot(pvc)
+    result = trainjob("run", "--pvc", pvc)
+    assert result.returncode == 2 and "symlink" in result.stderr
+    assert list(outside.iterdir()) == [] and snapshot(pvc) == before

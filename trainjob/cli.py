@@ -28,7 +28,7 @@ from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, run
-from .pvc import Pvc, atomic_write
+from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
 from .status import summarize
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
@@ -93,7 +93,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
     directory: Path = args.dir
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
-    directory.mkdir(parents=True, exist_ok=True)
+    make_dir(directory)
     files = generate_files()
     for name in FILES:  # check all before writing any: refuse to overwrite different data
         path = directory / name
@@ -109,8 +109,9 @@ def _check_log_location(path: Path) -> None:
     """Fail before training, not at the first announcement, when the log cannot be written."""
     if path.is_dir():
         raise InputError(f"{path}: --log must be a file, but this is a directory")
+    refuse_symlink(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        make_dir(path.parent)
     except OSError as exc:
         raise InputError(f"{path.parent}: cannot create the log's directory: {exc.strerror}") from None
 

@@ -29,7 +29,8 @@ from .records import Checkpoint, RunState, dumps, load
 
 T = TypeVar("T")
 
-FILE_MODE = 0o644  # never group- or world-writable
+FILE_MODE = 0o644  # never group- or world-writable, whatever the umask
+DIR_MODE = 0o755
 _TMP = re.compile(r".+\.tmp\.\d+")
 
 
@@ -65,6 +66,21 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise TryAgainLater(f"{path}: write failed: {exc.strerror or exc}") from None
 
 
+def make_dir(path: Path) -> None:
+    """mkdir -p with DIR_MODE for every directory created (Path.mkdir leaves parents 0o777 & ~umask)."""
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        os.mkdir(directory, DIR_MODE)
+
+
+def refuse_symlink(path: Path) -> None:
+    if path.is_symlink():
+        raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
+
+
 class Pvc:
     """The PVC directory: strict readers and atomic writers for each file it holds."""
 
@@ -79,14 +95,22 @@ class Pvc:
         if self.root.exists() and not self.root.is_dir():
             raise InputError(f"{self.root}: --pvc must be a directory, but this is a file")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_dir(self.root)
         except OSError as exc:
             raise InputError(f"{self.root}: cannot create PVC directory: {exc.strerror}") from None
+        # Refuse links before anything is written, not when the run reaches them.
+        for entry in (self.state_path, self.attempts_path, self.checkpoint_path, self.artifacts):
+            refuse_symlink(entry)
 
     @contextmanager
     def lock(self) -> Iterator[None]:
         """Hold the PVC's exclusive lock; a second writer gets PvcBusy at once, never waits."""
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        path = self.root / ".lock"
+        refuse_symlink(path)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot open the PVC's lock file: {exc.strerror}") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -112,9 +136,8 @@ class Pvc:
     # --- readers: None when absent, InputError when present but wrong ------------------------
 
     def _read(self, path: Path) -> bytes | None:
+        refuse_symlink(path)
         try:
-            if path.is_symlink():
-                raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
             return path.read_bytes()
         except FileNotFoundError:
             return None
@@ -161,13 +184,14 @@ class Pvc:
 
     def write_artifact(self, name: str, data: bytes) -> Path:
         """Publish an artifact; identical bytes already there are fine, different ones are not."""
+        refuse_symlink(self.artifacts)
         path = self.artifacts / name
         existing = self._read(path)
         if existing is not None and existing != data:
             raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
         if existing is None:
             try:
-                self.artifacts.mkdir(exist_ok=True)
+                make_dir(self.artifacts)
             except OSError as exc:
                 raise TryAgainLater(f"{self.artifacts}: cannot create: {exc.strerror}") from None
             atomic_write(path, data)
