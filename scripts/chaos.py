@@ -1,0 +1,389 @@
+#!/usr/bin/env python3
+"""Reliability campaign: inject real faults into real trainjob processes, many times, and count.
+
+    python scripts/chaos.py [--kills N] [--sigterms N] [--faults N] [--inputs N] [--races N] [--seed S]
+
+Sections (each trial is a fresh PVC; everything is seeded, so a failure can be replayed):
+
+  kill storm      SIGKILL the run at uniformly random instants, relaunch until done
+  sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
+  io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
+  full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
+  hostile inputs  corrupted data, baseline, state, attempts and log files
+  races           several runs started at once on one PVC
+  security        no unpickling or eval, no group/world-writable files, no forged log lines
+
+After every trial the PVC must recover: a clean relaunch ends with the same artifact bytes as an
+uninterrupted run, the kill cost no attempt, and no tmp litter remains. Prints one summary table
+and exits 1 on any violation. The defaults are CI-sized; see the README for the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = ["--steps", "300", "--ckpt-every", "1"]
+
+
+def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+def spawn(*args: str | Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+    return subprocess.Popen([*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own group: a kill reaches every rank
+
+
+def last_event(pvc: Path) -> str | None:
+    log = pvc / "log.jsonl"
+    if not log.exists():
+        return None
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        try:
+            return json.loads(line)["event"]
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class Section:
+    name: str
+    trials: int = 0
+    injected: int = 0  # kills, signals, faults, inputs or racers actually delivered
+    bytes_lost: int = 0
+    violations: list[str] = field(default_factory=list)
+    note: str = ""
+
+    def violation(self, trial: int, what: str) -> None:
+        self.violations.append(f"{self.name} #{trial}: {what}")
+
+
+class Campaign:
+    def __init__(self, work: Path, seed: int) -> None:
+        self.work, self.rng = work, random.Random(seed)
+        ref = work / "reference"
+        started = time.monotonic()
+        assert trainjob("run", "--pvc", ref, *STEPS).returncode == 0, "the uninterrupted run failed"
+        self.run_seconds = time.monotonic() - started
+        self.reference = (ref / "artifacts" / "model-v1.json").read_bytes()
+
+    def pvc(self, label: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"{label}-", dir=self.work)) / "pvc"
+
+    def recover(self, section: Section, trial: int, pvc: Path) -> None:
+        """Relaunch without faults until done; the result must equal the uninterrupted run."""
+        for _ in range(5):
+            result = trainjob("run", "--pvc", pvc, *STEPS)
+            if result.returncode == 2 and "already completed" in result.stderr:
+                break
+            if result.returncode != 75:
+                break
+        if result.returncode not in (0, 2) or last_event(pvc) != "completed":
+            section.violation(trial, f"clean relaunch ended {result.returncode}: {result.stderr.strip()[-200:]}")
+            return
+        artifact = pvc / "artifacts" / "model-v1.json"
+        if not artifact.exists() or artifact.read_bytes() != self.reference:
+            section.violation(trial, "artifact differs from the uninterrupted run")
+            section.bytes_lost += len(self.reference)
+        attempts = (pvc / "attempts").read_text().strip()
+        if attempts != "1":
+            section.violation(trial, f"attempts={attempts}: an interruption cost an attempt")
+        litter = [p.name for p in pvc.rglob("*.tmp.*")]
+        if litter:
+            section.violation(trial, f"tmp litter left: {litter}")
+        status = trainjob("status", pvc / "log.jsonl")
+        if status.returncode != 0:
+            section.violation(trial, f"status exited {status.returncode}")
+
+    # --- sections ----------------------------------------------------------------------------------
+
+    def kill_storm(self, trials: int, kills_per_trial: int = 3) -> Section:
+        section = Section("kill storm")
+        for trial in range(trials):
+            section.trials += 1
+            pvc = self.pvc("kill")
+            for _ in range(kills_per_trial):
+                proc = spawn("run", "--pvc", pvc, *STEPS)
+                try:
+                    code = proc.wait(timeout=self.rng.uniform(0, self.run_seconds))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    section.injected += 1
+                    continue
+                if code not in (0, 75) and not (code == 2 and "already completed" in proc.stderr.read()):
+                    section.violation(trial, f"a launch exited {code}")
+            self.recover(section, trial, pvc)
+        return section
+
+    def sigterm_storm(self, trials: int) -> Section:
+        section = Section("sigterm storm", note="signal sent once the run has logged its start")
+        for trial in range(trials):
+            section.trials += 1
+            pvc = self.pvc("term")
+            proc = spawn("run", "--pvc", pvc, *STEPS)
+            # Before the interpreter has installed trainjob's handler, SIGTERM's default action
+            # ends the process with nothing written; the storm targets the run itself.
+            while last_event(pvc) is None and proc.poll() is None:
+                time.sleep(0.005)
+            time.sleep(self.rng.uniform(0, self.run_seconds / 2))
+            proc.send_signal(signal.SIGTERM)
+            section.injected += 1
+            code = proc.wait(timeout=60)
+            event = last_event(pvc)
+            if code == 75:
+                log = (pvc / "log.jsonl").read_text().splitlines()
+                if event != "killed" or "signal=SIGTERM" not in log[-1]:
+                    section.violation(trial, f"exit 75 but the log ends with {event}")
+            elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
+                section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
+            self.recover(section, trial, pvc)
+        return section
+
+    def io_faults(self, trials: int) -> Section:
+        section = Section("io faults")
+        if not shutil.which("fiu-run") or not shutil.which("fiu-ctrl"):
+            section.note = "skipped: fiu-run/fiu-ctrl not installed (apt-get install fiu-utils)"
+            return section
+        points = ["posix/io/sync/fsync", "posix/io/dir/rename", "posix/io/rw/write", "posix/io/oc/open"]
+        for trial in range(trials):
+            section.trials += 1
+            point = points[trial % len(points)]
+            pvc = self.pvc("fiu")
+            ctrl = self.work / f"fiu-{trial}"
+            proc = spawn("run", "--pvc", pvc, *STEPS, prefix=("fiu-run", "-x", "-f", str(ctrl)))
+            # Arm the fault only once the run is under way: failing the interpreter's own imports
+            # would test Python, not trainjob.
+            while last_event(pvc) is None and proc.poll() is None:
+                time.sleep(0.005)
+            probability = self.rng.choice([0.05, 0.2, 1.0])
+            armed = subprocess.run(["fiu-ctrl", "-f", str(ctrl), "-c",
+                                    f"enable_random name={point},probability={probability}", str(proc.pid)],
+                                   capture_output=True)
+            code = proc.wait(timeout=120)
+            stderr = proc.stderr.read()
+            if armed.returncode == 0:
+                section.injected += 1
+            if code not in (0, 75):
+                section.violation(trial, f"{point} p={probability}: exit {code}: {stderr.strip()[-200:]}")
+            elif code == 75 and point in ("posix/io/sync/fsync", "posix/io/dir/rename"):
+                lines = stderr.strip().splitlines()
+                if len(lines) != 1 or not lines[0].startswith("trainjob run: "):
+                    section.violation(trial, f"{point}: expected a one-line error, got {stderr.strip()[-200:]!r}")
+            checkpoint = pvc / "checkpoint.json"
+            if checkpoint.exists():
+                try:
+                    json.loads(checkpoint.read_text())
+                except ValueError:
+                    section.violation(trial, "checkpoint.json no longer parses after a fault")
+            self.recover(section, trial, pvc)
+        return section
+
+    def full_disk(self) -> Section:
+        section = Section("full disk")
+        mount = self.work / "tiny"
+        mount.mkdir()
+        tried = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                               capture_output=True, text=True)
+        if tried.returncode != 0:
+            section.note = f"skipped: cannot mount a tmpfs here ({tried.stderr.strip() or 'not root'})"
+            return section
+        try:
+            section.trials = 1
+            pvc = mount / "pvc"
+            trainjob("run", "--pvc", pvc, *STEPS, "--die-at", "5")
+            before = snapshot(pvc)
+            filler = mount / "filler"
+            fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+            try:  # fill every last block
+                while os.write(fd, b"\0" * 4096):
+                    pass
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            section.injected = 1
+            result = trainjob("run", "--pvc", pvc, *STEPS)
+            after = snapshot(pvc)
+            if result.returncode != 75 or "No space left" not in result.stderr:
+                section.violation(0, f"full disk gave exit {result.returncode}: {result.stderr.strip()[-200:]}")
+            for name in ("checkpoint.json", "state.json", "attempts"):
+                if after.get(name) != before.get(name) and name == "checkpoint.json":
+                    json.loads(after[name])  # a newer checkpoint may have fit; it must still parse
+                elif name != "checkpoint.json" and after.get(name) is None:
+                    section.violation(0, f"{name} lost on a full disk")
+                    section.bytes_lost += len(before.get(name, b""))
+            filler.unlink()
+            self.recover(section, 0, pvc)
+        finally:
+            subprocess.run(["umount", str(mount)], capture_output=True)
+        return section
+
+    def hostile_inputs(self, trials: int) -> Section:
+        section = Section("hostile inputs")
+        base = self.pvc("base")
+        data = base.parent / "data"
+        trainjob("gen", data)
+        trainjob("run", "--pvc", base, "--data", data, *STEPS, "--die-at", "7")
+        targets = ["data/train.jsonl", "data/holdout.jsonl", "data/baseline.json",
+                   "pvc/state.json", "pvc/attempts", "pvc/log.jsonl"]
+        for trial in range(trials):
+            section.trials += 1
+            work = Path(tempfile.mkdtemp(prefix="hostile-", dir=self.work))
+            shutil.copytree(base, work / "pvc")
+            shutil.copytree(data, work / "data")
+            target = work / self.rng.choice(targets)
+            original = target.read_bytes()
+            kind, corrupted = corrupt(original, self.rng)
+            if corrupted == original:
+                continue
+            target.write_bytes(corrupted)
+            section.injected += 1
+            before = snapshot(work / "pvc")
+            result = trainjob("run", "--pvc", work / "pvc", "--data", work / "data", *STEPS)
+            where = f"{target.relative_to(work)} ({kind})"
+            if "Traceback" in result.stderr or result.returncode == 70:
+                section.violation(trial, f"{where}: crashed: {result.stderr.strip()[-300:]}")
+            elif target.name == "log.jsonl":
+                # The log is only appended to: a damaged log must not stop the job.
+                if result.returncode != 0:
+                    section.violation(trial, f"{where}: run exited {result.returncode}: {result.stderr.strip()}")
+                status = trainjob("status", work / "pvc" / "log.jsonl")
+                if "Traceback" in status.stderr or status.returncode not in (0, 2):
+                    section.violation(trial, f"{where}: status exited {status.returncode}")
+            elif result.returncode == 2:
+                if len(result.stderr.strip().splitlines()) != 1:
+                    section.violation(trial, f"{where}: error is not one line: {result.stderr!r}")
+                lost = {k for k in before if snapshot(work / "pvc").get(k) != before[k]}
+                if lost:
+                    section.violation(trial, f"{where}: exit 2 but changed {sorted(lost)}")
+                    section.bytes_lost += sum(len(before[k]) for k in lost)
+            elif result.returncode == 0:
+                # Only acceptable when the damage did not change what the file means.
+                if (work / "pvc/artifacts/model-v1.json").read_bytes() != self.reference:
+                    section.violation(trial, f"{where}: exit 0 with a different artifact (silently wrong)")
+            else:
+                section.violation(trial, f"{where}: exit {result.returncode}: {result.stderr.strip()[-200:]}")
+        return section
+
+    def races(self, trials: int, racers: int = 4) -> Section:
+        section = Section("races")
+        for trial in range(trials):
+            section.trials += 1
+            pvc = self.pvc("race")
+            procs = [spawn("run", "--pvc", pvc, *STEPS) for _ in range(racers)]
+            section.injected += racers - 1
+            codes = sorted(p.wait(timeout=120) for p in procs)
+            busy = sum("another trainjob run holds this PVC" in p.stderr.read() for p in procs)
+            if codes != [0] + [75] * (racers - 1) or busy != racers - 1:
+                section.violation(trial, f"racers exited {codes}, {busy} said busy")
+            starts = (pvc / "log.jsonl").read_text().count('"job_started"')
+            if starts != 1:
+                section.violation(trial, f"{starts} job_started events: more than one run proceeded")
+            self.recover(section, trial, pvc)
+        return section
+
+    def security(self) -> Section:
+        section = Section("security")
+        section.trials = 3
+        forbidden = re.compile(r"\b(pickle|marshal|shelve|eval|exec|yaml\.load|torch\.load)\b")
+        for path in sorted((ROOT / "trainjob").rglob("*.py")):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if forbidden.search(code) and not code.strip().startswith(('"', "'")):
+                    section.violation(0, f"{path.relative_to(ROOT)}:{number} may evaluate stored data: {line.strip()}")
+        pvc = self.pvc("modes")
+        script = ("import os, sys; os.umask(0); from trainjob.cli import main; "
+                  f"sys.exit(main(['run', '--pvc', {str(pvc)!r}]))")
+        subprocess.run([sys.executable, "-B", "-c", script], capture_output=True)
+        loose = [str(p) for p in [pvc, *pvc.rglob("*")] if p.stat().st_mode & 0o022]
+        if loose:
+            section.violation(1, f"group/world-writable: {loose}")
+        log = pvc / "log.jsonl"
+        lines = log.read_text().splitlines()
+        if any(json.loads(line).keys() != {"ts", "event", "detail"} for line in lines):
+            section.violation(2, "a log line is not exactly one event")
+        return section
+
+
+def corrupt(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
+    """One seeded corruption of a file's bytes, of the kinds a disk, a person or an attacker makes."""
+    text = raw.decode(errors="replace")
+    kinds: dict[str, Callable[[], bytes]] = {
+        "truncate": lambda: raw[: rng.randrange(len(raw) or 1)],
+        "bit flip": lambda: flip(raw, rng),
+        "wrong type": lambda: re.sub(r"-?\d+\.?\d*(e-?\d+)?", '"1"', text, count=1).encode(),
+        "huge number": lambda: re.sub(r"-?\d+\.?\d*(e-?\d+)?", rng.choice(["1e400", "9" * 400]), text, count=1).encode(),
+        "nan": lambda: re.sub(r"-?\d+\.\d+(e-?\d+)?", "NaN", text, count=1).encode(),
+        "unknown key": lambda: text.replace("{", '{"surprise":1,', 1).encode(),
+        "deep nesting": lambda: ("[" * 200_000 + "]" * 200_000 + "\n").encode(),
+        "not utf-8": lambda: b"\xff\xfe" + raw[2:],
+        "empty": lambda: b"",
+    }
+    kind = rng.choice(sorted(kinds))
+    return kind, kinds[kind]()
+
+
+def flip(raw: bytes, rng: random.Random) -> bytes:
+    if not raw:
+        return b"\x01"
+    data = bytearray(raw)
+    i = rng.randrange(len(data))
+    data[i] ^= 1 << rng.randrange(8)
+    return bytes(data)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kills", type=int, default=4, help="kill-storm trials (3 kills each)")
+    parser.add_argument("--sigterms", type=int, default=4)
+    parser.add_argument("--faults", type=int, default=8)
+    parser.add_argument("--inputs", type=int, default=40)
+    parser.add_argument("--races", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="trainjob-chaos-") as tmp:
+        campaign = Campaign(Path(tmp), args.seed)
+        sections = [
+            campaign.kill_storm(args.kills),
+            campaign.sigterm_storm(args.sigterms),
+            campaign.io_faults(args.faults),
+            campaign.full_disk(),
+            campaign.hostile_inputs(args.inputs),
+            campaign.races(args.races),
+            campaign.security(),
+        ]
+    print(f"{'section':<16}{'trials':>8}{'injected':>10}{'violations':>12}{'bytes lost':>12}  note")
+    for s in sections:
+        print(f"{s.name:<16}{s.trials:>8}{s.injected:>10}{len(s.violations):>12}{s.bytes_lost:>12}  {s.note}")
+    violations = [v for s in sections for v in s.violations]
+    for v in violations:
+        print(f"VIOLATION {v}")
+    print(f"seed={args.seed} uninterrupted run={campaign.run_seconds:.2f}s")
+    return 1 if violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
