@@ -129,7 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_log_location(log_path)
     with pvc.lock():
         for path in pvc.remove_stray_tmp():
-            print(f"trainjob: removed {path}, left by a writer that was killed mid-write", file=sys.stderr)
+            warn(f"trainjob: removed {path}, left by a writer that was killed mid-write")
         final = run(cfg, pvc, EventLog(log_path), data, stop)
     return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
 
@@ -140,6 +140,16 @@ def emit(text: str) -> None:
         print(text, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def warn(text: str) -> None:
+    """Print to stderr. When stderr itself cannot be written (a full or failing disk), the
+    message is lost but the exit code must survive: a failed print would otherwise end the
+    process with Python's own exit 1, which here means "honest failure"."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -166,12 +176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except TrainJobError as exc:
-        print(f"trainjob {args.command}: {exc}", file=sys.stderr)
+        warn(f"trainjob {args.command}: {exc}")
         return next(code for kind, code in EXIT_FOR_ERROR if isinstance(exc, kind))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
-        traceback.print_exc()
-        print(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it",
-              file=sys.stderr)
+        warn(traceback.format_exc().rstrip())
+        warn(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it")
         return EXIT_INTERNAL
 
 
