@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from trainjob.cli import EXIT_FOR_ENDING, main
+from trainjob.cli import EXIT_FOR_ENDING
 from trainjob.controller import SOURCE
 from trainjob.eventlog import read_log
 
@@ -93,8 +93,9 @@ def test_kill_at_step_4_is_relaunched_and_resumed_to_model_v1(tmp_path):
         ("relaunch", "75", "killed"), ("stop", "0", "completed")]
     assert (tmp_path / "P/attempts").read_text().strip() == "1"
     # The resumed model is the very one an uninterrupted run publishes.
-    assert main(["run", "--pvc", str(tmp_path / "U")]) == 0
-    assert (tmp_path / "P/artifacts/model-v1.json").read_bytes() == (tmp_path / "U/artifacts/model-v1.json").read_bytes()
+    subprocess.run([*TRAINJOB, "run", "--pvc", "U"], cwd=tmp_path, check=True, capture_output=True)
+    model = "artifacts/model-v1.json"
+    assert (tmp_path / "P" / model).read_bytes() == (tmp_path / "U" / model).read_bytes()
     shown = status(log, tmp_path)
     assert shown.returncode == 0 and "last_event: completed" in shown.stdout
     assert "supervisor: stop | start=2 exit=0 ending=completed" in shown.stdout
@@ -168,7 +169,8 @@ HARNESS = textwrap.dedent("""
     from trainjob.supervise import Policy, supervise
     stop = StopFlag()
     stop.install()
-    policy = Policy(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]), backoff_cap=10.0, grace=float(sys.argv[4]))
+    policy = Policy(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]), backoff_cap=10.0,
+                    grace=float(sys.argv[4]))
     log = EventLog(Path(sys.argv[1]), source=controller.SOURCE)
     print(supervise([sys.executable, "-c", sys.argv[5]], log, policy, SAID_BY_EXIT.get, stop))
 """)

@@ -9,7 +9,7 @@ This is the only place that knows exit codes:
     70  an unexpected internal error (a bug in trainjob, never an honest failure)
 
 The same contract read the other ways lives here too: how ``supervise`` reads its child's exit
-code and which code it exits with.
+code and which code it exits with, and which Job action ``k8s render`` gives each code.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__, controller
+from . import __version__, controller, k8s
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
@@ -57,6 +57,11 @@ EXIT_FOR_ENDING: dict[str, int] = {
     # A child that kept crashing, or claimed success its log does not show: never 1.
     "crashed": EXIT_INTERNAL, "inconsistent": EXIT_INTERNAL,
 }
+# The Job action for each exit code (docs/kubernetes.md explains each): retrying an input error
+# cannot help; the rest are counted against backoffLimit, which k8s.py sizes so that the Job ends
+# on the pod that logs job_failed. Preemption is ignored before any exit code is looked at.
+JOB_ACTION_FOR_EXIT = {EXIT_USAGE: "FailJob", EXIT_FAILED: "Count", EXIT_INTERNAL: "Count",
+                       EXIT_RELAUNCH: "Count"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -102,16 +107,33 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
 
     child = dict(nargs="*", metavar="-- run ARGS", help="the `trainjob run` command line, after --")
-    sv = sub.add_parser("supervise", help="run `trainjob run` as a child and relaunch it like a Job controller")
+    sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
     sv.add_argument("--max-starts", type=int,
                     help=f"starts in all, relaunches included (default: the run's --backoff-limit "
                          f"+ {2 + controller.SPARE_STARTS})")
-    sv.add_argument("--backoff-base", type=float, default=10.0, help="seconds before the first relaunch")
-    sv.add_argument("--backoff-cap", type=float, default=600.0, help="longest wait between starts, seconds")
+    sv.add_argument("--backoff-base", type=float, default=10.0,
+                    help="seconds before the first relaunch (default %(default)s)")
+    sv.add_argument("--backoff-cap", type=float, default=600.0,
+                    help="longest wait between starts, seconds (default %(default)s)")
     sv.add_argument("--grace", type=float, default=30.0,
-                    help="seconds a signalled child gets to checkpoint before SIGKILL")
+                    help="seconds a signalled child gets to checkpoint before SIGKILL (default %(default)s)")
     sv.add_argument("child", **child)
 
+    kube = sub.add_parser("k8s", help="Kubernetes manifests for running trainjob on a cluster")
+    kube_sub = kube.add_subparsers(dest="k8s_command", required=True, parser_class=_Parser)
+    kr = kube_sub.add_parser("render", help="print YAML for a PersistentVolumeClaim and a Job")
+    t = k8s.Target()
+    kr.add_argument("--name", default=t.name, help="Job name (DNS-1123 label); the claim is NAME-data")
+    kr.add_argument("--image", default=t.image, help="container image with trainjob installed")
+    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity (default %(default)s)")
+    kr.add_argument("--world-size", type=int, default=t.world_size,
+                    help="ranks; above 1 renders an Indexed Job on a ReadWriteMany claim")
+    kr.add_argument("--backoff-limit", type=int, default=d.backoff_limit,
+                    help="the run's retry budget; the Job's backoffLimit is this + 1")
+    kr.add_argument("--grace", type=int, default=t.grace,
+                    help="terminationGracePeriodSeconds (default %(default)s)")
+    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+    kr.add_argument("child", **child)
     return parser
 
 
@@ -223,7 +245,22 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     return EXIT_FOR_ENDING[end]
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise}
+def cmd_k8s(args: argparse.Namespace) -> int:
+    target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
+                        backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
+                        run_args=tuple(_run_argv(args.child) if args.child else ()))
+    target.check()
+    # Every pod's command line must pass run's own checks. The Job owns --pvc and --backoff-limit;
+    # argparse lets a later flag win, so the user's arguments after -- must not override them.
+    ran = _parse_run(target.run_flags())
+    if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
+        raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
+                         "--backoff-limit`); drop them after --")
+    print(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)), end="")
+    return EXIT_OK
+
+
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
