@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity (default %(default)s)")
     kr.add_argument("--world-size", type=int, default=t.world_size,
                     help="ranks; above 1 renders an Indexed Job on a ReadWriteMany claim")
-    kr.add_argument("--backoff-limit", type=int, default=d.backoff_limit,
+    kr.add_argument("--backoff-limit", type=int, default=t.backoff_limit,
                     help="the run's retry budget; the Job's backoffLimit is this + 1")
     kr.add_argument("--grace", type=int, default=t.grace,
                     help="terminationGracePeriodSeconds (default %(default)s)")

@@ -21,6 +21,7 @@ import yaml
 
 from . import __version__
 from .errors import UsageError
+from .job import RunConfig
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
 CONTAINER = "trainjob"
@@ -43,7 +44,7 @@ class Target:
     image: str = f"trainjob:{__version__}"
     storage: str = "1Gi"
     world_size: int = 1
-    backoff_limit: int = 2  # the program's own --backoff-limit
+    backoff_limit: int = RunConfig().backoff_limit  # the run's own --backoff-limit
     grace: int = 60
     deadline: int = 3600
     run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc and --backoff-limit

@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 import attrs
 import cattrs
-from cattrs.gen import make_dict_unstructure_fn
 from attrs import validators as v
+from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import InputError
 from .machine import INITIAL, STATES
