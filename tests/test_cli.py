@@ -125,7 +125,8 @@ def test_status_json(pvc):
     trainjob("run", "--pvc", pvc)
     result = trainjob("status", pvc / "log.jsonl", "--json")
     assert json.loads(result.stdout) == {"lines": 8, "last_event": "completed", "attempts": 1,
-                                          "artifact": "artifacts/model-v1.json", "drift": "pass", "skipped": []}
+                                          "artifact": "artifacts/model-v1.json", "drift": "pass", "skipped": [],
+                                          "supervisor": None}
 
 
 def test_pvc_that_is_a_file_exits_2(tmp_path):

@@ -7,6 +7,9 @@ This is the only place that knows exit codes:
     2   usage or input error (bad flag, missing or invalid file, already-completed PVC)
     75  killed, preempted, PVC busy or storage trouble: safe to relaunch
     70  an unexpected internal error (a bug in trainjob, never an honest failure)
+
+The same contract read the other ways lives here too: how ``supervise`` reads its child's exit
+code and which code it exits with, and which Job action ``k8s render`` gives each code.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__
+from . import __version__, controller, k8s
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, run
 from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
 from .status import summarize
+from .supervise import Policy, supervise
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 
@@ -43,6 +47,21 @@ EXIT_FOR_ERROR: list[tuple[type[TrainJobError], int]] = [
 EXIT_FOR_STATE = {"completed": EXIT_OK, "drift_failed": EXIT_FAILED, "job_failed": EXIT_FAILED,
                   "killed": EXIT_RELAUNCH}
 DEFAULT_LOG = "log.jsonl"
+
+# `supervise` reads its child's exit code through this table; any other code (70, a signal, an
+# OOM kill) is a crash. It exits with the code for how the last start ended.
+SAID_BY_EXIT: dict[int, controller.Said] = {
+    EXIT_OK: "ok", EXIT_FAILED: "failed", EXIT_USAGE: "usage", EXIT_RELAUNCH: "relaunch"}
+EXIT_FOR_ENDING: dict[str, int] = {
+    **EXIT_FOR_STATE, "input_error": EXIT_USAGE,
+    # A child that kept crashing, or claimed success its log does not show: never 1.
+    "crashed": EXIT_INTERNAL, "inconsistent": EXIT_INTERNAL,
+}
+# The Job action for each exit code (docs/kubernetes.md explains each): retrying an input error
+# cannot help; the rest are counted against backoffLimit, which k8s.py sizes so that the Job ends
+# on the pod that logs job_failed. Preemption is ignored before any exit code is looked at.
+JOB_ACTION_FOR_EXIT = {EXIT_USAGE: "FailJob", EXIT_FAILED: "Count", EXIT_INTERNAL: "Count",
+                       EXIT_RELAUNCH: "Count"}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -86,6 +105,35 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
     s.add_argument("log", type=Path)
     s.add_argument("--json", action="store_true")
+
+    child = dict(nargs="*", metavar="-- run ARGS", help="the `trainjob run` command line, after --")
+    sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
+    sv.add_argument("--max-starts", type=int,
+                    help=f"starts in all, relaunches included (default: the run's --backoff-limit "
+                         f"+ {2 + controller.SPARE_STARTS})")
+    sv.add_argument("--backoff-base", type=float, default=10.0,
+                    help="seconds before the first relaunch (default %(default)s)")
+    sv.add_argument("--backoff-cap", type=float, default=600.0,
+                    help="longest wait between starts, seconds (default %(default)s)")
+    sv.add_argument("--grace", type=float, default=30.0,
+                    help="seconds a signalled child gets to checkpoint before SIGKILL (default %(default)s)")
+    sv.add_argument("child", **child)
+
+    kube = sub.add_parser("k8s", help="Kubernetes manifests for running trainjob on a cluster")
+    kube_sub = kube.add_subparsers(dest="k8s_command", required=True, parser_class=_Parser)
+    kr = kube_sub.add_parser("render", help="print YAML for a PersistentVolumeClaim and a Job")
+    t = k8s.Target()
+    kr.add_argument("--name", default=t.name, help="Job name (DNS-1123 label); the claim is NAME-data")
+    kr.add_argument("--image", default=t.image, help="container image with trainjob installed")
+    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity (default %(default)s)")
+    kr.add_argument("--world-size", type=int, default=t.world_size,
+                    help="ranks; above 1 renders an Indexed Job on a ReadWriteMany claim")
+    kr.add_argument("--backoff-limit", type=int, default=t.backoff_limit,
+                    help="the run's retry budget; the Job's backoffLimit is this + 1")
+    kr.add_argument("--grace", type=int, default=t.grace,
+                    help="terminationGracePeriodSeconds (default %(default)s)")
+    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+    kr.add_argument("child", **child)
     return parser
 
 
@@ -116,16 +164,38 @@ def _check_log_location(path: Path) -> None:
         raise InputError(f"{path.parent}: cannot create the log's directory: {exc.strerror}") from None
 
 
+def _run_config(args: argparse.Namespace) -> RunConfig:
+    return RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
+                     backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights)
+
+
+def _log_path(args: argparse.Namespace) -> Path:
+    return args.log if args.log is not None else args.pvc / DEFAULT_LOG
+
+
+def _run_argv(child: list[str]) -> list[str]:
+    """The flags of the `trainjob run` command line given after --."""
+    if not child or child[0] != "run":
+        raise UsageError(f"expected `-- run ARGS...` after the flags, got {' '.join(child) or 'nothing'}")
+    return child[1:]
+
+
+def _parse_run(argv: list[str]) -> argparse.Namespace:
+    """Parse and check `run` flags before anything starts; bad ones exit 2 here, not in a child."""
+    args = build_parser().parse_args(["run", *argv])
+    _run_config(args).check()
+    return args
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
-                    backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights)
+    cfg = _run_config(args)
     cfg.check()
     stop = StopFlag()
     stop.install()
     data = load_dataset(args.data)
     pvc = Pvc(args.pvc)
     pvc.create()
-    log_path = args.log if args.log is not None else pvc.root / DEFAULT_LOG
+    log_path = _log_path(args)
     _check_log_location(log_path)
     with pvc.lock():
         for path in pvc.remove_stray_tmp():
@@ -163,12 +233,44 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"attempts: {status.attempts}",
             f"artifact: {status.artifact or 'none'}",
             f"drift: {status.drift}",
+            *([f"supervisor: {status.supervisor}"] if status.supervisor is not None else []),
             *(f"skipped: {problem}" for problem in status.skipped),
         ]))
     return EXIT_FOR_STATE.get(status.last_event or "", EXIT_RELAUNCH)
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status}
+def cmd_supervise(args: argparse.Namespace) -> int:
+    argv = _run_argv(args.child)
+    run_args = _parse_run(argv)
+    max_starts = args.max_starts
+    if max_starts is None:
+        max_starts = controller.default_max_starts(run_args.backoff_limit)
+    policy = Policy(max_starts=max_starts, backoff_base=args.backoff_base, backoff_cap=args.backoff_cap,
+                    grace=args.grace)
+    policy.check()
+    stop = StopFlag()
+    stop.install()
+    log = EventLog(_log_path(run_args), source=controller.SOURCE)
+    end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, policy, SAID_BY_EXIT.get, stop)
+    return EXIT_FOR_ENDING[end]
+
+
+def cmd_k8s(args: argparse.Namespace) -> int:
+    target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
+                        backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
+                        run_args=tuple(_run_argv(args.child) if args.child else ()))
+    target.check()
+    # Every pod's command line must pass run's own checks. The Job owns --pvc and --backoff-limit;
+    # argparse lets a later flag win, so the user's arguments after -- must not override them.
+    ran = _parse_run(target.run_flags())
+    if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
+        raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
+                         "--backoff-limit`); drop them after --")
+    print(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)), end="")
+    return EXIT_OK
+
+
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

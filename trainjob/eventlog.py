@@ -30,13 +30,14 @@ def utc_now() -> str:
 
 
 class EventLog:
-    """Appends events to one log file."""
+    """Appends events to one log file, each marked with this writer's ``source`` (None: the run)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, source: str | None = None) -> None:
         self.path = path
+        self.source = source
 
     def append(self, event: str, detail: str) -> Event:
-        record = Event(ts=utc_now(), event=event, detail=detail)
+        record = Event(ts=utc_now(), event=event, detail=detail, source=self.source)
         line = json.dumps(converter.unstructure(record), separators=(",", ":")) + "\n"
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
@@ -52,7 +53,8 @@ class EventLog:
         return record
 
     def last_event(self) -> str | None:
-        """Name of the last valid event, reading only the log's tail (logs grow without bound)."""
+        """Name of the last valid event from this writer's source, reading only the log's tail
+        (logs grow without bound). The run never mistakes a supervisor's line for its own."""
         try:
             with open(self.path, "rb") as f:
                 size = f.seek(0, os.SEEK_END)
@@ -64,9 +66,11 @@ class EventLog:
             raise InputError(f"{self.path}: cannot read log: {exc.strerror}") from None
         for raw in reversed(lines[1:] if size > _TAIL else lines):  # the first may be cut
             try:
-                return load(raw, Event, where=str(self.path)).event
+                event = load(raw, Event, where=str(self.path))
             except InputError:
                 continue  # a torn line: look further back
+            if event.source == self.source:
+                return event.event
         return None
 
 

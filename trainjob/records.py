@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 from attrs import validators as v
+from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import InputError
 from .machine import INITIAL, STATES
@@ -108,16 +109,25 @@ class Artifact:
 
 @attrs.frozen
 class Event:
-    """One line of the JSON-lines decision log."""
+    """One line of the JSON-lines decision log.
+
+    ``source`` says who decided: absent (None) for ``trainjob run`` itself, ``"supervisor"`` for
+    ``trainjob supervise``. It is optional and omitted when None, so logs written before it
+    existed still parse and the run's own lines keep their exact bytes.
+    """
 
     ts: str
     event: str
     detail: str
+    source: str | None = None
 
 
 # --- the converter -----------------------------------------------------------------------------
 
 converter = cattrs.Converter(forbid_extra_keys=True)
+converter.register_unstructure_hook(
+    Event, make_dict_unstructure_fn(Event, converter, _cattrs_omit_if_default=True)
+)
 
 
 def _strict(kind: type, accepts: tuple[type, ...]) -> None:

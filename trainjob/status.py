@@ -3,6 +3,9 @@
 Streams the log once, in constant memory. Lines that are not valid events (torn by a crash,
 edited by hand) are counted and reported, never fatal. It only summarises; whether a sequence
 of events is legal is the state machine's business.
+
+The outcome is the run's: lines written by ``trainjob supervise`` (``source: "supervisor"``) never
+change ``last_event``, ``attempts`` or ``drift``; the last of them is reported as ``supervisor``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 
 import attrs
 
+from .controller import SOURCE as SUPERVISOR
 from .errors import InputError
 from .eventlog import read_log
 
@@ -27,6 +31,7 @@ class Status:
     attempts: int = 0
     artifact: str | None = None
     drift: str = "none"  # pass | fail | none
+    supervisor: str | None = None  # the supervisor's last decision, "event | detail"
     skipped: list[str] = attrs.Factory(list)
 
 
@@ -38,6 +43,9 @@ def summarize(path: Path) -> Status:
             continue
         ev = line.event
         status.lines += 1
+        if ev.source == SUPERVISOR:
+            status.supervisor = f"{ev.event} | {ev.detail}"
+            continue
         status.last_event = ev.event
         fields = detail_fields(ev.detail)
         if ev.event == "job_started" and fields.get("attempt", "").isdigit():
@@ -48,6 +56,6 @@ def summarize(path: Path) -> Status:
             status.drift = "pass"
         elif ev.event == "drift_failed":
             status.drift = "fail"
-    if status.lines == 0:
-        raise InputError(f"{path}: holds no events")
+    if status.last_event is None:  # empty, or only the supervisor's lines: the run never logged
+        raise InputError(f"{path}: holds no events from trainjob run")
     return status

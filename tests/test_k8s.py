@@ -1,0 +1,259 @@
+"""`trainjob k8s render`: schema-valid manifests, the semantics a schema cannot check, and a Job
+controller's view of the real program's exit codes."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import re
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kubernetes_validate.utils import all_versions
+from packaging.version import Version
+
+from trainjob import k8s
+from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md"
+OLDEST = "1.29"  # first release with podFailurePolicy and podReplacementPolicy both on by default
+SHIPPED = sorted({".".join(v.split(".")[:2]) for v in all_versions()}, key=Version)
+SUPPORTED = [v for v in SHIPPED if Version(v) >= Version(OLDEST)]
+
+
+def render(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = main(["k8s", "render", *argv])
+    return code, out.getvalue()
+
+
+def manifests(*argv: str) -> list[dict]:
+    code, text = render(*argv)
+    assert code == 0
+    return list(yaml.safe_load_all(text))
+
+
+def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int = 2) -> None:
+    """What the schema cannot say. Raises AssertionError naming the broken rule."""
+    claim, job = docs
+    assert (claim["kind"], job["kind"]) == ("PersistentVolumeClaim", "Job")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    args = container["args"]
+
+    # Never with a failure policy; one pod at a time on the claim; time to checkpoint.
+    assert pod["restartPolicy"] == "Never"
+    assert spec["podReplacementPolicy"] == "Failed"
+    assert pod["terminationGracePeriodSeconds"] >= 1 and spec["activeDeadlineSeconds"] >= 1
+
+    # Rule order: preemption is ignored before any exit code is looked at.
+    rules = spec["podFailurePolicy"]["rules"]
+    assert rules[0] == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+    seen: set[int] = set()
+    for rule in rules[1:]:
+        codes = rule["onExitCodes"]
+        assert codes["operator"] == "In" and codes["containerName"] == container["name"]
+        values = codes["values"]
+        assert values == sorted(set(values)), "exit codes must be sorted and unique"
+        assert 0 not in values, "0 is success, never a failure to match"
+        assert not seen & set(values), "an exit code in two rules"
+        seen |= set(values)
+        assert all(JOB_ACTION_FOR_EXIT[code] == rule["action"] for code in values)
+    assert seen == set(JOB_ACTION_FOR_EXIT)
+
+    # The two budgets: the Job ends on the pod whose run logs job_failed.
+    assert spec["backoffLimit"] == backoff_limit + 1
+
+    # The claim is mounted where the run keeps its state, and the run checks its own flags.
+    (volume,) = pod["volumes"]
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (mount,) = container["volumeMounts"]
+    assert mount["name"] == volume["name"]
+    rank_flags = ["--world-size", str(world_size)] if world_size > 1 else []
+    assert args[len(args) - len(rank_flags):] == rank_flags and "--rank" not in args
+    ran = build_parser().parse_args(args[: len(args) - len(rank_flags)])
+    assert ran.command == "run" and str(ran.pvc) == mount["mountPath"] and ran.backoff_limit == backoff_limit
+
+    # One writer (W = 1) or W ranks on a shared claim, each taking its rank from the Job's index.
+    assert spec["completions"] == spec["parallelism"] == world_size
+    if world_size == 1:
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert spec.get("completionMode", "NonIndexed") == "NonIndexed" and "env" not in container
+    else:
+        assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert spec["completionMode"] == "Indexed"
+        index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        env = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index}}}
+        assert env in container.get("env", [])
+
+
+# --- the schema, offline, in strict mode -----------------------------------------------------------
+
+CASES = {
+    "default": [],
+    "indexed": ["--world-size", "4"],
+    "everything": ["--name", "exp-7", "--image", "registry.example/trainjob:1", "--storage", "500Mi",
+                   "--backoff-limit", "0", "--grace", "5", "--deadline", "600",
+                   "--", "run", "--steps", "20", "--ckpt-every", "5"],
+}
+
+
+def test_claimed_versions_are_shipped_by_the_validator():
+    assert SUPPORTED[0] == OLDEST and len(SUPPORTED) >= 2
+
+
+@pytest.mark.parametrize("version", SUPPORTED)
+@pytest.mark.parametrize("case", CASES)
+def test_every_manifest_validates_strictly_on_every_supported_version(case, version):
+    for doc in manifests(*CASES[case]):
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_strict_validation_is_not_vacuous():
+    claim, job = manifests()
+    job["spec"]["template"]["spec"]["restartPolicyy"] = "Never"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, SUPPORTED[-1], strict=True)
+
+
+def test_versions_before_the_oldest_claimed_reject_the_job():
+    # 1.28's schema requires onPodConditions on every rule; its podReplacementPolicy was alpha.
+    _, job = manifests()
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(job, "1.28", strict=True)
+
+
+def test_docs_name_the_versions_the_tests_validate():
+    assert f"{OLDEST} through {SUPPORTED[-1]}" in DOCS.read_text()
+
+
+# --- what the schema cannot check ----------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_semantics(case):
+    argv = CASES[case]
+    world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
+    limit = int(argv[argv.index("--backoff-limit") + 1]) if "--backoff-limit" in argv else 2
+    check_semantics(manifests(*argv), world_size=world, backoff_limit=limit)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(1, 64), limit=st.integers(0, 20), grace=st.integers(1, 3600),
+       deadline=st.integers(1, 10**6))
+def test_semantics_hold_for_any_valid_flags(world, limit, grace, deadline):
+    docs = manifests("--world-size", str(world), "--backoff-limit", str(limit), "--grace", str(grace),
+                     "--deadline", str(deadline))
+    check_semantics(docs, world_size=world, backoff_limit=limit)
+    pod = docs[1]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace and docs[1]["spec"]["activeDeadlineSeconds"] == deadline
+
+
+def _rules(job):
+    return job["spec"]["podFailurePolicy"]["rules"]
+
+
+BREAKAGES = {
+    "disruption rule not first": lambda job: _rules(job).reverse(),
+    "zero under In": lambda job: _rules(job)[2]["onExitCodes"]["values"].insert(0, 0),
+    "unsorted codes": lambda job: _rules(job)[2]["onExitCodes"]["values"].reverse(),
+    "duplicate code": lambda job: _rules(job)[1]["onExitCodes"]["values"].append(2),
+    "code in two rules": lambda job: _rules(job)[1]["onExitCodes"]["values"].append(75),
+    "restart in place": lambda job: job["spec"]["template"]["spec"].update(restartPolicy="OnFailure"),
+    "budgets disagree": lambda job: job["spec"].update(backoffLimit=6),
+    "overlapping pods": lambda job: job["spec"].update(podReplacementPolicy="TerminatingOrFailed"),
+}
+
+
+@pytest.mark.parametrize("breakage", BREAKAGES)
+def test_semantic_checks_catch_each_breakage(breakage):
+    claim, job = manifests()
+    BREAKAGES[breakage](job)
+    with pytest.raises(AssertionError):
+        check_semantics([claim, job])
+
+
+def test_indexed_checks_catch_a_missing_index_env():
+    claim, job = manifests("--world-size", "2")
+    del job["spec"]["template"]["spec"]["containers"][0]["env"]
+    with pytest.raises(AssertionError):
+        check_semantics([claim, job], world_size=2)
+
+
+def test_output_is_plain_yaml_without_aliases():
+    _, text = render("--world-size", "3")
+    assert "&id" not in text and "*id" not in text
+    assert list(yaml.safe_load_all(text)) == k8s.manifests(
+        k8s.Target(world_size=3), JOB_ACTION_FOR_EXIT)
+
+
+def test_docs_show_what_render_prints():
+    block = re.search(r"prints exactly this.*?```yaml\n(.*?)```", DOCS.read_text(), re.S)
+    assert block is not None and block[1] == render()[1]
+
+
+# --- bad flags -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["--backoff-limit", "-1"], ["--world-size", "0"], ["--world-size", "-2"], ["--name", "Trainjob"],
+    ["--name", "train_job"], ["--name", "x" * 64], ["--name", "trainjob-"], ["--storage", "0Gi"],
+    ["--storage", "1GB"], ["--image", ""], ["--grace", "0"], ["--deadline", "0"],
+    ["--", "run", "--pvc", "/elsewhere"], ["--", "run", "--backoff-limit", "5"], ["--", "run", "--steps", "0"],
+    ["--", "gen", "data"], ["--", "run", "--no-such-flag"],
+])
+def test_bad_flags_are_one_line_and_exit_2(argv):
+    done = subprocess.run([sys.executable, "-m", "trainjob", "k8s", "render", *argv], capture_output=True,
+                          text=True)
+    assert done.returncode == 2
+    assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
+
+
+# --- the Job controller's view of the real program ------------------------------------------------
+
+def job_action(rules: list[dict], exit_code: int, conditions: set[str]) -> str:
+    """What the Job controller does with one failed pod: the first matching rule, else Count."""
+    for rule in rules:
+        if "onPodConditions" in rule:
+            if any(c["type"] in conditions for c in rule["onPodConditions"]):
+                return rule["action"]
+        elif exit_code in rule["onExitCodes"]["values"]:  # operator In; exit 0 never reaches here
+            return rule["action"]
+    return "Count"
+
+
+@pytest.mark.parametrize(("limit", "preempted"), [(0, False), (1, True), (2, False)])
+def test_the_job_fails_on_the_very_pod_that_logs_job_failed(tmp_path, limit, preempted):
+    """Run the rendered command as the Job would, pod after pod, against the rendered policy."""
+    _, job = manifests("--backoff-limit", str(limit), "--", "run", "--force-weights", "0,0,0")
+    spec = job["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    pvc = tmp_path / "pvc"
+    args = [str(pvc) if arg == k8s.MOUNT else arg for arg in container["args"]]
+    log = pvc / "log.jsonl"
+
+    failed, pods, last_events = 0, 0, []
+    while True:
+        pods += 1
+        disrupted = preempted and pods == 1  # the node is drained: SIGTERM, checkpoint, exit 75
+        extra = ["--die-at", "4"] if disrupted else []
+        code = subprocess.run([sys.executable, "-m", "trainjob", *args, *extra], capture_output=True).returncode
+        last_events.append(json.loads(log.read_text().splitlines()[-1])["event"])
+        assert code != 0
+        action = job_action(spec["podFailurePolicy"]["rules"], code, {"DisruptionTarget"} if disrupted else set())
+        assert action in ("Ignore", "Count")
+        failed += action == "Count"
+        if failed > spec["backoffLimit"]:
+            break  # the Job is Failed: BackoffLimitExceeded
+        assert last_events[-1] != "job_failed", "the Job started a pod after the run said job_failed"
+
+    assert last_events[-1] == "job_failed" and last_events.count("job_failed") == 1
+    assert last_events.count("drift_failed") == limit + 1
+    assert pods == limit + 2 + preempted

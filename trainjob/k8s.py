@@ -1,0 +1,176 @@
+"""Kubernetes manifests that run trainjob on a cluster: a PersistentVolumeClaim and a batch/v1 Job.
+
+Owns how trainjob's contract becomes Job fields: one pod writes the PVC at a time, SIGTERM gets
+time to checkpoint, preemption never spends the retry budget, and the Job's ``backoffLimit`` ends
+the Job on the very pod whose run logs ``job_failed``. docs/kubernetes.md explains each choice.
+
+It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
+by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and
+passes the Job action for each one. It does not check the run's own flags either: ``cli.py``
+parses the container's command line with trainjob's own parser before rendering it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import yaml
+
+from . import __version__
+from .errors import UsageError
+from .job import RunConfig
+
+MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
+CONTAINER = "trainjob"
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+# Exit-code rules in this order, after the DisruptionTarget rule that always comes first. Any code
+# no rule names (a signal, 137 from an OOM kill) is counted: the Job's default.
+ACTION_ORDER = ("FailJob", "Ignore", "Count")
+
+# A Job name ends up in the pods' job-name label, so it must be a DNS-1123 label (at most 63).
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+
+
+@attrs.frozen
+class Target:
+    """What to render: the ``k8s render`` flags, with the run's arguments already checked."""
+
+    name: str = "trainjob"
+    image: str = f"trainjob:{__version__}"
+    storage: str = "1Gi"
+    world_size: int = 1
+    backoff_limit: int = RunConfig().backoff_limit  # the run's own --backoff-limit
+    grace: int = 60
+    deadline: int = 3600
+    run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc and --backoff-limit
+
+    def check(self) -> None:
+        """Raise UsageError for a flag Kubernetes would reject or that breaks the contract."""
+        if not _DNS_LABEL.fullmatch(self.name):
+            raise UsageError(
+                f"--name must be a DNS-1123 label (lowercase letters, digits and '-', starting and "
+                f"ending with a letter or digit, at most 63 characters), got {self.name!r}"
+            )
+        if not self.image or any(ch.isspace() for ch in self.image):
+            raise UsageError(f"--image must be a container image reference without spaces, got {self.image!r}")
+        match = _QUANTITY.fullmatch(self.storage)
+        if match is None or float(match[1]) == 0:
+            raise UsageError(f"--storage must be a positive Kubernetes quantity such as 1Gi or 500Mi, "
+                             f"got {self.storage!r}")
+        if self.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {self.world_size}")
+        if self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
+            raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
+        if self.deadline < 1:
+            raise UsageError(f"--deadline must be at least 1 second, got {self.deadline}")
+
+    @property
+    def claim(self) -> str:
+        return f"{self.name}-data"
+
+    @property
+    def job_backoff_limit(self) -> int:
+        """The Job's backoffLimit: the program's budget B allows B + 1 failed attempts.
+
+        Every attempt that fails the drift gate is a pod exiting 1 (counted), so after B + 1 of
+        them the Job has spent exactly its limit; the next pod's run logs ``job_failed`` and exits
+        1, which exceeds it: the Job fails on that same pod and never starts another.
+        """
+        return self.backoff_limit + 1
+
+    def run_flags(self) -> list[str]:
+        """The `trainjob run` flags every pod passes, whatever its rank."""
+        return ["--pvc", MOUNT, "--backoff-limit", str(self.backoff_limit), *self.run_args]
+
+    def container_args(self) -> list[str]:
+        """The container's ``trainjob`` arguments (Kubernetes wants every one a string).
+
+        With W > 1 each pod is one rank: it passes the world size and takes its rank from
+        JOB_COMPLETION_INDEX (see ``INDEX_ENV``), which ``run`` reads when --rank is absent.
+        """
+        ranks = ["--world-size", str(self.world_size)] if self.world_size > 1 else []
+        return ["run", *self.run_flags(), *ranks]
+
+
+def pod_failure_policy(actions: Mapping[int, str]) -> dict[str, Any]:
+    """Ordered rules: DisruptionTarget -> Ignore first, then one rule per action over exit codes.
+
+    A preempted or evicted pod usually exits 75 after its checkpoint; matching the condition
+    before any exit code means preemption never spends the budget, whatever the code. Exit 0 is
+    never listed: Kubernetes rejects it under ``In``, and a pod that exits 0 has not failed.
+    """
+    unknown = set(actions.values()) - set(ACTION_ORDER)
+    if unknown:  # a typo in cli.py's table must not silently drop a rule
+        raise ValueError(f"unknown Job actions {sorted(unknown)}; expected one of {ACTION_ORDER}")
+    rules: list[dict[str, Any]] = [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+    ]
+    for action in ACTION_ORDER:
+        codes = sorted({code for code, act in actions.items() if act == action and code != 0})
+        if codes:
+            rules.append({"action": action,
+                          "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": codes}})
+    return {"rules": rules}
+
+
+def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]]:
+    """The PersistentVolumeClaim and the Job, in the order ``kubectl apply`` should create them."""
+    def labels() -> dict[str, str]:  # a fresh dict each time: a shared one dumps as a YAML alias
+        return {"app.kubernetes.io/name": "trainjob", "app.kubernetes.io/instance": target.name}
+
+    indexed = target.world_size > 1
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": target.claim, "labels": labels()},
+        "spec": {
+            # One writer: ReadWriteOnce. W ranks on any nodes share one volume: ReadWriteMany.
+            "accessModes": ["ReadWriteMany" if indexed else "ReadWriteOnce"],
+            "resources": {"requests": {"storage": target.storage}},
+        },
+    }
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": target.image,
+        "command": ["trainjob"],
+        "args": target.container_args(),
+        "volumeMounts": [{"name": "pvc", "mountPath": MOUNT}],
+    }
+    if indexed:
+        # The control plane injects this too; declaring it (the same downward-API field) makes
+        # the rank's source explicit in the manifest and independent of that convenience.
+        container["env"] = [{"name": INDEX_ENV, "valueFrom": {
+            "fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]
+    job_spec: dict[str, Any] = {
+        "completions": target.world_size,
+        "parallelism": target.world_size,
+        **({"completionMode": "Indexed"} if indexed else {}),
+        "backoffLimit": target.job_backoff_limit,
+        "activeDeadlineSeconds": target.deadline,
+        # A replacement pod starts only once the old one has fully terminated, so two pods never
+        # write the PVC at once (a terminating pod may still be saving its checkpoint).
+        "podReplacementPolicy": "Failed",
+        "podFailurePolicy": pod_failure_policy(actions),
+        "template": {
+            "metadata": {"labels": labels()},
+            "spec": {
+                "restartPolicy": "Never",  # required by podFailurePolicy; the Job relaunches
+                "terminationGracePeriodSeconds": target.grace,
+                "containers": [container],
+                "volumes": [{"name": "pvc", "persistentVolumeClaim": {"claimName": target.claim}}],
+            },
+        },
+    }
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": target.name, "labels": labels()}, "spec": job_spec}
+    return [claim, job]
+
+
+def render(docs: Sequence[dict[str, Any]]) -> str:
+    """Multi-document YAML, keys in the order built (reads like the Kubernetes docs)."""
+    return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)
