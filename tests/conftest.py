@@ -31,3 +31,12 @@ def pvc(tmp_path: Path) -> Path:
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` with its bytes, to prove nothing changed."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def walkthrough_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The seed's walkthrough, run once through the real CLI: kill at step 4, relaunch, complete."""
+    pvc = tmp_path_factory.mktemp("walkthrough") / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4, "--steps", 10).returncode == 75
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    return pvc / "log.jsonl"

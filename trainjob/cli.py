@@ -3,7 +3,7 @@
 This is the only place that knows exit codes:
 
     0   completed
-    1   honest failure: drift_failed or job_failed
+    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path)
     2   usage or input error (bad flag, missing or invalid file, already-completed PVC)
     75  killed, preempted, PVC busy or storage trouble: safe to relaunch
     70  an unexpected internal error (a bug in trainjob, never an honest failure)
@@ -31,6 +31,7 @@ from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, run
+from .path import replay
 from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
 from .status import summarize
 from .supervise import Policy, supervise
@@ -104,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
     s.add_argument("log", type=Path)
-    s.add_argument("--json", action="store_true")
+    shape = s.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true")
+    shape.add_argument("--path", action="store_true",
+                       help="print the log's path through the state machine; exit 1 if no run could take it")
 
     child = dict(nargs="*", metavar="-- run ARGS", help="the `trainjob run` command line, after --")
     sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
@@ -222,7 +226,18 @@ def warn(text: str) -> None:
         pass
 
 
+def _print_path(log: Path) -> int:
+    found = replay(log)
+    emit("\n".join([*map(str, found.steps), *(f"skipped: {problem}" for problem in found.skipped)]))
+    if found.illegal is not None:  # a verdict on the log, like drift_failed on a model: exit 1
+        warn(f"trainjob status: {log} {found.illegal}")
+        return EXIT_FAILED
+    return EXIT_FOR_STATE.get(found.last_event or "", EXIT_RELAUNCH)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    if args.path:
+        return _print_path(args.log)
     status = summarize(args.log)
     if args.json:
         emit(json.dumps(attrs.asdict(status), sort_keys=True))

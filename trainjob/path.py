@@ -1,0 +1,242 @@
+"""The path a decision log records through the state machine, and whether it is a legal one.
+
+Owns: replaying a log's events against ``machine.TRANSITIONS`` (which transition each event
+belongs to, how often each edge was taken, where the run stands) and naming the first step no
+run of this engine could have logged. Must not: keep a list of legal pairs of its own (every
+rule below is derived from the table, its start guard and ``decisions.ATTEMPT_ENDED``), touch
+the PVC, or choose exit codes (``cli.py`` does).
+
+The rule
+--------
+A log holds the events of one or more processes. Each process begins in ``pending``, so its
+first event is an *entry*: the event of a state the table reaches from ``pending``. Within a
+process, an event is legal when the table has a transition from the state the previous event
+announced to the event's state. An event announced *within* a transition
+(``machine.ANNOUNCED_WITHIN``: ``artifact_written`` inside the gate's move to ``completed``)
+stands for that transition: the transition's own event is legal only right after it.
+
+A new process may begin after any event: a SIGKILL ends a process anywhere without a word in the
+log. Which entry it logs depends on what the PVC holds, and the engine persists a state *before*
+announcing it, so the PVC may be ahead of the log:
+
+- the last process may have persisted one more transition and died before announcing it (after
+  ``checkpointed`` the PVC may already say ``drift_failed``);
+- each later process may have persisted its own entry state and died before announcing it
+  (after ``drift_failed`` the PVC may say ``started``, so the next process resumes).
+
+From a persisted state the start guard ``should_resume`` picks the entry: the rows that require
+it while the attempt is in flight (the state is not in ``decisions.ATTEMPT_ENDED``), the rows
+that exclude it once the attempt ended. No process starts at all on a PVC that says
+``completed`` (``job.Job`` refuses it). For today's table that works out as:
+
+    after                       a new process may log
+    started, killed             resumed
+    resumed, checkpointed       resumed, job_started, job_failed
+    drift_failed, job_failed    job_started, job_failed, and resumed (its job_started unlogged)
+    artifact_written            nothing (only completed, in the same process)
+    completed                   nothing
+
+The first event of a log may be any entry: the log can be younger than the PVC it describes.
+Lines that are not events (torn by a crash) are reported as skipped and never break the path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .decisions import ATTEMPT_ENDED
+from .errors import InputError
+from .eventlog import read_log
+from .machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, TRANSITIONS
+
+# The start guard that tells a cut-short attempt (resume it) from an ended one.
+RESUME_GUARD = "should_resume"
+# States after which no process logs anything: job.Job refuses a PVC whose job completed.
+JOB_OVER = frozenset({"completed"})
+
+Edge = tuple[str, str]
+
+
+def _names(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def guards(row: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """A row's guards: those that must hold (``conditions``) and those that must not (``unless``)."""
+    return _names(row.get("conditions")), _names(row.get("unless"))
+
+
+def table_edges() -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each row of the table once per source state, in table order."""
+    for row in TRANSITIONS:
+        for source in _names(row["source"]):
+            yield source, row
+
+
+def _successors(state: str) -> list[str]:
+    return list(dict.fromkeys(row["dest"] for source, row in table_edges() if source == state))
+
+
+def _picked_by_start(row: dict[str, Any], in_flight: bool) -> bool:
+    must, must_not = guards(row)
+    if RESUME_GUARD in must:
+        return in_flight
+    if RESUME_GUARD in must_not:
+        return not in_flight
+    return True
+
+
+def _entries_from(persisted: str) -> set[str]:
+    """The entry states a new process can reach when the PVC holds ``persisted``."""
+    if persisted in JOB_OVER:
+        return set()
+    in_flight = persisted not in ATTEMPT_ENDED
+    return {row["dest"] for source, row in table_edges()
+            if source == INITIAL and _picked_by_start(row, in_flight)}
+
+
+def _entries_after(persisted: Iterable[str] | None) -> list[str]:
+    """Entries a new process may log; ``persisted`` None means the PVC is unknown.
+
+    Follows processes that persisted their own entry and died before announcing it.
+    """
+    entries = _successors(INITIAL)
+    if persisted is None:
+        return entries
+    seen, todo, reachable = set(persisted), list(persisted), set()
+    while todo:
+        for entry in _entries_from(todo.pop()):
+            reachable.add(entry)
+            if entry not in seen:
+                seen.add(entry)
+                todo.append(entry)
+    return [entry for entry in entries if entry in reachable]
+
+
+@attrs.frozen
+class Step:
+    """One logged event and the transition it belongs to."""
+
+    line: int
+    source: str
+    dest: str
+    event: str
+    detail: str
+
+    @property
+    def completes(self) -> bool:
+        """True for the transition's own event, False for an announcement made within it."""
+        return self.event == EVENT_FOR_STATE[self.dest]
+
+    def __str__(self) -> str:
+        move = f"{self.source} -> {self.dest}"
+        return f"line {self.line:>3}  {move:<28}  {self.event} | {self.detail}"
+
+
+@attrs.frozen
+class IllegalStep:
+    """The first event that no run of this engine could have logged where it stands."""
+
+    line: int
+    after: str | None  # the state (or half-announced move) the log stood in; None at its start
+    event: str
+    expected: tuple[str, ...]
+
+    def __str__(self) -> str:
+        where = f"from {self.after}" if self.after else "at the start of the log"
+        allowed = f"expected one of: {', '.join(self.expected)}" if self.expected else "nothing may follow it"
+        return f"line {self.line}: illegal step {where}: {self.event} ({allowed})"
+
+
+@functools.cache
+def _candidates(at: str | None, within: Edge | None) -> tuple[Edge, ...]:
+    """Transitions the next event may belong to: the same process's first, then a new one's."""
+    if within is not None:
+        same, persisted = [within], [within[1]]
+    elif at is None:
+        same, persisted = [], None
+    else:
+        same = [(at, dest) for dest in _successors(at)]
+        persisted = [at, *_successors(at)]
+    return (*same, *((INITIAL, entry) for entry in _entries_after(persisted)))
+
+
+def _events_for(edge: Edge, within: Edge | None) -> list[str]:
+    """Events that may be logged next for ``edge``: the announcements made within it come first."""
+    own = [EVENT_FOR_STATE[edge[1]]]
+    if edge == within:
+        return own
+    return [event for event, dest in ANNOUNCED_WITHIN.items() if dest == edge[1]] or own
+
+
+@attrs.define
+class _Cursor:
+    """Where the log stands: the last state announced, or a transition announced only within."""
+
+    at: str | None = None
+    within: Edge | None = None
+
+    def where(self) -> str | None:
+        return " -> ".join(self.within) if self.within else self.at
+
+    def expected(self) -> tuple[str, ...]:
+        candidates = _candidates(self.at, self.within)
+        return tuple(dict.fromkeys(e for edge in candidates for e in _events_for(edge, self.within)))
+
+    def advance(self, line: int, event: str, detail: str) -> Step | None:
+        for source, dest in _candidates(self.at, self.within):
+            if event in _events_for((source, dest), self.within):
+                step = Step(line, source, dest, event, detail)
+                self.at, self.within = (dest, None) if step.completes else (self.at, (source, dest))
+                return step
+        return None
+
+
+@attrs.define
+class RunPath:
+    """A log's path: its steps, the lines that were not events, and the first illegal step."""
+
+    steps: list[Step] = attrs.Factory(list)
+    skipped: list[str] = attrs.Factory(list)
+    illegal: IllegalStep | None = None
+
+    def taken(self) -> Counter[Edge]:
+        """How many times the run took each edge (announcements within a move do not count)."""
+        return Counter((s.source, s.dest) for s in self.steps if s.completes)
+
+    def visited(self) -> set[str]:
+        return {state for edge in self.taken() for state in edge}
+
+    @property
+    def last_state(self) -> str | None:
+        return next((s.dest for s in reversed(self.steps) if s.completes), None)
+
+    @property
+    def last_event(self) -> str | None:
+        return self.steps[-1].event if self.steps else None
+
+
+def replay(log: Path) -> RunPath:
+    """Replay ``log`` against the table, stopping at the first illegal step."""
+    found, cursor = RunPath(), _Cursor()
+    for line in read_log(log):
+        if line.event is None:
+            found.skipped.append(f"line {line.number}: {line.problem}")
+            continue
+        step = cursor.advance(line.number, line.event.event, line.event.detail)
+        if step is None:
+            found.illegal = IllegalStep(line.number, cursor.where(), line.event.event, cursor.expected())
+            return found
+        found.steps.append(step)
+    if not found.steps:
+        raise InputError(f"{log}: holds no events")
+    return found
+
