@@ -26,12 +26,12 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__, controller, k8s
+from . import __version__, controller, diagram, k8s
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, run
-from .path import replay
+from .path import legal_path, replay
 from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
 from .status import summarize
 from .supervise import Policy, supervise
@@ -138,6 +138,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="terminationGracePeriodSeconds (default %(default)s)")
     kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
     kr.add_argument("child", **child)
+
+    dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
+    dg.add_argument("--format", choices=list(diagram.ENGINE),
+                    help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
+    dg.add_argument("-o", "--output", type=Path, help="write here instead of to stdout")
+    dg.add_argument("--log", type=Path, help="highlight the path this decision log took")
     return parser
 
 
@@ -285,7 +291,30 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s}
+def _write_output(data: bytes, output: Path | None) -> None:
+    if output is None:
+        sys.stdout.buffer.write(data)
+        return
+    try:
+        output.write_bytes(data)
+    except OSError as exc:
+        raise InputError(f"{output}: cannot write: {exc.strerror}") from None
+
+
+def cmd_diagram(args: argparse.Namespace) -> int:
+    fmt = diagram.format_for(args.format, args.output)
+    if args.output is None and fmt in diagram.BINARY and sys.stdout.isatty():
+        raise UsageError(f"--format {fmt} is binary; write it to a file with -o FILE")
+    if args.log is None:
+        data = diagram.render(fmt)
+    else:
+        found = legal_path(args.log)
+        data = diagram.render(fmt, found, diagram.run_title(args.log, found))
+    _write_output(data, args.output)
+    return EXIT_OK
+
+
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s, "diagram": cmd_diagram}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -51,6 +51,15 @@ TRANSITIONS: list[dict[str, Any]] = [
          unless="drift_passes", before="persist_state"),
 ]
 
+# How each guard reads on the diagrams: the decision it stands for when it holds, and when it
+# does not. A guard missing here is drawn by its name (``name`` / ``!name``).
+GUARD_LABELS = {
+    "should_resume": ("attempt in flight", "no attempt in flight"),
+    "within_backoff": ("attempts <= backoff_limit", "attempts > backoff_limit"),
+    "should_checkpoint": ("step % ckpt_every == 0, last step or SIGTERM", "checkpoint not due"),
+    "drift_passes": ("correct*100 >= bcorrect*(100-max_drop)", "correct*100 < bcorrect*(100-max_drop)"),
+}
+
 # The log event announced on entering each state, and how its detail reads.
 EVENT_FOR_STATE = {state: state for state in STATES if state != INITIAL}
 EVENT_FOR_STATE["started"] = "job_started"

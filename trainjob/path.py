@@ -240,3 +240,10 @@ def replay(log: Path) -> RunPath:
         raise InputError(f"{log}: holds no events")
     return found
 
+
+def legal_path(log: Path) -> RunPath:
+    """The path ``log`` records, or InputError naming its first illegal step."""
+    found = replay(log)
+    if found.illegal is not None:
+        raise InputError(f"{log} {found.illegal}")
+    return found
