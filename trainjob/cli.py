@@ -26,7 +26,7 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__, controller, diagram, k8s
+from . import __version__, controller, diagram, k8s, plot
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import InputError, TrainJobError, TryAgainLater, UsageError
 from .eventlog import EventLog
@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
     dg.add_argument("-o", "--output", type=Path, help="write here instead of to stdout")
     dg.add_argument("--log", type=Path, help="highlight the path this decision log took")
+
+    p = sub.add_parser("plot", help="plot a logged run (needs trainjob[plot]): losses, kills, resumes, verdict")
+    p.add_argument("log", type=Path)
+    p.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
+    p.add_argument("--max-drop", type=int, help="draw the gate's pass line for completed attempts "
+                   "(their log line does not record the allowed drop)")
     return parser
 
 
@@ -314,7 +320,15 @@ def cmd_diagram(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s, "diagram": cmd_diagram}
+def cmd_plot(args: argparse.Namespace) -> int:
+    if args.max_drop is not None and not 0 <= args.max_drop <= 100:
+        raise UsageError(f"--max-drop is a percentage from 0 to 100, got {args.max_drop}")
+    told = plot.story(legal_path(args.log))
+    _write_output(plot.draw(told, f"trainjob: the run in {args.log.name}", args.max_drop), args.output)
+    return EXIT_OK
+
+
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
