@@ -11,6 +11,19 @@ if ! command -v fiu-run >/dev/null && command -v apt-get >/dev/null && [ "$(id -
         || echo "note: could not install fiu-utils; the I/O-fault section will be skipped"
 fi
 
+# The SVG/PNG diagram tests need Graphviz's `dot`. Install it where we may (CI runs as root with
+# apt); elsewhere those tests skip, except under CI=true, where a missing `dot` fails them.
+if ! command -v dot >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing Graphviz (dot) for the diagram tests" >&2
+    apt_log=$(mktemp)
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq --no-install-recommends graphviz; } >"$apt_log" 2>&1; then
+        cat "$apt_log" >&2
+        echo "test.sh: could not install graphviz${CI:+ (CI needs it)}" >&2
+        [ -z "${CI:-}" ] || exit 1
+    fi
+    rm -f "$apt_log"
+fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 .venv/bin/python -m pytest "$@"
