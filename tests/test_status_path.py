@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import trainjob
+from conftest import events, trainjob
 from trainjob import path as path_module
 from trainjob.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, STATE_FOR_EVENT, TRANSITIONS
 from trainjob.path import replay
@@ -77,6 +82,61 @@ def test_spliced_logs_of_two_jobs_are_rejected_at_the_seam(tmp_path, walkthrough
     assert len(result.stdout.splitlines()) == 10  # the legal prefix is still shown
 
 
+# Where a log and the PVC can disagree: the engine persists a state, then announces it. This runs
+# the CLI with a SIGKILL just before or just after its n-th log append.
+KILL_AROUND_APPEND = """
+import os, signal, sys
+from trainjob import cli, eventlog
+target, when, real, appended = int(sys.argv[1]), sys.argv[2], eventlog.EventLog.append, []
+def append(log, event, detail):
+    if len(appended) == target and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    appended.append(real(log, event, detail))
+    if len(appended) == target + 1 and when == "after":
+        os.kill(os.getpid(), signal.SIGKILL)
+eventlog.EventLog.append = append
+sys.exit(cli.main(sys.argv[3:]))
+"""
+
+
+def kill_around_every_append(tmp_path: Path, prepare: list[str], flags: list[str]) -> list[Path]:
+    """Logs of a job whose process is SIGKILLed around each of its announcements in turn, then
+    relaunched until it ends. ``prepare`` runs once, unharmed, before the killed process."""
+    start, clean = tmp_path / "start", tmp_path / "clean"
+    start.mkdir()
+    if prepare:
+        trainjob("run", "--pvc", start, *prepare)
+    shutil.copytree(start, clean, dirs_exist_ok=True)
+    trainjob("run", "--pvc", clean, *flags)
+    appends = len(events(clean / "log.jsonl")) - (len(events(start / "log.jsonl")) if prepare else 0)
+
+    def job(n: int, when: str) -> Path:
+        pvc = tmp_path / f"{when}{n}"
+        shutil.copytree(start, pvc, dirs_exist_ok=True)
+        died = subprocess.run([sys.executable, "-c", KILL_AROUND_APPEND, str(n), when, "run", "--pvc", str(pvc),
+                               *flags], capture_output=True)
+        assert died.returncode == -signal.SIGKILL
+        while trainjob("run", "--pvc", pvc, *flags).returncode == 75:
+            pass
+        return pvc / "log.jsonl"
+
+    trials = [(n, when) for n in range(appends) for when in ("before", "after")]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(job, *zip(*trials)))
+
+
+@pytest.mark.parametrize("prepare, flags", [
+    ([], ["--steps", "1"]),  # a run that completes
+    (["--steps", "1", "--force-weights", "0,0,0"],  # the fresh attempt after a drift_failed
+     ["--steps", "1", "--force-weights", "0,0,0", "--backoff-limit", "1"]),
+])
+def test_every_log_a_sigkill_around_an_announcement_leaves_is_a_legal_path(tmp_path, prepare, flags):
+    logs = kill_around_every_append(tmp_path, prepare, flags)
+    assert len(logs) >= 6
+    illegal = {log.parent.name: replay(log).illegal for log in logs}
+    assert {name: str(step) for name, step in illegal.items() if step} == {}
+
+
 def test_torn_line_is_reported_and_the_path_goes_on(tmp_path, walkthrough_log):
     lines = walkthrough_log.read_text().splitlines(keepends=True)
     torn = tmp_path / "torn.jsonl"
@@ -127,6 +187,7 @@ def test_illegal_step_is_named_by_line_state_and_event(tmp_path, names, line, af
     ["job_started", "checkpointed", "job_started"],  # drift_failed persisted, then SIGKILL before its line
     ["job_started", "checkpointed", "drift_failed", "resumed"],  # job_started persisted, then SIGKILL
     ["job_started", "checkpointed", "artifact_written"],  # SIGKILL between the artifact and completed
+    ["job_started", "checkpointed", "artifact_written", "artifact_written", "completed"],  # ...then relaunched
     ["job_failed", "job_failed"],
 ])
 def test_paths_that_unlogged_kills_make_possible_are_legal(tmp_path, names):
@@ -136,7 +197,8 @@ def test_paths_that_unlogged_kills_make_possible_are_legal(tmp_path, names):
 # Who may begin after each state, per path.py's docstring (persist-before-announce included).
 NEW_PROCESS_MAY_LOG = {
     "started": {"resumed"}, "killed": {"resumed"},
-    "resumed": {"resumed", "job_started", "job_failed"}, "checkpointed": {"resumed", "job_started", "job_failed"},
+    "resumed": {"resumed", "job_started", "job_failed", "artifact_written"},
+    "checkpointed": {"resumed", "job_started", "job_failed", "artifact_written"},
     "drift_failed": {"resumed", "job_started", "job_failed"}, "job_failed": {"resumed", "job_started", "job_failed"},
     "completed": set(),
 }

@@ -220,10 +220,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
 
 
-def emit(text: str) -> None:
-    """Print to stdout; a reader that went away (``| head``) must not turn into exit 70."""
+def emit(text: str | bytes) -> None:
+    """Print to stdout (bytes as they are); a reader that went away (``| head``) must not turn
+    into exit 70."""
     try:
-        print(text, flush=True)
+        if isinstance(text, bytes):
+            sys.stdout.buffer.write(text)
+            sys.stdout.flush()
+        else:
+            print(text, flush=True)
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -299,7 +304,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
 
 def _write_output(data: bytes, output: Path | None) -> None:
     if output is None:
-        sys.stdout.buffer.write(data)
+        emit(data)
         return
     try:
         output.write_bytes(data)

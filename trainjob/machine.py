@@ -54,6 +54,7 @@ TRANSITIONS: list[dict[str, Any]] = [
 # How each guard reads on the diagrams: the decision it stands for when it holds, and when it
 # does not. A guard missing here is drawn by its name (``name`` / ``!name``).
 GUARD_LABELS = {
+    "completion_unannounced": ("completed on disk, not in the log", "completion logged"),
     "should_resume": ("attempt in flight", "no attempt in flight"),
     "within_backoff": ("attempts <= backoff_limit", "attempts > backoff_limit"),
     "should_checkpoint": ("step % ckpt_every == 0, last step or SIGTERM", "checkpoint not due"),

@@ -3,8 +3,8 @@
 Owns: replaying a log's events against ``machine.TRANSITIONS`` (which transition each event
 belongs to, how often each edge was taken, where the run stands) and naming the first step no
 run of this engine could have logged. Must not: keep a list of legal pairs of its own (every
-rule below is derived from the table, its start guard and ``decisions.ATTEMPT_ENDED``), touch
-the PVC, or choose exit codes (``cli.py`` does).
+rule below is derived from the table, with the start guards asked of ``decisions``), touch the
+PVC, or choose exit codes (``cli.py`` does).
 
 The rule
 --------
@@ -12,28 +12,30 @@ A log holds the events of one or more processes. Each process begins in ``pendin
 first event is an *entry*: the event of a state the table reaches from ``pending``. Within a
 process, an event is legal when the table has a transition from the state the previous event
 announced to the event's state. An event announced *within* a transition
-(``machine.ANNOUNCED_WITHIN``: ``artifact_written`` inside the gate's move to ``completed``)
-stands for that transition: the transition's own event is legal only right after it.
+(``machine.ANNOUNCED_WITHIN``: ``artifact_written`` inside every move to ``completed``) stands
+for that transition: the transition's own event is legal only right after it.
 
 A new process may begin after any event: a SIGKILL ends a process anywhere without a word in the
 log. Which entry it logs depends on what the PVC holds, and the engine persists a state *before*
 announcing it, so the PVC may be ahead of the log:
 
 - the last process may have persisted one more transition and died before announcing it (after
-  ``checkpointed`` the PVC may already say ``drift_failed``);
-- each later process may have persisted its own entry state and died before announcing it
+  ``checkpointed`` the PVC may already say ``drift_failed`` or ``completed``);
+- each later process may have reached its own entry state and died before announcing it
   (after ``drift_failed`` the PVC may say ``started``, so the next process resumes).
 
-From a persisted state the start guard ``should_resume`` picks the entry: the rows that require
-it while the attempt is in flight (the state is not in ``decisions.ATTEMPT_ENDED``), the rows
-that exclude it once the attempt ended. No process starts at all on a PVC that says
-``completed`` (``job.Job`` refuses it). For today's table that works out as:
+From each state the PVC may hold, the entry is picked as ``transitions`` picks it: the first row
+from ``pending`` whose guards pass. The guards ``should_resume`` and ``completion_unannounced``
+are asked of their pure decisions (with the log's last event); ``within_backoff`` depends on
+counts and flags no log line holds, so it may go either way. And ``job.Job`` starts no process
+at all once the PVC says ``completed`` and the log's last event says so too. For today's table:
 
     after                       a new process may log
     started, killed             resumed
-    resumed, checkpointed       resumed, job_started, job_failed
-    drift_failed, job_failed    job_started, job_failed, and resumed (its job_started unlogged)
-    artifact_written            nothing (only completed, in the same process)
+    resumed, checkpointed       resumed, job_started, job_failed; artifact_written (announcing a
+                                completion its predecessor committed but never logged)
+    drift_failed, job_failed    job_started, job_failed; resumed (a job_started never logged)
+    artifact_written            artifact_written (completed, if the same process goes on)
     completed                   nothing
 
 The first event of a log may be any entry: the log can be younger than the PVC it describes.
@@ -44,21 +46,31 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from .decisions import ATTEMPT_ENDED
+from . import decisions
 from .errors import InputError
 from .eventlog import read_log
 from .machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, TRANSITIONS
 
-# The start guard that tells a cut-short attempt (resume it) from an ended one.
-RESUME_GUARD = "should_resume"
-# States after which no process logs anything: job.Job refuses a PVC whose job completed.
-JOB_OVER = frozenset({"completed"})
+# What the start guards answer for a PVC holding state ``p`` while the log's last event is or is
+# not ``completed``, asked of the pure decisions the guards call. A start guard missing here
+# (within_backoff: counts and flags no log line holds) may go either way.
+START_GUARDS: dict[str, Callable[[str, bool], bool]] = {
+    # With a run record, the checkpoint does not matter: "was the last attempt cut short?"
+    "should_resume": lambda p, _log_says_completed: decisions.should_resume(p, None, 0),
+    "completion_unannounced": decisions.completion_unannounced,
+}
+
+
+def _refused(persisted: str, log_says_completed: bool) -> bool:
+    """``job.Job`` starts no process (AlreadyCompleted) once the log announced the completion."""
+    return persisted == "completed" and log_says_completed
+
 
 Edge = tuple[str, str]
 
@@ -85,35 +97,46 @@ def _successors(state: str) -> list[str]:
     return list(dict.fromkeys(row["dest"] for source, row in table_edges() if source == state))
 
 
-def _picked_by_start(row: dict[str, Any], in_flight: bool) -> bool:
+def _row_passes(row: dict[str, Any], persisted: str, log_says_completed: bool) -> bool | None:
+    """Do the row's guards pass? None when the log cannot tell."""
     must, must_not = guards(row)
-    if RESUME_GUARD in must:
-        return in_flight
-    if RESUME_GUARD in must_not:
-        return not in_flight
-    return True
+    answers = [START_GUARDS[g](persisted, log_says_completed) if g in START_GUARDS else None for g in must]
+    answers += [not START_GUARDS[g](persisted, log_says_completed) if g in START_GUARDS else None
+                for g in must_not]
+    if False in answers:
+        return False
+    return None if None in answers else True
 
 
-def _entries_from(persisted: str) -> set[str]:
-    """The entry states a new process can reach when the PVC holds ``persisted``."""
-    if persisted in JOB_OVER:
-        return set()
-    in_flight = persisted not in ATTEMPT_ENDED
-    return {row["dest"] for source, row in table_edges()
-            if source == INITIAL and _picked_by_start(row, in_flight)}
+def _entries_from(persisted: str, log_says_completed: bool) -> list[str]:
+    """The entry states a new process may reach from ``persisted``.
+
+    Like ``transitions``, try the rows from ``pending`` in table order; the first that surely
+    passes ends the search, and each one that may pass is a possibility.
+    """
+    if _refused(persisted, log_says_completed):
+        return []
+    entries = []
+    for source, row in table_edges():
+        passes = _row_passes(row, persisted, log_says_completed) if source == INITIAL else False
+        if passes is not False:
+            entries.append(row["dest"])
+        if passes:
+            break
+    return entries
 
 
-def _entries_after(persisted: Iterable[str] | None) -> list[str]:
+def _entries_after(persisted: Iterable[str] | None, log_says_completed: bool) -> list[str]:
     """Entries a new process may log; ``persisted`` None means the PVC is unknown.
 
-    Follows processes that persisted their own entry and died before announcing it.
+    Follows processes that reached an entry state and died before announcing it.
     """
     entries = _successors(INITIAL)
     if persisted is None:
         return entries
     seen, todo, reachable = set(persisted), list(persisted), set()
     while todo:
-        for entry in _entries_from(todo.pop()):
+        for entry in _entries_from(todo.pop(), log_says_completed):
             reachable.add(entry)
             if entry not in seen:
                 seen.add(entry)
@@ -157,7 +180,7 @@ class IllegalStep:
 
 
 @functools.cache
-def _candidates(at: str | None, within: Edge | None) -> tuple[Edge, ...]:
+def _candidates(at: str | None, within: Edge | None, last_event: str | None) -> tuple[Edge, ...]:
     """Transitions the next event may belong to: the same process's first, then a new one's."""
     if within is not None:
         same, persisted = [within], [within[1]]
@@ -166,7 +189,8 @@ def _candidates(at: str | None, within: Edge | None) -> tuple[Edge, ...]:
     else:
         same = [(at, dest) for dest in _successors(at)]
         persisted = [at, *_successors(at)]
-    return (*same, *((INITIAL, entry) for entry in _entries_after(persisted)))
+    entries = _entries_after(persisted, last_event == EVENT_FOR_STATE["completed"])
+    return (*same, *((INITIAL, entry) for entry in entries))
 
 
 def _events_for(edge: Edge, within: Edge | None) -> list[str]:
@@ -183,19 +207,23 @@ class _Cursor:
 
     at: str | None = None
     within: Edge | None = None
+    last_event: str | None = None
 
     def where(self) -> str | None:
         return " -> ".join(self.within) if self.within else self.at
 
+    def _candidates(self) -> tuple[Edge, ...]:
+        return _candidates(self.at, self.within, self.last_event)
+
     def expected(self) -> tuple[str, ...]:
-        candidates = _candidates(self.at, self.within)
-        return tuple(dict.fromkeys(e for edge in candidates for e in _events_for(edge, self.within)))
+        return tuple(dict.fromkeys(e for edge in self._candidates() for e in _events_for(edge, self.within)))
 
     def advance(self, line: int, event: str, detail: str) -> Step | None:
-        for source, dest in _candidates(self.at, self.within):
+        for source, dest in self._candidates():
             if event in _events_for((source, dest), self.within):
                 step = Step(line, source, dest, event, detail)
                 self.at, self.within = (dest, None) if step.completes else (self.at, (source, dest))
+                self.last_event = event
                 return step
         return None
 
