@@ -54,7 +54,7 @@ TEXT = [name for name, (fmt, _) in PICTURES.items() if fmt in ("mermaid", "dot")
 def render_all(walkthrough_log: Path, names: list[str]) -> dict[str, bytes]:
     """The named files of diagrams/ as the current table draws them."""
     run = legal_path(walkthrough_log)
-    title = diagram.run_title(walkthrough_log, run)
+    title = diagram.run_title(run)
     drawn = {}
     for name in names:
         fmt, on_run = PICTURES[name]

@@ -58,6 +58,14 @@ def test_plot_without_matplotlib_exits_2_and_says_how_to_get_it(tmp_path, walkth
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_legal_path_with_a_broken_detail_is_an_input_error_not_a_crash(tmp_path, walkthrough_log):
+    log = tmp_path / "log.jsonl"
+    log.write_text(walkthrough_log.read_text().replace("loss_milli=241", "loss=0.241"))
+    result = trainjob("plot", log, "-o", tmp_path / "x.png")
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"trainjob plot: {log}:3: checkpointed detail has no loss_milli=<number>: 'step=4 loss=0.241'"]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--max-drop", "101"], "--max-drop is a percentage"),
     pytest.param(["-o", "nowhere/x.png"], "cannot write", marks=needs_matplotlib),

@@ -320,7 +320,7 @@ def cmd_diagram(args: argparse.Namespace) -> int:
         data = diagram.render(fmt)
     else:
         found = legal_path(args.log)
-        data = diagram.render(fmt, found, diagram.run_title(args.log, found))
+        data = diagram.render(fmt, found, diagram.run_title(found))
     _write_output(data, args.output)
     return EXIT_OK
 

@@ -157,8 +157,8 @@ def _mermaid(run: RunPath | None, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_title(log: Path, run: RunPath) -> str:
-    return f"trainjob: the path in {log.name}, last state {run.last_state}"
+def run_title(run: RunPath) -> str:
+    return f"trainjob: the path in {run.log.name}, last state {run.last_state}"
 
 
 def render(fmt: str, run: RunPath | None = None, title: str = TITLE) -> bytes:

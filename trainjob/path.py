@@ -232,6 +232,7 @@ class _Cursor:
 class RunPath:
     """A log's path: its steps, the lines that were not events, and the first illegal step."""
 
+    log: Path
     steps: list[Step] = attrs.Factory(list)
     skipped: list[str] = attrs.Factory(list)
     illegal: IllegalStep | None = None
@@ -254,7 +255,7 @@ class RunPath:
 
 def replay(log: Path) -> RunPath:
     """Replay ``log`` against the table, stopping at the first illegal step."""
-    found, cursor = RunPath(), _Cursor()
+    found, cursor = RunPath(log), _Cursor()
     for line in read_log(log):
         if line.event is None:
             found.skipped.append(f"line {line.number}: {line.problem}")

@@ -17,8 +17,8 @@ from collections import Counter
 
 import attrs
 
-from .errors import UsageError
-from .path import RunPath
+from .errors import InputError, UsageError
+from .path import RunPath, Step
 from .status import detail_fields
 
 VERDICT = re.compile(r"holdout: (\d+)/(\d+) vs baseline (\d+)/(\d+)(?: \(max drop (\d+)%\))?")
@@ -65,16 +65,23 @@ class Story:
     verdicts: list[Verdict] = attrs.Factory(list)
 
 
+def _number(run: RunPath, step: Step, key: str) -> int:
+    value = detail_fields(step.detail).get(key, "")
+    if not value.isdigit():
+        raise InputError(f"{run.log}:{step.line}: {step.event} detail has no {key}=<number>: {step.detail!r}")
+    return int(value)
+
+
 def story(run: RunPath) -> Story:
     """What the plot shows, read from a legal path. A log that starts mid-attempt has attempt None."""
     told, attempt, step = Story(), None, 0
     for s in run.steps:
         fields = detail_fields(s.detail)
         if s.event == "job_started":
-            attempt, step = int(fields["attempt"]), 0
+            attempt, step = _number(run, s, "attempt"), 0
         step = next((int(fields[k]) for k in STEP_FIELDS if fields.get(k, "").isdigit()), step)
         if s.event == "checkpointed":
-            told.losses.setdefault(attempt, []).append((step, int(fields["loss_milli"])))
+            told.losses.setdefault(attempt, []).append((step, _number(run, s, "loss_milli")))
             continue
         told.markers.append(Marker(s.line, s.event, attempt, step))
         if match := VERDICT.search(s.detail):
