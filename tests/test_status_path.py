@@ -70,6 +70,19 @@ def test_spent_retry_budget_is_a_legal_path_with_exit_1_and_no_complaint(pvc):
     assert moves[-1] == ("pending", "job_failed")
 
 
+def test_supervisor_lines_are_shown_beside_the_path_not_part_of_it(tmp_path):
+    supervised = subprocess.run([sys.executable, "-m", "trainjob", "supervise", "--backoff-base", "0.01", "--",
+                                 "run", "--pvc", tmp_path / "P", "--die-at", "4"], capture_output=True, text=True)
+    assert supervised.returncode == 0, supervised.stderr
+    result = trainjob("status", tmp_path / "P" / "log.jsonl", "--path")
+    assert result.returncode == 0 and result.stderr == ""
+    out = result.stdout.splitlines()
+    assert [PATH_LINE.fullmatch(line).group(2, 3, 4) for line in out if PATH_LINE.fullmatch(line)] == WALKTHROUGH_PATH
+    asides = [line.split("  ", 3)[-1] for line in out if "(supervisor)" in line]
+    assert [aside.split(" | ")[0] for aside in asides] == ["relaunch", "stop"]
+    assert out.index(next(line for line in out if "(supervisor)  relaunch" in line)) == 4  # in log order
+
+
 def test_spliced_logs_of_two_jobs_are_rejected_at_the_seam(tmp_path, walkthrough_log):
     other = tmp_path / "other"
     assert trainjob("run", "--pvc", other, "--force-weights", "0,0,0").returncode == 1
@@ -161,7 +174,7 @@ def test_usage_and_missing_log_exit_2(tmp_path, args, message):
 def test_log_without_events_exits_2(tmp_path):
     (tmp_path / "log.jsonl").write_text("not json\n")
     result = trainjob("status", tmp_path / "log.jsonl", "--path")
-    assert result.returncode == 2 and "holds no events" in result.stderr
+    assert result.returncode == 2 and "holds no events from trainjob run" in result.stderr
 
 
 # --- the rule, on hand-written logs -------------------------------------------------------------

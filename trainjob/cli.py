@@ -245,7 +245,7 @@ def warn(text: str) -> None:
 
 def _print_path(log: Path) -> int:
     found = replay(log)
-    emit("\n".join([*map(str, found.steps), *(f"skipped: {problem}" for problem in found.skipped)]))
+    emit("\n".join([*found.lines(), *(f"skipped: {problem}" for problem in found.skipped)]))
     if found.illegal is not None:  # a verdict on the log, like drift_failed on a model: exit 1
         warn(f"trainjob status: {log} {found.illegal}")
         return EXIT_FAILED
@@ -333,7 +333,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot}
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
+            "diagram": cmd_diagram, "plot": cmd_plot}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,8 @@ at all once the PVC says ``completed`` and the log's last event says so too. For
 
 The first event of a log may be any entry: the log can be younger than the PVC it describes.
 Lines that are not events (torn by a crash) are reported as skipped and never break the path.
+Lines another writer marked with its ``source`` (``trainjob supervise``) are not the machine's:
+they are shown beside the path and take no part in it.
 """
 
 from __future__ import annotations
@@ -179,6 +181,19 @@ class IllegalStep:
         return f"line {self.line}: illegal step {where}: {self.event} ({allowed})"
 
 
+@attrs.frozen
+class Aside:
+    """A line another writer (its ``source``) put in the log: shown, but no step of the machine."""
+
+    line: int
+    source: str
+    event: str
+    detail: str
+
+    def __str__(self) -> str:
+        return f"line {self.line:>3}  ({self.source})  {self.event} | {self.detail}"
+
+
 @functools.cache
 def _candidates(at: str | None, within: Edge | None, last_event: str | None) -> tuple[Edge, ...]:
     """Transitions the next event may belong to: the same process's first, then a new one's."""
@@ -234,8 +249,13 @@ class RunPath:
 
     log: Path
     steps: list[Step] = attrs.Factory(list)
+    asides: list[Aside] = attrs.Factory(list)
     skipped: list[str] = attrs.Factory(list)
     illegal: IllegalStep | None = None
+
+    def lines(self) -> list[str]:
+        """The path and the asides, in log order."""
+        return [str(entry) for entry in sorted([*self.steps, *self.asides], key=lambda entry: entry.line)]
 
     def taken(self) -> Counter[Edge]:
         """How many times the run took each edge (announcements within a move do not count)."""
@@ -260,13 +280,16 @@ def replay(log: Path) -> RunPath:
         if line.event is None:
             found.skipped.append(f"line {line.number}: {line.problem}")
             continue
+        if line.event.source is not None:
+            found.asides.append(Aside(line.number, line.event.source, line.event.event, line.event.detail))
+            continue
         step = cursor.advance(line.number, line.event.event, line.event.detail)
         if step is None:
             found.illegal = IllegalStep(line.number, cursor.where(), line.event.event, cursor.expected())
             return found
         found.steps.append(step)
     if not found.steps:
-        raise InputError(f"{log}: holds no events")
+        raise InputError(f"{log}: holds no events from trainjob run")
     return found
 
 
