@@ -101,10 +101,12 @@ def _successors(state: str) -> list[str]:
 
 def _row_passes(row: dict[str, Any], persisted: str, log_says_completed: bool) -> bool | None:
     """Do the row's guards pass? None when the log cannot tell."""
+    def holds(guard: str) -> bool | None:
+        read = START_GUARDS.get(guard)
+        return None if read is None else read(persisted, log_says_completed)
+
     must, must_not = guards(row)
-    answers = [START_GUARDS[g](persisted, log_says_completed) if g in START_GUARDS else None for g in must]
-    answers += [not START_GUARDS[g](persisted, log_says_completed) if g in START_GUARDS else None
-                for g in must_not]
+    answers = [holds(g) for g in must] + [None if holds(g) is None else not holds(g) for g in must_not]
     if False in answers:
         return False
     return None if None in answers else True
