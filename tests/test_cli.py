@@ -187,6 +187,17 @@ def test_resume_with_other_settings_is_refused(pvc):
     assert result.returncode == 2 and "same --lr" in result.stderr
 
 
+def test_fresh_attempt_killed_before_its_first_checkpoint_starts_from_step_0(tmp_path, pvc):
+    assert trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0").returncode == 1  # attempt 1 ends at step 10
+    assert trainjob("run", "--pvc", pvc, "--die-at", 1).returncode == 75  # attempt 2 dies before step 2's checkpoint
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    assert events(pvc / "log.jsonl")[-9:-7] == [("killed", "at_step=1"), ("resumed", "from_step=0")]
+    clean = tmp_path / "clean"
+    assert trainjob("run", "--pvc", clean).returncode == 0
+    weights = [json.loads(p.read_text())["weights"] for p in (pvc / "artifacts/model-v2.json", clean / "artifacts/model-v1.json")]
+    assert weights[0] == weights[1]
+
+
 def test_fresh_attempt_may_change_settings(pvc):
     assert trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0").returncode == 1
     assert trainjob("run", "--pvc", pvc, "--lr", "0.1").returncode == 0

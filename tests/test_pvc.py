@@ -87,7 +87,7 @@ def test_corrupt_files_are_input_errors_not_absent(tmp_path):
 
 def test_symlinks_on_the_pvc_are_refused(tmp_path):
     outside = tmp_path / "outside.json"
-    outside.write_text('{"step":1,"weights":[0,0,0],"bias":0,"loss_milli":0}')
+    outside.write_text('{"attempt":1,"step":1,"weights":[0,0,0],"bias":0,"loss_milli":0}')
     root = tmp_path / "pvc"
     root.mkdir()
     (root / "checkpoint.json").symlink_to(outside)

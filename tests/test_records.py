@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from trainjob.errors import InputError
 from trainjob.records import Checkpoint, dumps, load
 
-GOOD = {"step": 4, "weights": [1.0, 0.5, -1.0], "bias": 0.0, "loss_milli": 241}
+GOOD = {"attempt": 1, "step": 4, "weights": [1.0, 0.5, -1.0], "bias": 0.0, "loss_milli": 241}
 
 
 def bad(**change):
@@ -26,9 +26,9 @@ def bad(**change):
         (bad(bias="0.5"), "bias"),
         (bad(step=-1), "step"),
         (bad(weights=[1.0, 2.0]), "weights"),
-        ('{"step": 4, "weights": [1, 2, 1e400], "bias": 0, "loss_milli": 1}', "weights"),  # inf
-        ('{"step": 4}', "weights"),
-        ('{"step": NaN, "weights": [1,2,3], "bias": 0, "loss_milli": 1}', "NaN"),
+        ('{"attempt": 1, "step": 4, "weights": [1, 2, 1e400], "bias": 0, "loss_milli": 1}', "weights"),  # inf
+        ('{"attempt": 1, "step": 4}', "weights"),
+        ('{"attempt": 1, "step": NaN, "weights": [1,2,3], "bias": 0, "loss_milli": 1}', "NaN"),
         ("[1, 2]", "JSON object"),
         ('{"step": 4', "invalid JSON"),
         (b"\xff\xfe", "UTF-8"),
@@ -47,7 +47,7 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 @given(st.integers(0, 10**9), st.tuples(finite, finite, finite), finite, st.integers(0, 10**6))
 def test_round_trip_is_exact_and_canonical(step, weights, bias, loss):
-    ckpt = Checkpoint(step=step, weights=weights, bias=bias, loss_milli=loss)
+    ckpt = Checkpoint(attempt=1, step=step, weights=weights, bias=bias, loss_milli=loss)
     text = dumps(ckpt)
     again = load(text, Checkpoint, where="x")
     assert again == ckpt

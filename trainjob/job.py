@@ -84,6 +84,7 @@ class Job:
         self.checkpoint_loaded = pvc.read_checkpoint()
         self.attempts = pvc.read_attempts()
         self.attempt = max(self.attempts, 1)
+        self.resume_from: Checkpoint | None = None
         self.from_step = 0
         self.persisted_state: str | None = self.last.state if self.last else None
         self.artifact: dict[str, Any] = {}
@@ -141,10 +142,15 @@ class Job:
                     f"--lr {self.last.lr} on other data or settings; relaunch it with the same --lr and --data"
                 )
         ckpt = self.checkpoint_loaded
+        if ckpt is not None and ckpt.attempt != self.attempt:
+            # The newest checkpoint is an earlier, ended attempt's: this attempt was killed before
+            # its own first checkpoint and starts again from step 0.
+            ckpt = None
         if ckpt is not None and ckpt.step > self.cfg.steps:
             raise InputError(
                 f"{self.pvc.checkpoint_path}: checkpoint is at step {ckpt.step}, beyond --steps {self.cfg.steps}"
             )
+        self.resume_from = ckpt
         self.from_step = ckpt.step if ckpt else 0
         self._write_state("resumed")
         if self.attempts < self.attempt:  # died between writing state.json and attempts
@@ -160,7 +166,8 @@ class Job:
     def persist_checkpoint(self, ev: EventData) -> None:
         kw = ev.kwargs
         self.pvc.write_checkpoint(
-            Checkpoint(step=kw["step"], weights=kw["weights"], bias=kw["bias"], loss_milli=kw["loss_milli"])
+            Checkpoint(attempt=self.attempt, step=kw["step"], weights=kw["weights"], bias=kw["bias"],
+                       loss_milli=kw["loss_milli"])
         )
         self._write_state("checkpointed")
 
@@ -208,7 +215,7 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, data: Dataset, stop: StopFlag) 
     if job.state in machine.FINAL:
         return job.state
 
-    ckpt = job.checkpoint_loaded if job.state == "resumed" else None
+    ckpt = job.resume_from
     weights: Sequence[float] = ckpt.weights if ckpt else (0.0, 0.0, 0.0)
     bias = ckpt.bias if ckpt else 0.0
     step = last_saved = job.from_step

@@ -64,8 +64,10 @@ class LinearModel:
 
 @attrs.frozen
 class Checkpoint:
-    """Everything needed to continue training: the lab's ``checkpoint.json``."""
+    """Everything needed to continue training: the lab's ``checkpoint.json``, plus the attempt
+    it belongs to (so a fresh attempt never resumes from an ended attempt's weights)."""
 
+    attempt: int = attrs.field(validator=v.ge(1))
     step: int = attrs.field(validator=v.ge(0))
     weights: tuple[float, ...] = _weights()
     bias: float = attrs.field(validator=_finite)
