@@ -2,10 +2,13 @@
 
 This is the only place that knows exit codes:
 
-    0   completed
-    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path)
-    2   usage or input error (bad flag, missing or invalid file, already-completed PVC)
-    75  killed, preempted, PVC busy or storage trouble: safe to relaunch
+    0   completed (``verify``: everything verifies; ``reshard``: the new checkpoint is committed)
+    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path);
+        ``verify``: something that matters does not verify
+    2   usage or input error (bad flag, missing or invalid file, already-completed PVC, no
+        checkpoint verifies, world-size mismatch)
+    75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in
+        time: safe to relaunch
     70  an unexpected internal error (a bug in trainjob, never an honest failure)
 
 The same contract read the other ways lives here too: how ``supervise`` reads its child's exit
@@ -28,20 +31,31 @@ import attrs
 
 from . import __version__, controller, diagram, k8s, plot
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
-from .errors import InputError, TrainJobError, TryAgainLater, UsageError
+from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy,
+                     RankTimeout, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
 from .eventlog import EventLog
-from .job import RunConfig, StopFlag, run
+from .job import RunConfig, StopFlag, follow, run
 from .path import legal_path, replay
 from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
+from .ranks import launch_local, resolve_rank
+from .reshard import Reshard
 from .status import summarize
 from .supervise import Policy, supervise
+from .verify import verify_pvc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 
 # Errors, most specific first; the first isinstance match wins.
 EXIT_FOR_ERROR: list[tuple[type[TrainJobError], int]] = [
     (UsageError, EXIT_USAGE),
+    (AlreadyCompleted, EXIT_USAGE),
+    (NoVerifiedCheckpoint, EXIT_USAGE),   # message names `trainjob verify`
+    (WorldSizeMismatch, EXIT_USAGE),      # message names `trainjob reshard`
     (InputError, EXIT_USAGE),
+    (PvcBusy, EXIT_RELAUNCH),
+    (NoSpace, EXIT_RELAUNCH),
+    (RankTimeout, EXIT_RELAUNCH),
+    (PeerFailed, EXIT_RELAUNCH),
     (TryAgainLater, EXIT_RELAUNCH),
 ]
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
@@ -102,6 +116,24 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--die-at", type=int, help="teaching hook: exit 75 after this step (and its checkpoint)")
     r.add_argument("--force-weights", type=_weights, metavar="W0,W1,W2",
                    help="teaching hook: gate these weights (bias 0) instead of the trained ones")
+    r.add_argument("--keep", type=int, default=d.keep, help="committed checkpoints to keep (at least 1)")
+    r.add_argument("--world-size", type=int,
+                   help="number of ranks (default: $WORLD_SIZE, else 1); without a rank, starts them all here")
+    r.add_argument("--rank", type=int,
+                   help="this process's rank (default: $RANK, else $JOB_COMPLETION_INDEX); 0 coordinates")
+    r.add_argument("--rank-timeout", type=float, default=d.rank_timeout,
+                   help="seconds any wait for another rank may take before exiting 75")
+
+    v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
+    v.add_argument("--pvc", type=Path, required=True)
+    v.add_argument("--log", type=Path, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
+    v.add_argument("--json", action="store_true")
+
+    rs = sub.add_parser("reshard", help="rewrite a checkpoint for another world size (the source is kept)")
+    rs.add_argument("--pvc", type=Path, required=True)
+    rs.add_argument("--world-size", type=int, required=True)
+    rs.add_argument("--step", type=int, help="the step to reshard (default: the newest that verifies)")
+    rs.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
     s.add_argument("log", type=Path)
@@ -180,9 +212,10 @@ def _check_log_location(path: Path) -> None:
         raise InputError(f"{path.parent}: cannot create the log's directory: {exc.strerror}") from None
 
 
-def _run_config(args: argparse.Namespace) -> RunConfig:
+def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
     return RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
-                     backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights)
+                     backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights,
+                     keep=args.keep, world_size=world_size, rank_timeout=args.rank_timeout)
 
 
 def _log_path(args: argparse.Namespace) -> Path:
@@ -204,8 +237,11 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    cfg = _run_config(args)
+    spec = resolve_rank(args.rank, args.world_size, os.environ)
+    cfg = _run_config(args, spec.world_size)
     cfg.check()
+    if spec.rank is None:
+        return launch(spec.world_size, args.argv)
     stop = StopFlag()
     stop.install()
     data = load_dataset(args.data)
@@ -213,11 +249,53 @@ def cmd_run(args: argparse.Namespace) -> int:
     pvc.create()
     log_path = _log_path(args)
     _check_log_location(log_path)
-    with pvc.lock():
-        for path in pvc.remove_stray_tmp():
-            warn(f"trainjob: removed {path}, left by a writer that was killed mid-write")
-        final = run(cfg, pvc, EventLog(log_path), data, stop)
+    with pvc.lock(spec.rank):  # stray tmp files and directories are removed (and logged) by run
+        if spec.rank == 0:
+            final = run(cfg, pvc, EventLog(log_path), data, stop)
+        else:
+            final = follow(cfg, pvc, data, stop, spec.rank)
     return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
+
+
+def launch(world_size: int, argv: Sequence[str]) -> int:
+    """Run every rank here; the job's exit code is rank 0's, with two exceptions below."""
+    received, codes = launch_local(world_size, argv, finished=(EXIT_OK, EXIT_FAILED),
+                                   published=(EXIT_OK, EXIT_FAILED, EXIT_RELAUNCH))
+    code = codes[0] if codes[0] >= 0 else EXIT_RELAUNCH  # rank 0 killed by a signal: relaunchable
+    if any(c != code for c in codes[1:]):
+        warn(f"trainjob run: rank exit codes {codes}; the job's is rank 0's ({code})")
+    if received and code == EXIT_OK:
+        return EXIT_RELAUNCH  # never report success after being told to stop
+    return code
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    pvc = Pvc(args.pvc)
+    report = verify_pvc(pvc, _log_path(args))
+    if args.json:
+        emit(json.dumps({"ok": report.ok, "items": [attrs.asdict(i) for i in report.items]}, sort_keys=True))
+    else:
+        emit("\n".join([*(f"{i.verdict:<9} {i.kind:<10} {i.path}  {i.detail}".rstrip() for i in report.items),
+                         f"verdict: {'ok' if report.ok else 'FAILED'}"]))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    spec = resolve_rank(0, args.world_size, {})
+    if args.step is not None and args.step < 0:
+        raise UsageError(f"--step must be 0 or more, got {args.step}")
+    pvc = Pvc(args.pvc)
+    if not pvc.root.is_dir():
+        raise InputError(f"{pvc.root}: not a PVC directory")
+    with pvc.lock():
+        job = Reshard(pvc, EventLog(_log_path(args)), spec.world_size, args.step)
+        if job.target_exists():
+            emit(f"checkpoints/{job.target.name} already exists and verifies; nothing to do")
+            return EXIT_OK
+        job.reshard()
+    emit(f"wrote checkpoints/{job.target.name} (step {job.target.step}, world size {job.target.world_size}) "
+         f"from checkpoints/{job.source.name}, which stays until rotation removes it")
+    return EXIT_OK
 
 
 def emit(text: str | bytes) -> None:
@@ -334,11 +412,13 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
-            "diagram": cmd_diagram, "plot": cmd_plot}
+            "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv  # the local launcher hands the same arguments to every rank
     try:
         return COMMANDS[args.command](args)
     except TrainJobError as exc:

@@ -3,9 +3,14 @@
     TrainJobError                 base of everything below
     ├── UsageError(ValueError)    a flag or argument that cannot work        -> exit 2
     ├── InputError(ValueError)    a file trainjob reads is missing or wrong  -> exit 2
-    │   └── AlreadyCompleted      the PVC holds a completed job              -> exit 2
+    │   ├── AlreadyCompleted      the PVC holds a completed job              -> exit 2
+    │   ├── NoVerifiedCheckpoint  checkpoints exist, none verifies           -> exit 2
+    │   └── WorldSizeMismatch     newest checkpoint is for other world size  -> exit 2
     └── TryAgainLater(OSError)    nothing is wrong with the job; relaunch    -> exit 75
-        └── PvcBusy               another run holds the PVC lock             -> exit 75
+        ├── PvcBusy               another process holds the PVC (rank) lock  -> exit 75
+        ├── NoSpace               a checkpoint would not fit on the PVC      -> exit 75
+        ├── RankTimeout           a bounded wait for another rank ran out    -> exit 75
+        └── PeerFailed            the coordinator (rank 0) stopped on error  -> exit 75
 
 Honest failures (drift_failed, job_failed) are outcomes of the state machine, not
 exceptions. The mapping from error to exit code lives in exactly one place: ``cli.py``.
@@ -39,4 +44,24 @@ class TryAgainLater(TrainJobError, OSError):
 
 
 class PvcBusy(TryAgainLater):
-    """Another ``trainjob run`` holds the PVC's lock."""
+    """Another ``trainjob`` process holds the PVC's lock (or this rank's lock)."""
+
+
+class NoVerifiedCheckpoint(InputError):
+    """Checkpoints exist but none verifies: starting over would silently discard them."""
+
+
+class WorldSizeMismatch(InputError):
+    """The newest verified checkpoint was written by another world size; reshard it first."""
+
+
+class NoSpace(TryAgainLater):
+    """Free space on the PVC is below the size of the last checkpoint; nothing was deleted."""
+
+
+class RankTimeout(TryAgainLater):
+    """A bounded wait for another rank (through the PVC) ran out."""
+
+
+class PeerFailed(TryAgainLater):
+    """Rank 0 ended this launch with an error; the other ranks stop too."""

@@ -1,9 +1,18 @@
-"""The engine: drives the state machine through one process's share of a training job.
+"""The engine: drives one rank's share of a training job.
 
-``run`` loads what the PVC holds, lets the machine decide how this process begins, trains step
-by step, and hands the result to the gate. ``Job`` is the machine's model: its guards ask the
-pure functions in ``decisions.py``, its ``persist_*`` callbacks write to the PVC, and
-``announce`` appends the log event. The engine never writes a file or a log line itself.
+``run`` is rank 0, the coordinator: it loads what the PVC holds, lets the machine decide how
+this launch begins, trains step by step, commits checkpoints and hands the result to the gate.
+``follow`` is every other rank: it joins rank 0's launch through the PVC, trains the same steps
+and writes its own shard of each checkpoint. Both share ``train``, the step loop.
+
+``Job`` is the machine's model: its guards ask the pure functions in ``decisions.py``, its
+``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
+The engine never writes a file or a log line itself.
+
+Every rank computes the same full update (SGD over the same samples in the same order is
+sequential, so splitting the arithmetic would change the numbers); each rank *persists* only its
+slice of the parameter vector, and a resume reassembles the vector from all shards. That is what
+keeps the weights bit-for-bit equal at every world size.
 """
 
 from __future__ import annotations
@@ -11,19 +20,23 @@ from __future__ import annotations
 import hashlib
 import signal
 from collections import ChainMap
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 from transitions import EventData
 
-from . import decisions, machine
+from . import decisions, layout, machine
+from .checkpoints import CheckpointStore, Loaded, model_params, model_tensors, tensor_specs
 from .data import Dataset
-from .errors import AlreadyCompleted, InputError, UsageError
+from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, TryAgainLater, UsageError,
+                     WorldSizeMismatch)
 from .eventlog import EventLog
+from .layout import Ref
 from .model import evaluate, train_one_epoch
 from .pvc import Pvc
-from .records import Artifact, Checkpoint, RunState, dumps, load
+from .ranks import Peers, Superseded
+from .records import Artifact, Manifest, RunState, Session, dumps, load
 
 
 @attrs.frozen
@@ -35,6 +48,9 @@ class RunConfig:
     backoff_limit: int = 2
     die_at: int | None = None
     force_weights: tuple[float, float, float] | None = None
+    keep: int = 3
+    world_size: int = 1
+    rank_timeout: float = 60.0
 
     def check(self) -> None:
         """Raise UsageError for settings that cannot work, naming the flag and what to change."""
@@ -50,6 +66,15 @@ class RunConfig:
             raise UsageError(f"--backoff-limit must be 0 or more, got {self.backoff_limit}")
         if self.die_at is not None and not 1 <= self.die_at <= self.steps:
             raise UsageError(f"--die-at must be a step from 1 to --steps ({self.steps}), got {self.die_at}")
+        if self.keep < 1:
+            raise UsageError(f"--keep must be at least 1 (the newest checkpoint is always kept), got {self.keep}")
+        if not (self.rank_timeout > 0 and self.rank_timeout < float("inf")):
+            raise UsageError(f"--rank-timeout must be a positive number of seconds, got {self.rank_timeout}")
+
+    def settings(self, data_sha256: str) -> str:
+        """What every rank of one launch must agree on to compute the same updates."""
+        return (f"steps={self.steps} ckpt_every={self.ckpt_every} lr={self.lr!r} die_at={self.die_at} "
+                f"data={data_sha256[:16]}")
 
 
 class StopFlag:
@@ -67,12 +92,13 @@ class StopFlag:
 
 
 class Job:
-    """The state machine's model for one process of one attempt."""
+    """The state machine's model for rank 0 (the coordinator) of one launch."""
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str) -> None:
-        self.cfg, self.pvc, self.log, self.data_sha256 = cfg, pvc, log, data_sha256
+    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Peers) -> None:
+        self.cfg, self.pvc, self.log, self.data_sha256, self.peers = cfg, pvc, log, data_sha256, peers
+        self.store = CheckpointStore(pvc)
         self.last = pvc.read_state()
         completed = self.last is not None and self.last.state == "completed"
         self.completion_announced = completed and log.last_event() == "completed"
@@ -81,14 +107,52 @@ class Job:
                 f"{pvc.root}: this job already completed (attempt {self.last.attempt}); "
                 "use a fresh --pvc for a new job"
             )
-        self.checkpoint_loaded = pvc.read_checkpoint()
+        self.pointer = pvc.read_checkpoint()
         self.attempts = pvc.read_attempts()
         self.attempt = max(self.attempts, 1)
-        self.resume_from: Checkpoint | None = None
         self.from_step = 0
         self.persisted_state: str | None = self.last.state if self.last else None
         self.artifact: dict[str, Any] = {}
+        self.notes: list[tuple[str, dict[str, Any]]] = []  # announced within the next transition
+        self.rejected: list[tuple[Ref, str]] = []
+        self.loaded: Loaded | None = None
+        self.last_size = 0
+        if self.last is None or self.last.state not in decisions.ATTEMPT_ENDED:
+            self._discover(self.last.attempt if self.last else self.attempt)  # verify before any write
         machine.build(self)
+
+    def _discover(self, attempt: int) -> None:
+        """Find the newest checkpoint of ``attempt`` that verifies; refuse loudly if there is none."""
+        pointer = self.pointer if self.pointer is not None and self.pointer.attempt == attempt else None
+        named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
+        refs = self.store.committed()
+        verdicts = {}
+
+        def verify(ref: Ref) -> str | None:
+            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None)
+            return verdicts[ref].reason
+
+        pick = layout.pick_resume(refs, attempt, self.cfg.world_size, verify)
+        rejected = list(pick.rejected)
+        if named is not None and named not in refs:  # the newest commit vanished: damage, not "no checkpoint"
+            rejected.insert(0, (named, f"{pointer.dir}: missing, but checkpoint.json names it"))
+        where = self.store.rel(self.store.root)
+        if pick.mismatch is not None:
+            m = pick.mismatch
+            raise WorldSizeMismatch(
+                f"{where}/{m.name}: the newest verified checkpoint (step {m.step}) was written by "
+                f"{m.world_size} rank(s), this run has {self.cfg.world_size}; run `trainjob reshard --pvc "
+                f"{self.pvc.root} --world-size {self.cfg.world_size}` first, or relaunch with "
+                f"--world-size {m.world_size}")
+        if pick.chosen is None and rejected:
+            reasons = "; ".join(f"{ref.name}: {why}" for ref, why in rejected)
+            raise NoVerifiedCheckpoint(
+                f"{self.pvc.root}: no checkpoint verifies, and starting over would discard them ({reasons}); "
+                f"run `trainjob verify --pvc {self.pvc.root}` to inspect them")
+        if pick.chosen is not None:
+            self.loaded = self.store.load(pick.chosen, verdict=verdicts[pick.chosen])
+            self.last_size = self.loaded.size
+        self.rejected = rejected
 
     # --- guards: each one asks exactly one pure decision --------------------------------------
 
@@ -98,9 +162,9 @@ class Job:
         )
 
     def should_resume(self, _ev: EventData) -> bool:
-        ckpt = self.checkpoint_loaded
         return decisions.should_resume(
-            self.last.state if self.last else None, ckpt.step if ckpt else None, self.cfg.steps
+            self.last.state if self.last else None, self.loaded.manifest.step if self.loaded else None,
+            self.cfg.steps
         )
 
     def within_backoff(self, _ev: EventData) -> bool:
@@ -124,6 +188,12 @@ class Job:
             )
             self.persisted_state = state
 
+    def persist_cleanup(self, _ev: EventData) -> None:
+        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
+        removed += self.store.cleanup()
+        if removed:
+            self.notes.append(("cleaned_up", dict(removed=len(removed), paths=",".join(removed))))
+
     def persist_state(self, ev: EventData) -> None:
         self._write_state(ev.transition.dest)
 
@@ -141,17 +211,19 @@ class Job:
                     f"{self.pvc.state_path}: attempt {self.attempt} was cut short while training with "
                     f"--lr {self.last.lr} on other data or settings; relaunch it with the same --lr and --data"
                 )
-        ckpt = self.checkpoint_loaded
-        if ckpt is not None and ckpt.attempt != self.attempt:
-            # The newest checkpoint is an earlier, ended attempt's: this attempt was killed before
-            # its own first checkpoint and starts again from step 0.
-            ckpt = None
-        if ckpt is not None and ckpt.step > self.cfg.steps:
-            raise InputError(
-                f"{self.pvc.checkpoint_path}: checkpoint is at step {ckpt.step}, beyond --steps {self.cfg.steps}"
-            )
-        self.resume_from = ckpt
-        self.from_step = ckpt.step if ckpt else 0
+        loaded = self.loaded
+        if loaded is not None and loaded.manifest.step > self.cfg.steps:
+            raise InputError(f"{self.store.rel(self.store.path(loaded.ref))}: checkpoint is at step "
+                             f"{loaded.manifest.step}, beyond --steps {self.cfg.steps}")
+        self.from_step = loaded.manifest.step if loaded else 0
+        for ref, reason in self.rejected:  # out of the way of new commits, kept for inspection
+            moved = self.store.set_aside(ref)
+            self.notes.append(("checkpoint_rejected", dict(path=f"checkpoints/{ref.name}",
+                                                           moved_to=moved or "-", reason=reason)))
+        if loaded is not None:
+            pointer = self.store.pointer(loaded.manifest, loaded.ref, loaded.manifest_sha256)
+            if pointer != self.pointer:  # killed between commit and pointer, or fell back
+                self.pvc.write_checkpoint(pointer)
         self._write_state("resumed")
         if self.attempts < self.attempt:  # died between writing state.json and attempts
             self.pvc.write_attempts(self.attempt)
@@ -164,11 +236,21 @@ class Job:
         self.pvc.write_attempts(self.attempt)
 
     def persist_checkpoint(self, ev: EventData) -> None:
-        kw = ev.kwargs
-        self.pvc.write_checkpoint(
-            Checkpoint(attempt=self.attempt, step=kw["step"], weights=kw["weights"], bias=kw["bias"],
-                       loss_milli=kw["loss_milli"])
-        )
+        """Write rank 0's shard, gather the others' receipts, commit, point, rotate (in that order)."""
+        kw, world = ev.kwargs, self.cfg.world_size
+        ref = Ref(attempt=self.attempt, step=kw["step"], world_size=world)
+        tensors = model_tensors(kw["weights"], kw["bias"])
+        self.store.check_space(self.last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
+        staging = self.store.create_staging(ref, self.peers.generation)
+        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors)]
+        entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
+                                     lambda r: self.store.read_receipt(staging, r, world), ref.step)
+        manifest = Manifest(schema=1, step=ref.step, attempt=ref.attempt, world_size=world,
+                            loss_milli=kw["loss_milli"], tensors=tensor_specs(tensors), shards=entries)
+        sha = self.store.commit(staging, ref, manifest)
+        self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
+        self.last_size = sum(e.size for e in entries)
+        self.store.rotate(self.cfg.keep, world, protect=ref)
         self._write_state("checkpointed")
 
     def recall_artifact(self, _ev: EventData) -> None:
@@ -186,9 +268,8 @@ class Job:
                           holdout=kw["holdout"], baseline=kw["baseline"])
         data = (dumps(record) + "\n").encode()
         name = f"model-v{self.attempt}.json"
-        self.pvc.write_artifact(name, data)
-        # Hash the very bytes that were written, not a re-serialisation.
-        self.artifact = {"sha256": hashlib.sha256(data).hexdigest(), "path": f"artifacts/{name}"}
+        # The hash of the very bytes written (computed while writing), not a re-serialisation.
+        self.artifact = {"sha256": self.pvc.write_artifact(name, data), "path": f"artifacts/{name}"}
 
     # --- announcements: run after the state changed ---------------------------------------------
 
@@ -201,6 +282,11 @@ class Job:
     def _append(self, event: str, ev: EventData) -> None:
         self.log.append(event, machine.DETAIL[event](self._facts(ev)))
 
+    def announce_notes(self, _ev: EventData) -> None:
+        for event, facts in self.notes:
+            self.log.append(event, machine.DETAIL[event](facts))
+        self.notes.clear()
+
     def announce_artifact(self, ev: EventData) -> None:
         self._append("artifact_written", ev)
 
@@ -208,42 +294,123 @@ class Job:
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
 
 
-def run(cfg: RunConfig, pvc: Pvc, log: EventLog, data: Dataset, stop: StopFlag) -> str:
-    """Run this process's share of the job; return the state the machine ended in."""
-    job = Job(cfg, pvc, log, data.sha256)
-    job.start()
-    if job.state in machine.FINAL:
-        return job.state
+Save = Callable[[int, Sequence[float], float, int, bool], None]
+End = Callable[[str, int, Sequence[float], float], str]
 
-    ckpt = job.resume_from
-    weights: Sequence[float] = ckpt.weights if ckpt else (0.0, 0.0, 0.0)
-    bias = ckpt.bias if ckpt else 0.0
-    step = last_saved = job.from_step
-    loss = ckpt.loss_milli if ckpt else 0
 
-    def stop_now() -> str:
-        if step > last_saved:  # save the step we finished before obeying the signal
-            job.checkpoint(step=step, weights=weights, bias=bias, loss_milli=loss, force=True)
-        job.kill(at_step=step, signal=stop.signal)
-        return job.state
+def train(cfg: RunConfig, data: Dataset, peers: Peers, step: int, weights: Sequence[float], bias: float,
+          save: Save, end: End) -> str:
+    """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
-    while step < cfg.steps:
-        if stop.signal:
-            return stop_now()
+    A stop (SIGTERM here or at any other rank) is agreed through ``peers``: every rank trains on
+    to the largest step any rank had reached, saves it, and ends there.
+    """
+    last_saved, target, loss = step, None, 0
+    peers.step = step
+    while True:
+        if target is None and peers.stop_wanted():
+            target = peers.agree_stop()
+        if step >= (cfg.steps if target is None else target):
+            break
         step += 1
         weights, bias, mean_loss = train_one_epoch(weights, bias, data.train, cfg.lr)
         loss = decisions.loss_milli(mean_loss)
-        if job.checkpoint(step=step, weights=weights, bias=bias, loss_milli=loss):
+        peers.step = step
+        if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
+            save(step, weights, bias, loss, step == target)
             last_saved = step
         if cfg.die_at == step:
-            job.kill(at_step=step)
-            return job.state
-    if stop.signal:
-        return stop_now()
+            return end("die", step, weights, bias)
+    if target is None and peers.stop_wanted():  # the stop came during the last step
+        target = peers.agree_stop()
+    if target is None:
+        return end("done", step, weights, bias)
+    if step > last_saved:  # save the step we finished before obeying the stop
+        save(step, weights, bias, loss, True)
+    return end("stop", step, weights, bias)
 
-    if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
-        weights, bias = cfg.force_weights, 0.0
-    job.gate(weights=weights, bias=bias,
-             holdout=evaluate(weights, bias, data.holdout),
-             baseline=evaluate(data.baseline.weights, data.baseline.bias, data.holdout))
-    return job.state
+
+def run(cfg: RunConfig, pvc: Pvc, log: EventLog, data: Dataset, stop: StopFlag) -> str:
+    """Rank 0: run this launch of the job; return the state the machine ended in."""
+    peers = Peers(pvc, 0, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
+    job = Job(cfg, pvc, log, data.sha256, peers)
+    job.start()
+    loaded = job.loaded if job.state == "resumed" else None
+    if not peers.solo:
+        peers.publish(lambda g: Session(
+            generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
+            checkpoint=loaded.ref.name if loaded else None,
+            manifest_sha256=loaded.manifest_sha256 if loaded else None, settings=cfg.settings(data.sha256)))
+        peers.remove_stale()
+    try:
+        peers.wait_joined()
+        if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
+            peers.finish(job.state)
+            return job.state
+        weights, bias = model_params(loaded.tensors) if loaded else ((0.0, 0.0, 0.0), 0.0)
+
+        def save(step: int, weights: Sequence[float], bias: float, loss: int, force: bool) -> None:
+            job.checkpoint(step=step, weights=weights, bias=bias, loss_milli=loss, force=force)
+
+        def end(kind: str, step: int, weights: Sequence[float], bias: float) -> str:
+            if kind == "die":
+                job.kill(at_step=step)
+            elif kind == "stop":
+                job.kill(at_step=step, signal=stop.signal or peers.peer_signal())
+            else:
+                if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
+                    weights, bias = cfg.force_weights, 0.0
+                job.gate(weights=weights, bias=bias,
+                         holdout=evaluate(weights, bias, data.holdout),
+                         baseline=evaluate(data.baseline.weights, data.baseline.bias, data.holdout))
+            return job.state
+
+        state = train(cfg, data, peers, job.from_step, weights, bias, save, end)
+    except BaseException as exc:
+        peers.finish("error", f"{type(exc).__name__}: {exc}")
+        raise
+    peers.finish(state)
+    return state
+
+
+def follow(cfg: RunConfig, pvc: Pvc, data: Dataset, stop: StopFlag, rank: int) -> str:
+    """Rank >= 1: join rank 0's launch, train the same steps, write this rank's shards.
+
+    Returns the state rank 0 ended the launch in; this rank's exit code follows it.
+    """
+    peers = Peers(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
+    store = CheckpointStore(pvc)
+    settings, skip = cfg.settings(data.sha256), set()
+    while True:
+        session = peers.join(settings, skip)
+        try:
+            return _follow_generation(cfg, data, peers, store, session, rank)
+        except Superseded:
+            skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
+
+
+def _follow_generation(cfg: RunConfig, data: Dataset, peers: Peers, store: CheckpointStore,
+                       session: Session, rank: int) -> str:
+    try:
+        loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256)  # type: ignore[arg-type]
+                  if session.checkpoint else None)
+    except InputError:
+        peers.check_current()  # rotated away under a stale session: rejoin; else it is real damage
+        raise
+    weights, bias = model_params(loaded.tensors) if loaded else ((0.0, 0.0, 0.0), 0.0)
+
+    def save(step: int, weights: Sequence[float], bias: float, loss: int, force: bool) -> None:
+        ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
+        staging = store.staging(ref, session.generation)
+        peers.wait_staging(staging, step)
+        try:
+            entry = store.write_shard(staging, rank, cfg.world_size, step, model_tensors(weights, bias))
+            store.write_receipt(staging, entry)
+        except TryAgainLater:
+            peers.check_current()  # the staging directory went away with a stale generation
+            raise
+
+    def end(_kind: str, _step: int, _weights: Sequence[float], _bias: float) -> str:
+        return peers.wait_outcome().state
+
+    return train(cfg, data, peers, session.from_step, weights, bias, save, end)

@@ -6,6 +6,12 @@ drawn from it, and the log reader checks recorded paths against it.
 Each process starts in ``pending``; its one ``start`` trigger decides, through guards that call
 the pure functions in ``decisions.py``, whether this is a resumed attempt, a fresh attempt, or
 the end of the retry budget. Each state (but ``pending``) names the event logged on entering it.
+``trainjob reshard`` is a process of its own that takes the one ``reshard`` edge.
+
+Some events are announced *within* a transition, just before its state's event:
+``ANNOUNCED_WITHIN`` says which, and into which states (cleanup of abandoned checkpoint
+directories, checkpoints rejected by verification, the artifact's hash). Nothing is logged
+beside this table.
 
 Callback order, and why: ``before`` callbacks persist to the PVC *before* the state changes, so
 a failed write leaves the machine where it was and nothing is announced; the machine-wide
@@ -23,22 +29,23 @@ from transitions.core import State
 INITIAL = "pending"
 # Where an attempt can be while it trains; a kill can land in any of them.
 TRAINING = ["started", "resumed", "checkpointed"]
-FINAL = ["killed", "drift_failed", "job_failed", "completed"]
+FINAL = ["killed", "drift_failed", "job_failed", "completed", "resharded"]
 STATES = [INITIAL, *TRAINING, *FINAL]
 
 TRANSITIONS: list[dict[str, Any]] = [
-    # A process begins. Its predecessor may have been killed after committing "completed" but
-    # before logging it: finish that announcement (transitions takes the first edge whose
-    # guards pass, so this one must come first).
-    dict(trigger="start", source=INITIAL, dest="completed",
-         conditions="completion_unannounced", before="recall_artifact", after="announce_artifact"),
-    # Otherwise: continue the cut-short attempt, start a fresh one, or give up.
-    dict(trigger="start", source=INITIAL, dest="resumed",
-         conditions="should_resume", before="persist_resume"),
-    dict(trigger="start", source=INITIAL, dest="started",
-         conditions="within_backoff", unless="should_resume", before="persist_start"),
-    dict(trigger="start", source=INITIAL, dest="job_failed",
-         unless=["should_resume", "within_backoff"], before="persist_state"),
+    # A process begins, first clearing what killed writers left. Its predecessor may have been
+    # killed after committing "completed" but before logging it: finish that announcement
+    # (transitions takes the first edge whose guards pass, so this one must come first).
+    dict(trigger="start", source=INITIAL, dest="completed", conditions="completion_unannounced",
+         before=["persist_cleanup", "recall_artifact"], after=["announce_notes", "announce_artifact"]),
+    # Otherwise: continue the cut-short attempt (from the newest checkpoint that verifies),
+    # start a fresh one, or give up.
+    dict(trigger="start", source=INITIAL, dest="resumed", conditions="should_resume",
+         before=["persist_cleanup", "persist_resume"], after="announce_notes"),
+    dict(trigger="start", source=INITIAL, dest="started", conditions="within_backoff", unless="should_resume",
+         before=["persist_cleanup", "persist_start"], after="announce_notes"),
+    dict(trigger="start", source=INITIAL, dest="job_failed", unless=["should_resume", "within_backoff"],
+         before=["persist_cleanup", "persist_state"], after="announce_notes"),
     # Training: after each step, a checkpoint when due; a kill between any two steps.
     dict(trigger="checkpoint", source=TRAINING, dest="checkpointed",
          conditions="should_checkpoint", before="persist_checkpoint"),
@@ -49,6 +56,9 @@ TRANSITIONS: list[dict[str, Any]] = [
          after="announce_artifact"),
     dict(trigger="gate", source=["resumed", "checkpointed"], dest="drift_failed",
          unless="drift_passes", before="persist_state"),
+    # `trainjob reshard`: rewrite a checkpoint for another world size, then stop.
+    dict(trigger="reshard", source=INITIAL, dest="resharded",
+         before=["persist_cleanup", "persist_reshard"], after="announce_notes"),
 ]
 
 # How each guard reads on the diagrams: the decision it stands for when it holds, and when it
@@ -65,8 +75,13 @@ GUARD_LABELS = {
 EVENT_FOR_STATE = {state: state for state in STATES if state != INITIAL}
 EVENT_FOR_STATE["started"] = "job_started"
 STATE_FOR_EVENT = {event: state for state, event in EVENT_FOR_STATE.items()}
-# Logged inside a transition rather than as one: artifact_written comes just before completed.
-ANNOUNCED_WITHIN = {"artifact_written": "completed"}
+# Logged inside a transition rather than as one, just before the event of the state entered:
+# event -> the states whose entering transitions may announce it.
+ANNOUNCED_WITHIN: dict[str, tuple[str, ...]] = {
+    "cleaned_up": ("started", "resumed", "job_failed", "completed", "resharded"),
+    "checkpoint_rejected": ("resumed",),
+    "artifact_written": ("completed",),
+}
 
 Facts = Mapping[str, Any]
 DETAIL: dict[str, Callable[[Facts], str]] = {
@@ -80,6 +95,10 @@ DETAIL: dict[str, Callable[[Facts], str]] = {
     "drift_failed": (
         "holdout: {holdout} vs baseline {baseline} (max drop {max_drop}%); refusing artifact".format_map
     ),
+    "cleaned_up": "removed={removed} paths={paths}".format_map,
+    "checkpoint_rejected": "path={path} moved_to={moved_to} reason={reason}".format_map,
+    "resharded": ("step={step} from_world_size={from_world_size} world_size={world_size} "
+                  "path={path} source_manifest_sha256={source_manifest_sha256}").format_map,
 }
 
 

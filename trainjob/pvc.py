@@ -2,30 +2,37 @@
 
 Layout of a PVC directory (all paths relative to it):
 
-    .lock                      flock'd by the one run allowed to write here
+    .lock                      flock'd by rank 0 (the one coordinator allowed to write here)
+    .lock.rank-NNNNN           flock'd by rank N >= 1 (two rank-1 processes must not both run)
     state.json                 RunState: the machine's last state and the attempt number
     attempts                   the attempt counter as a plain integer (the lab's contract)
-    checkpoint.json            the newest checkpoint (step, weights, bias, loss_milli)
+    checkpoint.json            pointer to the newest committed checkpoint (``.step`` and more)
+    checkpoints/               one directory per committed checkpoint (see checkpoints.py)
+    ranks/                     how ranks coordinate through the PVC (see ranks.py)
     artifacts/model-vN.json    the model published by attempt N
     log.jsonl                  the decision log, unless ``--log`` points elsewhere
 
-Every write goes through ``atomic_write``: a reader (or a relaunch after SIGKILL) sees the old
-bytes or the new bytes, never a mixture. Readers are strict: a file that exists but does not
-parse is an InputError, never mistaken for "no file". This module makes no decisions.
+Every file write goes through ``atomic_write`` and every checkpoint directory through
+``commit_dir``: a reader (or a relaunch after SIGKILL) sees the old state or the new state,
+never a mixture. Readers are strict: a file that exists but does not parse is an InputError,
+never mistaken for "no file". This module makes no decisions.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+import attrs
+
 from .errors import InputError, PvcBusy, TryAgainLater
-from .records import Checkpoint, RunState, dumps, load
+from .records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
 
@@ -34,7 +41,7 @@ DIR_MODE = 0o755
 _TMP = re.compile(r".+\.tmp\.\d+")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -42,28 +49,62 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
+@attrs.frozen
+class Written:
+    """What ``atomic_write`` put on disk: its size and sha256, computed from the bytes as written."""
+
+    size: int
+    sha256: str
+
+
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
     """Replace ``path`` with ``data`` so that a crash at any instant leaves old or new bytes.
 
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
     directory (so the rename itself survives power loss, not only a killed process).
+    ``data`` may be an iterable of chunks, so a large shard streams through in bounded memory;
+    every chunk is hashed as it is written, never by reading the file back.
     Storage errors become TryAgainLater: the previous file is untouched, a relaunch is safe.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                view = memoryview(chunk).cast("B")
+                digest.update(view)  # releases the GIL on large chunks: other ranks' threads run
+                size += len(view)
+                while view:
+                    view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise TryAgainLater(f"{path}: write failed: {exc.strerror or exc}") from None
+    return Written(size=size, sha256=digest.hexdigest())
+
+
+def commit_dir(staging: Path, final: Path) -> None:
+    """Publish the fully written directory ``staging`` as ``final``, all or nothing.
+
+    Every file in ``staging`` was written with ``atomic_write`` (so it is fsynced); this fsyncs
+    the directory itself, renames it into place and fsyncs the parent, so after a crash at any
+    instant ``final`` either does not exist or is complete. Never replaces an existing ``final``
+    (``rename`` would silently replace an empty directory): callers hold the PVC lock, so the
+    check cannot race another trainjob writer.
+    """
+    if os.path.lexists(final):
+        raise InputError(f"{final}: already exists; trainjob never overwrites a committed checkpoint")
+    try:
+        fsync_dir(staging)
+        os.rename(staging, final)
+        fsync_dir(final.parent)
+    except OSError as exc:
+        raise TryAgainLater(f"{final}: commit failed: {exc.strerror or exc}") from None
 
 
 def make_dir(path: Path) -> None:
@@ -103,21 +144,26 @@ class Pvc:
             refuse_symlink(entry)
 
     @contextmanager
-    def lock(self) -> Iterator[None]:
-        """Hold the PVC's exclusive lock; a second writer gets PvcBusy at once, never waits."""
-        path = self.root / ".lock"
+    def lock(self, rank: int = 0) -> Iterator[None]:
+        """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock.
+
+        A second holder gets PvcBusy at once, never waits. Rank 0's lock is the job lock that
+        ``run``, ``reshard`` and the coordinator take; each other rank has its own, so two
+        rank-1 processes cannot both write rank 1's shards.
+        """
+        path = self.root / (".lock" if rank == 0 else f".lock.rank-{rank:05d}")
+        busy = (f"{self.root}: another trainjob run holds this PVC" if rank == 0 else
+                f"{path}: another rank-{rank} process of this job holds this rank's lock")
         refuse_symlink(path)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
         except OSError as exc:
-            raise InputError(f"{path}: cannot open the PVC's lock file: {exc.strerror}") from None
+            raise InputError(f"{path}: cannot open the lock file: {exc.strerror}") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise PvcBusy(
-                    f"{self.root}: another trainjob run holds this PVC; relaunch when it has exited"
-                ) from None
+                raise PvcBusy(f"{busy}; relaunch when it has exited") from None
             yield
         finally:
             os.close(fd)  # closing releases the lock, also when the process is killed
@@ -125,7 +171,7 @@ class Pvc:
     def remove_stray_tmp(self) -> list[Path]:
         """Delete tmp files left by writers that were killed mid-write (call under the lock)."""
         removed = []
-        for directory in (self.root, self.artifacts):
+        for directory in (self.root, self.artifacts, self.root / "ranks"):
             if directory.is_dir():
                 for path in directory.iterdir():
                     if _TMP.fullmatch(path.name) and path.is_file():
@@ -135,7 +181,7 @@ class Pvc:
 
     # --- readers: None when absent, InputError when present but wrong ------------------------
 
-    def _read(self, path: Path) -> bytes | None:
+    def read_bytes(self, path: Path) -> bytes | None:
         refuse_symlink(path)
         try:
             return path.read_bytes()
@@ -144,20 +190,21 @@ class Pvc:
         except OSError as exc:
             raise InputError(f"{path}: cannot read: {exc.strerror}") from None
 
-    def _read_record(self, path: Path, cls: type[T]) -> T | None:
-        raw = self._read(path)
+    def read_record(self, path: Path, cls: type[T]) -> T | None:
+        raw = self.read_bytes(path)
         if raw is None:
             return None
         return load(raw, cls, where=f"{path} (fix or move it aside; trainjob will not overwrite it)")
 
     def read_state(self) -> RunState | None:
-        return self._read_record(self.state_path, RunState)
+        return self.read_record(self.state_path, RunState)
 
-    def read_checkpoint(self) -> Checkpoint | None:
-        return self._read_record(self.checkpoint_path, Checkpoint)
+    def read_checkpoint(self) -> CheckpointPointer | None:
+        """The pointer ``checkpoint.json``; the checkpoint itself is read by checkpoints.py."""
+        return self.read_record(self.checkpoint_path, CheckpointPointer)
 
     def read_attempts(self) -> int:
-        raw = self._read(self.attempts_path)
+        raw = self.read_bytes(self.attempts_path)
         if raw is None:
             return 0
         text = raw.decode("ascii", errors="replace").strip()
@@ -166,7 +213,7 @@ class Pvc:
         return int(text)
 
     def read_artifact(self, name: str) -> bytes:
-        data = self._read(self.artifacts / name)
+        data = self.read_bytes(self.artifacts / name)
         if data is None:
             raise InputError(f"{self.artifacts / name}: missing, but state.json says the job completed")
         return data
@@ -179,14 +226,14 @@ class Pvc:
     def write_attempts(self, attempts: int) -> None:
         atomic_write(self.attempts_path, f"{attempts}\n".encode())
 
-    def write_checkpoint(self, checkpoint: Checkpoint) -> None:
-        atomic_write(self.checkpoint_path, (dumps(checkpoint) + "\n").encode())
+    def write_checkpoint(self, pointer: CheckpointPointer) -> None:
+        atomic_write(self.checkpoint_path, (dumps(pointer) + "\n").encode())
 
-    def write_artifact(self, name: str, data: bytes) -> Path:
+    def write_artifact(self, name: str, data: bytes) -> str:
         """Publish an artifact; identical bytes already there are fine, different ones are not."""
         refuse_symlink(self.artifacts)
         path = self.artifacts / name
-        existing = self._read(path)
+        existing = self.read_bytes(path)
         if existing is not None and existing != data:
             raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
         if existing is None:
@@ -194,5 +241,5 @@ class Pvc:
                 make_dir(self.artifacts)
             except OSError as exc:
                 raise TryAgainLater(f"{self.artifacts}: cannot create: {exc.strerror}") from None
-            atomic_write(path, data)
-        return path
+            return atomic_write(path, data).sha256
+        return hashlib.sha256(existing).hexdigest()

@@ -63,15 +63,124 @@ class LinearModel:
 
 
 @attrs.frozen
-class Checkpoint:
-    """Everything needed to continue training: the lab's ``checkpoint.json``, plus the attempt
-    it belongs to (so a fresh attempt never resumes from an ended attempt's weights)."""
+class CheckpointPointer:
+    """``checkpoint.json``: names the newest committed checkpoint directory (the lab's contract).
 
-    attempt: int = attrs.field(validator=v.ge(1))
+    A convenience for people and scripts (``.step`` is the newest committed step). The truth is
+    the directories under ``checkpoints/``; resume never loads through this file, but a pointer
+    naming a checkpoint that is missing or different is treated as evidence of damage.
+    """
+
     step: int = attrs.field(validator=v.ge(0))
-    weights: tuple[float, ...] = _weights()
-    bias: float = attrs.field(validator=_finite)
+    attempt: int = attrs.field(validator=v.ge(1))
+    world_size: int = attrs.field(validator=v.ge(1))
     loss_milli: int = attrs.field(validator=v.ge(0))
+    dir: str = attrs.field(validator=v.matches_re(r"checkpoints/[A-Za-z0-9._-]+"))
+    manifest_sha256: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{64}"))
+
+
+# --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
+
+MANIFEST_SCHEMA = 1
+DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+_PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
+_SHA256 = r"[0-9a-f]{64}"
+
+
+def _shape() -> Any:
+    # At least one axis: shards split tensors along the first one.
+    return attrs.field(converter=tuple, validator=[
+        v.min_len(1), v.max_len(8), v.deep_iterable(v.and_(v.instance_of(int), v.ge(0)))])
+
+
+@attrs.frozen
+class TensorSpec:
+    """A whole tensor of the training state; shards split it along its first axis."""
+
+    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    dtype: str = attrs.field(validator=v.in_(DTYPES))
+    shape: tuple[int, ...] = _shape()
+
+
+@attrs.frozen
+class TensorSlice:
+    """Rows ``start .. start + shape[0]`` of the tensor ``name``, as stored in one shard file."""
+
+    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    dtype: str = attrs.field(validator=v.in_(DTYPES))
+    shape: tuple[int, ...] = _shape()
+    start: int = attrs.field(validator=v.ge(0))
+
+
+@attrs.frozen
+class ShardEntry:
+    """One shard file: who wrote it, its exact size and sha256 (hashed while written), its contents.
+
+    ``file`` is a plain name: the regex below is the first line of defence, ``layout.plain_name``
+    the second (it also refuses ``.``/``..``), and the loader opens it with O_NOFOLLOW.
+    """
+
+    rank: int = attrs.field(validator=v.ge(0))
+    file: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    size: int = attrs.field(validator=v.ge(0))
+    sha256: str = attrs.field(validator=v.matches_re(_SHA256))
+    holds: tuple[TensorSlice, ...] = attrs.field(converter=tuple)
+
+
+@attrs.frozen
+class Manifest:
+    """``manifest.json``, written last into a checkpoint directory: the contract the loader checks.
+
+    ``resharded_from`` is the sha256 of the source manifest's bytes when ``trainjob reshard``
+    wrote this checkpoint, and None when training did.
+    """
+
+    schema: int = attrs.field(validator=v.in_((MANIFEST_SCHEMA,)))
+    step: int = attrs.field(validator=v.ge(0))
+    attempt: int = attrs.field(validator=v.ge(1))
+    world_size: int = attrs.field(validator=v.ge(1))
+    loss_milli: int = attrs.field(validator=v.ge(0))
+    tensors: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
+    shards: tuple[ShardEntry, ...] = attrs.field(converter=tuple)
+    resharded_from: str | None = attrs.field(default=None,
+                                              validator=v.optional(v.matches_re(_SHA256)))
+
+
+@attrs.frozen
+class Session:
+    """``ranks/session.json``: what rank 0 tells the other ranks about the current launch.
+
+    ``generation`` grows by one with every launch of rank 0; a rank always follows the newest
+    generation and discards work done for an older one. ``settings`` must equal the joining
+    rank's own (steps, lr, data, ...), so every rank computes the same updates.
+    """
+
+    generation: int = attrs.field(validator=v.ge(1))
+    world_size: int = attrs.field(validator=v.ge(1))
+    attempt: int = attrs.field(validator=v.ge(1))
+    from_step: int = attrs.field(validator=v.ge(0))
+    checkpoint: str | None  # checkpoint directory name to resume from; None: start from zeros
+    manifest_sha256: str | None
+    settings: str
+
+
+@attrs.frozen
+class RankNote:
+    """A rank's note for one generation: ``join`` (I am here) or ``stop`` (I stop after ``step``;
+    ``signal`` is the signal this rank received, empty when it stops because a peer does)."""
+
+    rank: int = attrs.field(validator=v.ge(0))
+    step: int = attrs.field(validator=v.ge(0))
+    signal: str = ""
+
+
+@attrs.frozen
+class Outcome:
+    """How rank 0 ended a generation: a final machine state, or ``error`` with its message."""
+
+    generation: int = attrs.field(validator=v.ge(0))
+    state: str
+    message: str = ""
 
 
 @attrs.frozen
@@ -150,6 +259,8 @@ _strict(str, (str,))
 def _describe(exc: BaseException, _type: Any) -> str:
     if isinstance(exc, KeyError):
         return "required field is missing"
+    if len(exc.args) > 1 and isinstance(exc.args[0], str) and exc.args[0]:  # attrs: (message, attr, ...)
+        return exc.args[0]
     return str(exc) or type(exc).__name__
 
 

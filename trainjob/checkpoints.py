@@ -1,0 +1,295 @@
+"""Sharded checkpoints on the PVC: stage, commit, list, verify, load, rotate and clean up.
+
+Layout under ``P/checkpoints/`` (names are fixed width, so they sort by step):
+
+    step-00000004-a0001-w002/            committed: manifest.json exists (it is written last)
+        shard-00000-of-00002.safetensors
+        shard-00001-of-00002.safetensors
+        manifest.json
+    .tmp-step-00000006-a0001-w002.g00000003/   being built by launch (generation) 3, or abandoned
+        shard-00001-of-00002.safetensors
+        shard-00001-of-00002.receipt.json   rank 1's size + sha256, read by rank 0, then removed
+    .trash-step-00000002-a0001-w002      being deleted by rotation (renamed first, so a half-deleted
+                                         directory never looks committed)
+    rejected-step-00000008-a0001-w002    set aside by a resume because it failed verification;
+                                         kept for inspection, never loaded, never deleted by trainjob
+
+This module does the I/O; every choice (what to resume from, what to delete, whether a manifest
+is consistent) is asked of the pure functions in ``layout.py``. Writes go through
+``pvc.atomic_write`` and ``pvc.commit_dir`` only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from . import layout, shards
+from .errors import InputError, NoSpace, TryAgainLater
+from .layout import MANIFEST, Ref
+from .pvc import Pvc, atomic_write, commit_dir, fsync_dir
+from .records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
+
+# The built-in model's whole training state: one float64 vector [w0, w1, w2, bias].
+MODEL_TENSORS = (TensorSpec(name="params", dtype="F64", shape=(4,)),)
+RECEIPT = ".receipt.json"
+TMP, TRASH, REJECTED = ".tmp-", ".trash-", "rejected-"
+
+
+def model_tensors(weights: Sequence[float], bias: float) -> dict[str, np.ndarray]:
+    return {"params": np.array([*weights, bias], dtype=np.float64)}
+
+
+def model_params(tensors: Mapping[str, np.ndarray]) -> tuple[tuple[float, float, float], float]:
+    w0, w1, w2, bias = (float(x) for x in tensors["params"])  # float64 -> float: exact
+    return (w0, w1, w2), bias
+
+
+def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(name=n, dtype=shards.dtype_code(a), shape=a.shape) for n, a in sorted(tensors.items()))
+
+
+@attrs.frozen
+class Verdict:
+    """What ``verify`` found: ``reason`` is None when the checkpoint is sound."""
+
+    manifest: Manifest | None
+    sha256: str | None
+    reason: str | None
+
+
+@attrs.frozen
+class Loaded:
+    ref: Ref
+    manifest: Manifest
+    manifest_sha256: str
+    tensors: dict[str, np.ndarray]
+
+    @property
+    def size(self) -> int:
+        return sum(s.size for s in self.manifest.shards)
+
+
+class CheckpointStore:
+    """The ``checkpoints/`` directory of one PVC."""
+
+    def __init__(self, pvc: Pvc) -> None:
+        self.pvc = pvc
+        self.root = pvc.root / "checkpoints"
+
+    def path(self, ref: Ref) -> Path:
+        return self.root / ref.name
+
+    def rel(self, path: Path) -> str:
+        return str(path.relative_to(self.pvc.root))
+
+    # --- listing -----------------------------------------------------------------------------
+
+    def entries(self) -> list[str]:
+        if self.root.is_symlink():
+            raise InputError(f"{self.root}: is a symlink; trainjob does not follow links on the PVC")
+        try:
+            return sorted(os.listdir(self.root))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise InputError(f"{self.root}: cannot list: {exc.strerror}") from None
+
+    def committed(self) -> list[Ref]:
+        """Every directory named like a checkpoint (its manifest is checked by ``verify``)."""
+        return [ref for name in self.entries() if (ref := Ref.parse(name)) is not None]
+
+    # --- verification and loading --------------------------------------------------------------
+
+    def read_manifest(self, ref: Ref) -> tuple[Manifest, str]:
+        """The manifest and the sha256 of its bytes; InputError naming the problem."""
+        directory = self.path(ref)
+        st = os.lstat(directory) if os.path.lexists(directory) else None
+        if st is None:
+            raise InputError(f"{self.rel(directory)}: missing")
+        if not stat.S_ISDIR(st.st_mode):
+            raise InputError(f"{self.rel(directory)}: not a directory (a symlink is never followed)")
+        path = directory / MANIFEST
+        raw = self.pvc.read_bytes(path)
+        if raw is None:
+            raise InputError(f"{self.rel(path)}: missing: the checkpoint was never committed")
+        manifest = load(raw, Manifest, where=self.rel(path))
+        problems = layout.manifest_problems(manifest, ref.name)
+        if problems:
+            raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
+        return manifest, hashlib.sha256(raw).hexdigest()
+
+    def check_files(self, ref: Ref, manifest: Manifest) -> str | None:
+        """Size and sha256 of every shard, hashed in parallel; and no file beside them."""
+        directory = self.path(ref)
+        expected = {MANIFEST, *(s.file for s in manifest.shards)}
+        extra = sorted(set(os.listdir(directory)) - expected)
+        if extra:
+            return f"{self.rel(directory)}: holds files the manifest does not list: {', '.join(extra)}"
+        jobs = [(directory / s.file, s.size, s.sha256) for s in manifest.shards]
+        if len(jobs) == 1:
+            reasons = [shards.hash_file(*jobs[0])]
+        else:  # hashlib and os.readv release the GIL: threads hash shards on all cores
+            with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1, 16)) as pool:
+                reasons = list(pool.map(lambda j: shards.hash_file(*j), jobs))
+        bad = [r for r in reasons if r]
+        return f"{self.rel(directory)}: {'; '.join(bad)}" if bad else None
+
+    def verify(self, ref: Ref, expect_sha256: str | None = None) -> Verdict:
+        """Check everything but the tensors' values: manifest, names, sizes, sha256 of every byte."""
+        try:
+            manifest, sha = self.read_manifest(ref)
+        except InputError as exc:
+            return Verdict(None, None, str(exc))
+        if expect_sha256 is not None and sha != expect_sha256:
+            return Verdict(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
+                                          f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
+        return Verdict(manifest, sha, self.check_files(ref, manifest))
+
+    def read_tensors(self, ref: Ref, manifest: Manifest) -> dict[str, np.ndarray]:
+        """Reassemble the whole state from a checkpoint that ``verify`` passed."""
+        full = {t.name: np.zeros(t.shape, dtype=np.dtype(shards._NP_DTYPE[t.dtype])) for t in manifest.tensors}
+        for shard in manifest.shards:
+            try:
+                part = shards.read(self.path(ref) / shard.file, shard.holds)
+            except ValueError as exc:
+                raise InputError(f"{self.rel(self.path(ref))}: {exc}") from None
+            for h in shard.holds:
+                full[h.name][h.start:h.start + h.shape[0]] = part[h.name]
+        return full
+
+    def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verdict | None = None) -> Loaded:
+        """Verify (unless ``verdict`` is a fresh pass), then load; InputError when it does not verify."""
+        verdict = verdict or self.verify(ref, expect_sha256)
+        if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None:
+            raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
+        return Loaded(ref, verdict.manifest, verdict.sha256, self.read_tensors(ref, verdict.manifest))
+
+    # --- writing: any rank writes its own shard; rank 0 commits ---------------------------------
+
+    def staging(self, ref: Ref, generation: int) -> Path:
+        return self.root / f"{TMP}{ref.name}.g{generation:08d}"
+
+    def create_staging(self, ref: Ref, generation: int) -> Path:
+        path = self.staging(ref, generation)
+        try:
+            self.root.mkdir(exist_ok=True)
+            path.mkdir(exist_ok=True)
+            fsync_dir(self.root)
+        except OSError as exc:
+            raise TryAgainLater(f"{path}: cannot create: {exc.strerror}") from None
+        return path
+
+    def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
+                    tensors: Mapping[str, np.ndarray]) -> ShardEntry:
+        """Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
+        holds = layout.plan_shards(tensor_specs(tensors), world_size)[rank]
+        return self.write_slices(staging, rank, world_size, step, holds,
+                                 {h.name: tensors[h.name][h.start:h.start + h.shape[0]] for h in holds})
+
+    def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
+                     holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray]) -> ShardEntry:
+        """Write rank ``rank``'s shard holding ``mine`` (described by ``holds``) into ``staging``."""
+        name = layout.shard_file(rank, world_size)
+        meta = {"rank": str(rank), "world_size": str(world_size), "step": str(step)}
+        written = atomic_write(staging / name, shards.encode(mine, meta))
+        return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
+
+    def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
+        atomic_write(staging / (entry.file + RECEIPT), (dumps(entry) + "\n").encode())
+
+    def receipt_path(self, staging: Path, rank: int, world_size: int) -> Path:
+        return staging / (layout.shard_file(rank, world_size) + RECEIPT)
+
+    def read_receipt(self, staging: Path, rank: int, world_size: int) -> ShardEntry:
+        path = self.receipt_path(staging, rank, world_size)
+        entry = self.pvc.read_record(path, ShardEntry)
+        if entry is None or entry.rank != rank or entry.file != layout.shard_file(rank, world_size):
+            raise InputError(f"{path}: missing or not rank {rank}'s receipt")
+        return entry
+
+    def commit(self, staging: Path, ref: Ref, manifest: Manifest) -> str:
+        """Write the manifest last and rename the directory into place; return the manifest's sha256."""
+        for shard in manifest.shards:  # receipts were for rank 0 only; the manifest now says it all
+            (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
+        written = atomic_write(staging / MANIFEST, (dumps(manifest) + "\n").encode())
+        commit_dir(staging, self.path(ref))
+        return written.sha256
+
+    def check_space(self, needed: int) -> None:
+        """Refuse a save that cannot fit (75), before anything is written or deleted."""
+        try:
+            free = shutil.disk_usage(self.root if self.root.is_dir() else self.pvc.root).free
+        except OSError as exc:
+            raise TryAgainLater(f"{self.root}: cannot check free space: {exc.strerror}") from None
+        if free < needed:
+            raise NoSpace(f"{self.root}: {free} bytes free, but the next checkpoint needs about {needed} "
+                          "(the size of the last one); free some space or lower --keep, then relaunch "
+                          "(every checkpoint already on the PVC was kept)")
+
+    # --- removal: rotation, rejected checkpoints, abandoned staging --------------------------------
+
+    def _remove(self, path: Path) -> bool:
+        """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
+        trash = path if path.name.startswith(TRASH) else self.root / f"{TRASH}{path.name.removeprefix(TMP)}"
+        try:
+            if trash != path:
+                os.rename(path, trash)
+                fsync_dir(self.root)
+            for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
+                try:
+                    shutil.rmtree(trash)
+                    return True
+                except FileNotFoundError:
+                    return True
+                except OSError:
+                    time.sleep(0.02)
+        except OSError:
+            pass
+        return False  # left for the next start's cleanup
+
+    def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
+        removed = []
+        for ref in layout.to_rotate(self.committed(), keep, world_size, protect):
+            if self._remove(self.path(ref)):
+                removed.append(ref.name)
+        return removed
+
+    def set_aside(self, ref: Ref) -> str:
+        """Move a checkpoint that failed verification out of the way of new commits."""
+        src = self.path(ref)
+        dest = self.root / f"{REJECTED}{ref.name}"
+        n = 1
+        while os.path.lexists(dest):
+            dest, n = self.root / f"{REJECTED}{ref.name}.{n}", n + 1
+        try:
+            os.rename(src, dest)
+            fsync_dir(self.root)
+        except FileNotFoundError:
+            return ""  # it was missing to begin with
+        except OSError as exc:
+            raise TryAgainLater(f"{src}: cannot set aside: {exc.strerror}") from None
+        return self.rel(dest)
+
+    def cleanup(self) -> list[str]:
+        """Delete staging and trash directories left by killed writers (under the job lock)."""
+        removed = []
+        for name in self.entries():
+            if name.startswith((TMP, TRASH)) and self._remove(self.root / name):
+                removed.append(f"checkpoints/{name}")
+        return removed
+
+    # --- the pointer -----------------------------------------------------------------------------
+
+    def pointer(self, m: Manifest, ref: Ref, sha: str) -> CheckpointPointer:
+        return CheckpointPointer(step=m.step, attempt=m.attempt, world_size=m.world_size,
+                                 loss_milli=m.loss_milli, dir=f"checkpoints/{ref.name}", manifest_sha256=sha)

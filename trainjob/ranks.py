@@ -1,0 +1,331 @@
+"""Ranks: who this process is, how ranks coordinate through the PVC, and the local launcher.
+
+Ranks share nothing but the PVC (a ReadWriteMany volume in Kubernetes). Every wait is bounded by
+``--rank-timeout`` and ends in RankTimeout (exit 75), never a hang. Files, under ``P/ranks/``:
+
+    session.json                 Session: rank 0's word for this launch (generation, resume point)
+    g00000003/join-00001.json    rank 1 joined generation 3
+    g00000003/stop-00001.json    rank 1 must stop (a signal, its own or a peer's): after which step
+    g00000003/outcome.json       how rank 0 ended generation 3 (the other ranks exit with it)
+
+The protocol, in short (docs/checkpoints.md has the long form):
+
+1. Rank 0 takes the job lock, decides how this launch begins (the state machine), writes
+   ``session.json`` with generation = previous + 1, and waits until every rank has joined.
+2. A rank joins the newest generation that matches its settings and has no outcome yet, loads
+   the checkpoint the session names (verifying it), and trains the same steps as rank 0.
+3. At a checkpoint step rank 0 creates the staging directory; every other rank waits for it,
+   writes its own shard, then a receipt with the shard's size and sha256. Rank 0 commits when all
+   receipts are there. A rank that sees a newer generation drops what it was doing and rejoins.
+4. A stop (SIGTERM at any rank) is agreed, not imposed: each rank notes the step it has reached,
+   and all train on to the largest noted step, save it, and stop there.
+
+This module decides nothing about training; ``job.py`` drives it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import attrs
+
+from .errors import InputError, PeerFailed, RankTimeout, TrainJobError, UsageError
+from .layout import MAX_WORLD_SIZE
+from .pvc import Pvc, atomic_write
+from .records import Outcome, RankNote, Session, dumps
+
+T = TypeVar("T")
+POLL = 0.01  # first poll interval; doubles up to POLL_MAX
+POLL_MAX = 0.1
+
+
+# --- who am I ----------------------------------------------------------------------------------
+
+@attrs.frozen
+class RankSpec:
+    """``rank`` None: no rank was given, so a world of W > 1 is launched locally by this process."""
+
+    rank: int | None
+    world_size: int
+
+
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    if name not in env:
+        return None
+    try:
+        return int(env[name])
+    except ValueError:
+        raise UsageError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
+
+
+def resolve_rank(rank: int | None, world_size: int | None, env: Mapping[str, str]) -> RankSpec:
+    """Rank identity from flags, else torchrun's RANK/WORLD_SIZE, else a Kubernetes Indexed Job.
+
+    Flags win over the environment; a rank without a world size is a usage error.
+    """
+    env_world = _env_int(env, "WORLD_SIZE")
+    if rank is None:
+        rank = _env_int(env, "RANK")
+        if rank is None:
+            rank = _env_int(env, "JOB_COMPLETION_INDEX")
+    world = world_size if world_size is not None else env_world
+    if world is None:
+        if rank not in (None, 0):
+            raise UsageError(f"rank {rank} needs a world size: pass --world-size (or set WORLD_SIZE)")
+        world = 1
+    if not 1 <= world <= MAX_WORLD_SIZE:
+        raise UsageError(f"--world-size must be from 1 to {MAX_WORLD_SIZE}, got {world}")
+    if rank is not None and not 0 <= rank < world:
+        raise UsageError(f"rank must be from 0 to world size - 1 ({world - 1}), got {rank}")
+    if rank is None and world == 1:
+        rank = 0
+    return RankSpec(rank=rank, world_size=world)
+
+
+# --- waiting, bounded ----------------------------------------------------------------------------
+
+def wait_for(check: Callable[[], T | None], timeout: float, what: Callable[[], str],
+             poll: Callable[[], None]) -> T:
+    """Call ``poll`` then ``check`` until ``check`` returns something; RankTimeout after ``timeout`` s.
+
+    ``what`` describes what was awaited, asked only when the wait runs out (so it can say what
+    was still missing at that moment).
+    """
+    deadline, delay = time.monotonic() + timeout, POLL
+    while True:
+        poll()
+        result = check()
+        if result is not None:
+            return result
+        if time.monotonic() >= deadline:
+            raise RankTimeout(f"waited {timeout:g}s for {what()}; relaunch all ranks together "
+                              "(or raise --rank-timeout)")
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_MAX)
+
+
+class Superseded(TrainJobError):
+    """Internal: a newer generation started while this rank worked for an older one (never exits)."""
+
+
+# --- the shared files ----------------------------------------------------------------------------
+
+class Peers:
+    """This rank's view of the others, through ``P/ranks/``. With one rank every call is trivial."""
+
+    def __init__(self, pvc: Pvc, rank: int, world_size: int, timeout: float, stop_signal: Callable[[], str | None]):
+        self.pvc, self.rank, self.world_size, self.timeout = pvc, rank, world_size, timeout
+        self.root = pvc.root / "ranks"
+        self.session_path = self.root / "session.json"
+        self.generation = 0
+        self.step = 0  # the last step this rank completed: what it notes when asked to stop
+        self.stop_signal = stop_signal
+        self.stopping_note: RankNote | None = None
+
+    @property
+    def solo(self) -> bool:
+        return self.world_size == 1
+
+    def gen_dir(self, generation: int | None = None) -> Path:
+        return self.root / f"g{self.generation if generation is None else generation:08d}"
+
+    def _note_path(self, kind: str, rank: int) -> Path:
+        return self.gen_dir() / f"{kind}-{rank:05d}.json"
+
+    def _write(self, path: Path, record: object) -> None:
+        # Never creates directories: rank 0 creates each generation's, so a rank still working
+        # for a generation rank 0 has removed fails here instead of leaving litter behind.
+        atomic_write(path, (dumps(record) + "\n").encode())
+
+    def read_session(self) -> Session | None:
+        return self.pvc.read_record(self.session_path, Session)
+
+    def read_outcome(self, generation: int | None = None) -> Outcome | None:
+        return self.pvc.read_record(self.gen_dir(generation) / "outcome.json", Outcome)
+
+    # --- rank 0 ----------------------------------------------------------------------------------
+
+    def publish(self, session_for: Callable[[int], Session]) -> Session:
+        """Start a new generation (rank 0, under the job lock); older ones become stale."""
+        last = self.read_session()
+        self.generation = (last.generation if last else 0) + 1
+        session = session_for(self.generation)
+        try:
+            self.gen_dir().mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(f"{self.gen_dir()}: cannot create: {exc.strerror}") from None
+        self._write(self.session_path, session)
+        return session
+
+    def remove_stale(self) -> list[str]:
+        """Generation directories other than the current one (rank 0, after publishing)."""
+        removed = []
+        for path in sorted(self.root.glob("g*")) if self.root.is_dir() else []:
+            if path.name != self.gen_dir().name and path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(f"ranks/{path.name}")
+        return removed
+
+    def wait_joined(self) -> None:
+        missing = lambda: [r for r in range(1, self.world_size) if not self._note_path("join", r).exists()]
+        wait_for(lambda: True if not missing() else None, self.timeout,
+                 lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
+
+    def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
+        """Wait until every other rank's shard of ``step`` is durable (its receipt exists); read them."""
+        others = range(1, self.world_size)
+        missing = lambda: [r for r in others if not ready(r)]
+        wait_for(lambda: True if not missing() else None, self.timeout,
+                 lambda: f"ranks {missing()} to write their shards of step {step}", self.poll)
+        return [read(r) for r in others]
+
+    def finish(self, state: str, message: str = "") -> None:
+        if not self.solo and self.generation:
+            self._write(self.gen_dir() / "outcome.json", Outcome(generation=self.generation, state=state,
+                                                                 message=message))
+
+    # --- ranks >= 1 ------------------------------------------------------------------------------
+
+    def join(self, settings: str, skip: set[int]) -> Session:
+        """Wait for the newest generation this rank can join, and join it."""
+        seen: list[str] = []
+
+        def joinable() -> Session | None:
+            s = self.read_session()
+            if s is None or s.generation in skip:
+                return None
+            if self.read_outcome(s.generation) is not None:
+                return None  # ended before this process joined: a previous launch's
+            if (s.world_size, s.settings) != (self.world_size, settings):
+                seen[:] = [f"the newest session (generation {s.generation}) has other settings: "
+                           f"{s.settings} world_size={s.world_size}, this rank: {settings} "
+                           f"world_size={self.world_size}"]
+                return None
+            return s
+
+        session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
+                           f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})",
+                           lambda: None)
+        self.generation, self.stopping_note = session.generation, None
+        self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
+        return session
+
+    def check_current(self) -> None:
+        s = self.read_session()
+        if s is None or s.generation != self.generation:
+            raise Superseded(f"generation {self.generation} was superseded")
+
+    def wait_staging(self, staging: Path, step: int) -> None:
+        """Rank 0 creates each checkpoint's staging directory; the others write into it."""
+        wait_for(lambda: True if staging.is_dir() else None, self.timeout,
+                 lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
+
+    def wait_outcome(self) -> Outcome:
+        outcome = wait_for(lambda: self.read_outcome(), self.timeout,
+                           lambda: f"rank 0 to finish generation {self.generation}", self.poll)
+        if outcome.state == "error":
+            raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
+        return outcome
+
+    # --- every rank: polls, stops ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Run during every wait: follow newer generations, and pass on a stop."""
+        if not self.solo and self.rank != 0:
+            self.check_current()
+        if self.stopping_note is None and (self.stop_signal() or self.peer_stopping()):
+            self.note_stop()
+
+    def peer_stopping(self) -> bool:
+        return not self.solo and any(p.name.startswith("stop-") for p in self._listdir())
+
+    def _listdir(self) -> list[Path]:
+        try:
+            return list(self.gen_dir().iterdir())
+        except FileNotFoundError:
+            return []
+
+    def note_stop(self) -> None:
+        self.stopping_note = RankNote(rank=self.rank, step=self.step, signal=self.stop_signal() or "")
+        if not self.solo:
+            self._write(self._note_path("stop", self.rank), self.stopping_note)
+
+    def stop_wanted(self) -> bool:
+        return self.stopping_note is not None or bool(self.stop_signal()) or self.peer_stopping()
+
+    def agree_stop(self) -> int:
+        """The step every rank stops after: the largest step any rank had reached when it noted the stop."""
+        if self.stopping_note is None:
+            self.note_stop()
+        if self.solo:
+            return self.step
+        notes = wait_for(self._all_stop_notes, self.timeout, lambda: "every rank to note the stop", self.poll)
+        return max(n.step for n in notes)
+
+    def peer_signal(self) -> str | None:
+        """Which rank's signal started a stop this rank did not receive itself (for the log)."""
+        for r in range(self.world_size):
+            note = self.pvc.read_record(self._note_path("stop", r), RankNote)
+            if note is not None and note.signal:
+                return f"{note.signal}@rank{r}"
+        return None
+
+    def _all_stop_notes(self) -> list[RankNote] | None:
+        notes = [self.pvc.read_record(self._note_path("stop", r), RankNote) for r in range(self.world_size)]
+        return None if any(n is None for n in notes) else notes  # type: ignore[return-value]
+
+
+# --- the local launcher --------------------------------------------------------------------------
+
+def launch_local(world_size: int, argv: Sequence[str], grace: float = 10.0) -> tuple[int | None, list[int]]:
+    """Start ``world_size`` rank processes running ``trainjob <argv> --rank r`` and supervise them.
+
+    Returns (the signal the launcher received or None, every rank's exit status; negative is
+    killed by that signal). If a rank other than 0 ends badly while the others run, they are
+    stopped (SIGTERM, then SIGKILL after ``grace`` s); rank 0's end is the job's end, so the
+    others get ``grace`` s to follow it. SIGTERM/SIGINT to the launcher are forwarded to every rank.
+    """
+    procs = [subprocess.Popen([sys.executable, "-m", "trainjob", *argv, "--rank", str(r),
+                               "--world-size", str(world_size)]) for r in range(world_size)]
+    received: list[str] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+
+    def stop_all(deadline: float) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    while True:
+        codes = [p.poll() for p in procs]
+        if codes[0] is not None:  # rank 0 ended the job; give the others time to follow
+            deadline = time.monotonic() + grace
+            while any(c is None for c in (p.poll() for p in procs)) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            stop_all(time.monotonic() + 1.0)
+            break
+        if any(c is not None and c not in (0, 1) for c in codes[1:]):
+            stop_all(time.monotonic() + grace)  # a rank died: the job cannot go on without it
+            break
+        time.sleep(0.02)
+    return (received[0] if received else None), [p.returncode for p in procs]

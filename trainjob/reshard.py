@@ -1,0 +1,115 @@
+"""``trainjob reshard``: rewrite one committed checkpoint for another world size.
+
+The machine's ``reshard`` edge, with its own small model: pick the source (the newest checkpoint
+that verifies, or the newest at ``--step``), verify it, then build the new checkpoint shard by
+shard from the pure plan in ``layout.plan_reshard`` and commit it like any other: staged in a
+tmp directory, manifest last, one rename. The source is left alone (rotation removes it later),
+so a kill at any instant leaves the PVC as it was, plus at most a staging directory that the
+next start deletes. Takes the job lock: never runs beside a ``run``.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from typing import Any
+
+import numpy as np
+from transitions import EventData
+
+from . import layout, machine, shards
+from .checkpoints import CheckpointStore, Verdict
+from .errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, UsageError
+from .eventlog import EventLog
+from .layout import Ref
+from .pvc import Pvc
+from .records import Manifest
+
+STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
+
+
+def pick_source(store: CheckpointStore, step: int | None) -> tuple[Ref, Verdict]:
+    """The newest checkpoint (at ``step``, if given) that verifies."""
+    refs = [r for r in store.committed() if step is None or r.step == step]
+    if not refs:
+        where = f" at step {step}" if step is not None else ""
+        raise InputError(f"{store.root}: no committed checkpoint{where} to reshard")
+    reasons = []
+    for ref in sorted(refs, key=lambda r: (r.attempt, r.step), reverse=True):
+        verdict = store.verify(ref)
+        if verdict.reason is None:
+            return ref, verdict
+        reasons.append(verdict.reason)
+    raise NoVerifiedCheckpoint(f"{store.root}: no checkpoint to reshard verifies ({'; '.join(reasons)}); "
+                               f"run `trainjob verify --pvc {store.pvc.root}` to inspect them")
+
+
+class Reshard:
+    """The machine's model for one ``trainjob reshard`` process."""
+
+    state: str  # set by transitions.Machine
+
+    def __init__(self, pvc: Pvc, log: EventLog, world_size: int, step: int | None) -> None:
+        self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
+        last = pvc.read_state()
+        if last is not None and last.state == "completed":
+            raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
+        self.source, verdict = pick_source(self.store, step)
+        assert verdict.manifest is not None and verdict.sha256 is not None
+        self.manifest, self.source_sha = verdict.manifest, verdict.sha256
+        self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
+        if world_size == self.source.world_size:
+            raise UsageError(f"{self.store.rel(self.store.path(self.source))} already has world size "
+                             f"{world_size}; pass the world size you want to resume with")
+        self.notes: list[tuple[str, dict[str, Any]]] = []
+        machine.build(self)
+
+    def target_exists(self) -> bool:
+        """A previous reshard (perhaps killed before logging) already wrote the target: verify it."""
+        path = self.store.path(self.target)
+        if not path.exists():
+            return False
+        verdict = self.store.verify(self.target)
+        if verdict.reason is not None:
+            raise InputError(f"{verdict.reason}; it is in the way of the reshard: inspect it with "
+                             f"`trainjob verify --pvc {self.pvc.root}`")
+        return True
+
+    def persist_cleanup(self, _ev: EventData) -> None:
+        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
+        removed += self.store.cleanup()
+        if removed:
+            self.notes.append(("cleaned_up", dict(removed=len(removed), paths=",".join(removed))))
+
+    def persist_reshard(self, _ev: EventData) -> None:
+        src, n = self.manifest, self.target.world_size
+        source_dir = self.store.path(self.source)
+        try:  # one source shard in memory at a time would do; the whole state (1x) is simpler
+            parts = {s.rank: shards.read(source_dir / s.file, s.holds) for s in src.shards}
+        except ValueError as exc:
+            raise InputError(f"{self.store.rel(source_dir)}: {exc}") from None
+        staging = self.store.create_staging(self.target, STAGING_GENERATION)
+        entries = []
+        dest_layout = layout.plan_shards(src.tensors, n)
+        for rank, pieces in enumerate(layout.plan_reshard(src, n)):
+            mine = {h.name: np.empty(h.shape, dtype=np.dtype(shards._NP_DTYPE[h.dtype])) for h in dest_layout[rank]}
+            for p in pieces:
+                mine[p.tensor][p.dest_row:p.dest_row + p.rows] = parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
+            entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine))
+        manifest = Manifest(schema=src.schema, step=src.step, attempt=src.attempt, world_size=n,
+                            loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,
+                            resharded_from=self.source_sha)
+        sha = self.store.commit(staging, self.target, manifest)
+        pointer = self.pvc.read_checkpoint()
+        if pointer is not None and pointer.dir == f"checkpoints/{self.source.name}":
+            self.pvc.write_checkpoint(self.store.pointer(manifest, self.target, sha))
+
+    def announce_notes(self, _ev: EventData) -> None:
+        for event, facts in self.notes:
+            self.log.append(event, machine.DETAIL[event](facts))
+        self.notes.clear()
+
+    def announce(self, _ev: EventData) -> None:
+        facts = ChainMap(dict(step=self.source.step, from_world_size=self.source.world_size,
+                              world_size=self.target.world_size, path=f"checkpoints/{self.target.name}",
+                              source_manifest_sha256=self.source_sha))
+        self.log.append(machine.EVENT_FOR_STATE[self.state], machine.DETAIL[self.state](facts))

@@ -1,0 +1,111 @@
+"""``trainjob verify``: check everything on a PVC that has a hash, and say what each item is.
+
+Every entry under ``checkpoints/`` (committed, partial, in flight, set aside), the pointer
+``checkpoint.json``, and every artifact against the sha256 the log recorded for it. Read-only:
+takes no lock and changes nothing, so it is safe beside a running job (whose in-flight staging
+directory it reports as such). The verdict for the exit code: the newest committed checkpoint,
+the pointer and every artifact must verify.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import attrs
+
+from . import layout
+from .checkpoints import REJECTED, TMP, TRASH, CheckpointStore
+from .errors import InputError
+from .eventlog import read_log
+from .layout import MANIFEST, Ref
+from .pvc import Pvc
+from .status import detail_fields
+
+
+@attrs.frozen
+class Item:
+    kind: str      # checkpoint | pointer | artifact
+    path: str      # relative to the PVC
+    verdict: str   # ok | corrupt | partial | in-flight | set-aside | missing | unlogged | unknown
+    detail: str = ""
+
+
+@attrs.frozen
+class Report:
+    items: list[Item]
+    ok: bool
+
+
+def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
+    if not pvc.root.is_dir():
+        raise InputError(f"{pvc.root}: not a PVC directory")
+    store = CheckpointStore(pvc)
+    items, ok = [], True
+    try:
+        pointer, pointer_problem = pvc.read_checkpoint(), ""
+    except InputError as exc:
+        pointer, pointer_problem = None, str(exc)
+    named = pointer.dir.removeprefix("checkpoints/") if pointer else None
+
+    committed = store.committed()
+    newest = layout.newest_first(committed, pointer.world_size if pointer else 0)[:1]
+    for name in store.entries():
+        rel = f"checkpoints/{name}"
+        ref = Ref.parse(name)
+        if ref is not None:
+            verdict = store.verify(ref, pointer.manifest_sha256 if name == named else None)
+            if verdict.reason is None:
+                m = verdict.manifest
+                assert m is not None
+                extra = f" resharded_from={m.resharded_from[:12]}..." if m.resharded_from else ""
+                items.append(Item("checkpoint", rel, "ok", f"step={m.step} attempt={m.attempt} "
+                                  f"world_size={m.world_size} loss_milli={m.loss_milli}{extra}"))
+            else:
+                partial = not (store.path(ref) / MANIFEST).exists()
+                items.append(Item("checkpoint", rel, "partial" if partial else "corrupt", verdict.reason))
+                ok = ok and ref not in newest
+        elif name.startswith(TMP):
+            items.append(Item("checkpoint", rel, "in-flight", "staging: being written, or abandoned by a "
+                              "kill (the next start removes it); never loaded"))
+        elif name.startswith(TRASH):
+            items.append(Item("checkpoint", rel, "partial", "being deleted by rotation; never loaded"))
+        elif name.startswith(REJECTED):
+            items.append(Item("checkpoint", rel, "set-aside", "failed verification at a resume; never loaded"))
+        else:
+            items.append(Item("checkpoint", rel, "unknown", "not a name trainjob writes; ignored"))
+
+    if pointer_problem:
+        items.append(Item("pointer", "checkpoint.json", "corrupt", pointer_problem))
+        ok = False
+    elif pointer is not None:
+        if named is not None and Ref.parse(named) in committed:
+            good = any(i.path == pointer.dir and i.verdict == "ok" for i in items)
+            items.append(Item("pointer", "checkpoint.json", "ok" if good else "corrupt",
+                              f"names {pointer.dir} (step {pointer.step})"))
+            ok = ok and good
+        else:
+            items.append(Item("pointer", "checkpoint.json", "missing", f"names {pointer.dir}, which is not there"))
+            ok = False
+
+    logged: dict[str, str] = {}
+    if log_path.is_file():
+        for line in read_log(log_path):
+            if line.event is not None and line.event.event == "artifact_written":
+                fields = detail_fields(line.event.detail)
+                if "path" in fields and "sha256" in fields:
+                    logged[fields["path"]] = fields["sha256"]
+    on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
+    for rel in sorted(set(logged) | set(on_disk)):
+        raw = pvc.read_bytes(pvc.root / rel) if layout.plain_name(rel.removeprefix("artifacts/")) else None
+        if rel not in logged:
+            items.append(Item("artifact", rel, "unlogged", "no artifact_written event in the log records its sha256"))
+        elif raw is None:
+            items.append(Item("artifact", rel, "missing", f"the log records sha256={logged[rel]}"))
+        elif hashlib.sha256(raw).hexdigest() != logged[rel]:
+            items.append(Item("artifact", rel, "corrupt", f"sha256 differs from the log's {logged[rel][:12]}..."))
+        else:
+            items.append(Item("artifact", rel, "ok", f"sha256={logged[rel]}"))
+            continue
+        ok = False
+    return Report(items=items, ok=ok)
