@@ -136,11 +136,10 @@ class Job:
         rejected = list(pick.rejected)
         if named is not None and named not in refs:  # the newest commit vanished: damage, not "no checkpoint"
             rejected.insert(0, (named, f"{pointer.dir}: missing, but checkpoint.json names it"))
-        where = self.store.rel(self.store.root)
         if pick.mismatch is not None:
             m = pick.mismatch
             raise WorldSizeMismatch(
-                f"{where}/{m.name}: the newest verified checkpoint (step {m.step}) was written by "
+                f"{self.store.path(m)}: the newest verified checkpoint (step {m.step}) was written by "
                 f"{m.world_size} rank(s), this run has {self.cfg.world_size}; run `trainjob reshard --pvc "
                 f"{self.pvc.root} --world-size {self.cfg.world_size}` first, or relaunch with "
                 f"--world-size {m.world_size}")
