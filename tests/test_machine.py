@@ -37,9 +37,10 @@ class FakeJob:
         return ev.kwargs.get("force", False) or ev.kwargs["step"] % 2 == 0
 
 
-def test_states_are_the_lab_states_plus_pending():
+def test_states_are_the_lab_states_plus_pending_and_resharded():
+    # resharded: where a `trainjob reshard` process ends (its own edge from pending).
     assert set(machine.STATES) == {"pending", "started", "resumed", "checkpointed", "killed",
-                                   "drift_failed", "job_failed", "completed"}
+                                   "drift_failed", "job_failed", "completed", "resharded"}
 
 
 def test_every_state_but_pending_announces_an_event_with_a_detail_format():
@@ -142,7 +143,10 @@ def test_persistence_runs_before_the_state_changes_and_announcement_after():
     job.start()
     job.checkpoint(step=2)
     assert job.record == [
-        "persist started (state still pending)", "announce announce in started",
+        # the start edge persists twice (clean up what killed writers left, then start) and
+        # announces twice (the cleanup note, if any, then job_started) -- all in that order
+        "persist started (state still pending)", "persist started (state still pending)",
+        "announce announce_notes in started", "announce announce in started",
         "persist checkpointed (state still started)", "announce announce in checkpointed",
     ]
 

@@ -8,9 +8,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainjob.errors import InputError
-from trainjob.records import Checkpoint, dumps, load
+from trainjob.records import Artifact, CheckpointPointer, Score, dumps, load
 
-GOOD = {"attempt": 1, "step": 4, "weights": [1.0, 0.5, -1.0], "bias": 0.0, "loss_milli": 241}
+# The artifact holds the same kinds of field the old whole-state checkpoint did (a step, three
+# weights, a bias): the converter's strictness is tested on it. The checkpoint itself is now a
+# manifest plus safetensors shards (tests/test_manifest.py); checkpoint.json is a pointer.
+GOOD = {"attempt": 1, "step": 4, "weights": [1.0, 0.5, -1.0], "bias": 0.0,
+        "holdout": {"correct": 20, "total": 20}, "baseline": {"correct": 20, "total": 20}}
 
 
 def bad(**change):
@@ -26,9 +30,9 @@ def bad(**change):
         (bad(bias="0.5"), "bias"),
         (bad(step=-1), "step"),
         (bad(weights=[1.0, 2.0]), "weights"),
-        ('{"attempt": 1, "step": 4, "weights": [1, 2, 1e400], "bias": 0, "loss_milli": 1}', "weights"),  # inf
-        ('{"attempt": 1, "step": 4}', "weights"),
-        ('{"attempt": 1, "step": NaN, "weights": [1,2,3], "bias": 0, "loss_milli": 1}', "NaN"),
+        (bad(weights=[1, 2, 1e400]).replace("Infinity", "1e400"), "weights"),  # inf
+        ('{"step": 4}', "weights"),
+        (bad(step=0).replace('"step": 0', '"step": NaN'), "NaN"),
         ("[1, 2]", "JSON object"),
         ('{"step": 4', "invalid JSON"),
         (b"\xff\xfe", "UTF-8"),
@@ -37,7 +41,7 @@ def bad(**change):
 )
 def test_invalid_checkpoints_are_rejected_with_one_line_naming_the_problem(text, names):
     with pytest.raises(InputError) as err:
-        load(text, Checkpoint, where="ckpt.json")
+        load(text, Artifact, where="ckpt.json")
     message = str(err.value)
     assert "ckpt.json" in message and names in message and "\n" not in message
 
@@ -46,10 +50,20 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 
 @given(st.integers(0, 10**9), st.tuples(finite, finite, finite), finite, st.integers(0, 10**6))
-def test_round_trip_is_exact_and_canonical(step, weights, bias, loss):
-    ckpt = Checkpoint(attempt=1, step=step, weights=weights, bias=bias, loss_milli=loss)
+def test_round_trip_is_exact_and_canonical(step, weights, bias, correct):
+    ckpt = Artifact(attempt=1, step=step, weights=weights, bias=bias, holdout=Score(correct=correct, total=correct),
+                    baseline=Score(correct=0, total=correct))
     text = dumps(ckpt)
-    again = load(text, Checkpoint, where="x")
+    again = load(text, Artifact, where="x")
     assert again == ckpt
     assert dumps(again) == text
     assert all(math.copysign(1, a) == math.copysign(1, b) for a, b in zip(again.weights, weights))
+
+
+def test_the_checkpoint_pointer_is_strict_too():
+    good = {"step": 4, "attempt": 1, "world_size": 2, "loss_milli": 241,
+            "dir": "checkpoints/step-00000004-a0001-w002", "manifest_sha256": "a" * 64}
+    assert load(json.dumps(good), CheckpointPointer, where="checkpoint.json").step == 4
+    for change in ({"dir": "../elsewhere"}, {"weights": [0, 0, 0]}, {"world_size": 0}):
+        with pytest.raises(InputError, match="checkpoint.json"):
+            load(json.dumps({**good, **change}), CheckpointPointer, where="checkpoint.json")
