@@ -30,13 +30,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import attrs
 
-from .errors import InputError, PeerFailed, RankTimeout, TrainJobError, UsageError
+from .errors import InputError, PeerFailed, RankTimeout, TrainJobError, TryAgainLater, UsageError
 from .layout import MAX_WORLD_SIZE
 from .pvc import Pvc, atomic_write
 from .records import Outcome, RankNote, Session, dumps
@@ -210,9 +210,12 @@ class Peers:
                 return None
             return s
 
+        def poll() -> None:
+            if self.stop_signal():  # nothing joined, nothing to save: just go
+                raise TryAgainLater(f"rank {self.rank}: stopped by {self.stop_signal()} before joining a launch")
+
         session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
-                           f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})",
-                           lambda: None)
+                           f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})", poll)
         self.generation, self.stopping_note = session.generation, None
         self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
         return session
@@ -284,13 +287,17 @@ class Peers:
 
 # --- the local launcher --------------------------------------------------------------------------
 
-def launch_local(world_size: int, argv: Sequence[str], grace: float = 10.0) -> tuple[int | None, list[int]]:
+def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[int], published: Collection[int],
+                 grace: float = 10.0) -> tuple[str | None, list[int]]:
     """Start ``world_size`` rank processes running ``trainjob <argv> --rank r`` and supervise them.
 
     Returns (the signal the launcher received or None, every rank's exit status; negative is
-    killed by that signal). If a rank other than 0 ends badly while the others run, they are
-    stopped (SIGTERM, then SIGKILL after ``grace`` s); rank 0's end is the job's end, so the
-    others get ``grace`` s to follow it. SIGTERM/SIGINT to the launcher are forwarded to every rank.
+    killed by that signal). Exit codes are cli.py's: ``finished`` are the codes a rank other
+    than 0 exits with when the job has ended; any other end while rank 0 runs means the job
+    cannot go on, so the others are stopped (SIGTERM, then SIGKILL after ``grace`` s).
+    ``published`` are rank 0's codes after which the others have an outcome to follow: they get
+    ``grace`` s to do so; after any other code they are stopped at once.
+    SIGTERM/SIGINT to the launcher are forwarded to every rank.
     """
     procs = [subprocess.Popen([sys.executable, "-m", "trainjob", *argv, "--rank", str(r),
                                "--world-size", str(world_size)]) for r in range(world_size)]
@@ -318,13 +325,13 @@ def launch_local(world_size: int, argv: Sequence[str], grace: float = 10.0) -> t
 
     while True:
         codes = [p.poll() for p in procs]
-        if codes[0] is not None:  # rank 0 ended the job; give the others time to follow
-            deadline = time.monotonic() + grace
+        if codes[0] is not None:  # rank 0 ended the job; give the others time to follow its outcome
+            deadline = time.monotonic() + (grace if codes[0] in published else 0)
             while any(c is None for c in (p.poll() for p in procs)) and time.monotonic() < deadline:
                 time.sleep(0.02)
             stop_all(time.monotonic() + 1.0)
             break
-        if any(c is not None and c not in (0, 1) for c in codes[1:]):
+        if any(c is not None and c not in finished for c in codes[1:]):
             stop_all(time.monotonic() + grace)  # a rank died: the job cannot go on without it
             break
         time.sleep(0.02)

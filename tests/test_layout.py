@@ -1,0 +1,114 @@
+"""The pure checkpoint policies: split, reshard plan, resume pick, rotation, manifest checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from trainjob import layout
+from trainjob.layout import Ref
+from trainjob.records import Manifest, ShardEntry, TensorSpec
+
+worlds = st.integers(1, layout.MAX_WORLD_SIZE)
+
+
+@given(st.integers(0, 1000), worlds)
+def test_split_covers_every_row_once_in_order_and_balanced(rows, world):
+    ranges = layout.split_rows(rows, world)
+    assert len(ranges) == world and ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, no gap, no overlap
+    sizes = [stop - start for start, stop in ranges]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def test_the_built_in_model_split_is_the_documented_one():
+    spec = [TensorSpec(name="params", dtype="F64", shape=(4,))]  # [w0, w1, w2, bias]
+    assert [[(s.start, s.shape) for s in r] for r in layout.plan_shards(spec, 2)] == [[(0, (2,))], [(2, (2,))]]
+    assert [r[0].start for r in layout.plan_shards(spec, 4)] == [0, 1, 2, 3]
+    assert [r[0].shape for r in layout.plan_shards(spec, 5)] == [(0,), (1,), (1,), (1,), (1,)]
+
+
+def manifest_for(tensors: dict[str, np.ndarray], world: int) -> Manifest:
+    specs = [TensorSpec(name=n, dtype="F64", shape=a.shape) for n, a in sorted(tensors.items())]
+    shards = [ShardEntry(rank=r, file=layout.shard_file(r, world), size=0, sha256="0" * 64, holds=holds)
+              for r, holds in enumerate(layout.plan_shards(specs, world))]
+    return Manifest(schema=1, step=1, attempt=1, world_size=world, loss_milli=0, tensors=specs, shards=shards)
+
+
+@given(st.dictionaries(st.sampled_from(["a", "b", "params"]), st.integers(0, 40), min_size=1),
+       st.integers(1, 9), st.integers(1, 9))
+def test_reshard_plan_moves_every_value_to_where_a_native_save_would_put_it(rows, src_world, dest_world):
+    tensors = {n: np.arange(r * 2, dtype=np.float64).reshape(r, 2) + hash(n) % 7 for n, r in rows.items()}
+    src = manifest_for(tensors, src_world)
+    src_parts = {s.rank: {h.name: tensors[h.name][h.start:h.start + h.shape[0]] for h in s.holds}
+                 for s in src.shards}
+    dest_layout = layout.plan_shards(src.tensors, dest_world)
+    for rank, pieces in enumerate(layout.plan_reshard(src, dest_world)):
+        built = {h.name: np.full(h.shape, np.nan) for h in dest_layout[rank]}
+        for p in pieces:
+            built[p.tensor][p.dest_row:p.dest_row + p.rows] = src_parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
+        for h in dest_layout[rank]:  # every row filled, with exactly the value a native save holds
+            assert np.array_equal(built[h.name], tensors[h.name][h.start:h.start + h.shape[0]])
+    assert layout.manifest_problems(manifest_for(tensors, dest_world)) == []
+
+
+refs = st.builds(Ref, attempt=st.integers(1, 3), step=st.integers(0, 12), world_size=st.integers(1, 4))
+
+
+@given(st.sets(refs, max_size=12), st.sets(refs), st.integers(1, 3), st.integers(1, 4))
+def test_pick_resume_is_the_newest_sound_step_and_never_falls_back_past_a_mismatch(all_refs, bad, attempt, world):
+    tried = []
+
+    def verify(ref):
+        tried.append(ref)
+        return "bad" if ref in bad else None
+
+    pick = layout.pick_resume(sorted(all_refs), attempt, world, verify)
+    sound = [r for r in all_refs if r.attempt == attempt and r not in bad]
+    newest = max((r.step for r in sound), default=None)
+    assert [r for r, _ in pick.rejected] == [r for r in tried if r in bad]
+    if newest is None:
+        assert pick.chosen is None and pick.mismatch is None
+    elif any(r.step == newest and r.world_size == world for r in sound):
+        assert pick.chosen == Ref(attempt=attempt, step=newest, world_size=world)
+    else:
+        assert pick.chosen is None and pick.mismatch is not None and pick.mismatch.step == newest
+    assert all(r.step >= (newest or 0) for r in tried)  # lazy: nothing older than the answer is read
+
+
+def test_pick_resume_falls_back_past_a_corrupt_newest_and_reports_it():
+    r2, r4 = Ref(1, 2, 1), Ref(1, 4, 1)
+    pick = layout.pick_resume([r2, r4], 1, 1, lambda r: "flipped byte" if r == r4 else None)
+    assert pick.chosen == r2 and pick.rejected == ((r4, "flipped byte"),)
+
+
+@given(st.sets(refs, max_size=12), st.integers(1, 5), st.integers(1, 4), st.data())
+def test_rotation_keeps_the_k_newest_and_never_the_protected_one(all_refs, keep, world, data):
+    all_refs = sorted(all_refs)
+    protect = data.draw(st.sampled_from(all_refs)) if all_refs else None
+    doomed = layout.to_rotate(all_refs, keep, world, protect)
+    kept = [r for r in all_refs if r not in doomed]
+    assert protect is None or protect in kept
+    assert len(kept) <= keep + 1 and len(kept) >= min(keep, len(all_refs))
+    assert layout.newest_first(all_refs, world)[:keep] == layout.newest_first(kept, world)[:keep]
+    with pytest.raises(ValueError):
+        layout.to_rotate(all_refs, 0, world, protect)
+
+
+@pytest.mark.parametrize("name", ["../x", "/abs", "a/b", ".", "..", ".hidden", "", "a\0b", "a b"])
+def test_file_names_that_could_leave_the_directory_are_not_plain(name):
+    assert not layout.plain_name(name)
+
+
+def test_names_round_trip_and_manifest_must_agree_with_its_directory():
+    ref = Ref(attempt=2, step=4, world_size=3)
+    assert Ref.parse(ref.name) == ref and Ref.parse("step-4") is None
+    m = manifest_for({"params": np.zeros(4)}, 3)
+    assert layout.manifest_problems(m, Ref(attempt=1, step=1, world_size=3).name) == []
+    assert "disagrees" in layout.manifest_problems(m, ref.name)[0]
+    swapped = m.shards[1].__class__(rank=1, file=m.shards[1].file, size=0, sha256="0" * 64, holds=m.shards[2].holds)
+    bad = Manifest(schema=1, step=1, attempt=1, world_size=3, loss_milli=0, tensors=m.tensors,
+                   shards=(m.shards[0], swapped, m.shards[2]))
+    assert any("documented slice" in p for p in layout.manifest_problems(bad))

@@ -1,0 +1,189 @@
+"""Ranks: identity, the W-rank run against the 1-rank run, locks, bounded waits, kills and signals.
+
+Real processes and real signals throughout: ranks are separate ``trainjob`` processes that
+share nothing but the PVC directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, events, trainjob
+from trainjob.errors import UsageError
+from trainjob.ranks import RankSpec, resolve_rank
+
+LONG = ("--steps", "20000", "--ckpt-every", "500")
+
+
+# --- identity ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rank, world, env, expected", [
+    (None, None, {}, RankSpec(0, 1)),
+    (None, 4, {}, RankSpec(None, 4)),                                  # launch 4 ranks here
+    (2, 4, {}, RankSpec(2, 4)),
+    (None, None, {"RANK": "3", "WORLD_SIZE": "4"}, RankSpec(3, 4)),    # torchrun
+    (None, 3, {"JOB_COMPLETION_INDEX": "1"}, RankSpec(1, 3)),          # Kubernetes Indexed Job
+    (None, None, {"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "3"}, RankSpec(2, 3)),
+    (0, 2, {"RANK": "1", "WORLD_SIZE": "2"}, RankSpec(0, 2)),          # flags win
+])
+def test_rank_identity(rank, world, env, expected):
+    assert resolve_rank(rank, world, env) == expected
+
+
+@pytest.mark.parametrize("rank, world, env, message", [
+    (1, None, {}, "needs a world size"),
+    (None, None, {"JOB_COMPLETION_INDEX": "1"}, "needs a world size"),
+    (2, 2, {}, "rank must be from 0 to"),
+    (None, 0, {}, "--world-size must be from 1"),
+    (None, None, {"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+])
+def test_bad_rank_identity_is_a_usage_error(rank, world, env, message):
+    with pytest.raises(UsageError, match=message):
+        resolve_rank(rank, world, env)
+
+
+# --- the same job at every world size --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    pvc = tmp_path_factory.mktemp("w1") / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    return pvc
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank, world):
+    pvc = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--world-size", world, "--die-at", 4).returncode == 75
+    assert trainjob("run", "--pvc", pvc, "--world-size", world).returncode == 0
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == (one_rank / "artifacts/model-v1.json").read_bytes()
+    assert events(pvc / "log.jsonl") == events(one_rank / "log.jsonl")  # same legal path, same numbers
+    manifest = json.loads((pvc / "checkpoints/step-00000010-a0001-w%03d/manifest.json" % world).read_text())
+    assert [s["rank"] for s in manifest["shards"]] == list(range(world))
+
+
+def test_drift_failure_is_the_same_verdict_at_two_ranks(tmp_path):
+    result = trainjob("run", "--pvc", tmp_path / "pvc", "--world-size", 2, "--force-weights", "0,0,0")
+    assert result.returncode == 1
+    assert events(tmp_path / "pvc/log.jsonl")[-1] == (
+        "drift_failed", "holdout: 14/20 vs baseline 20/20 (max drop 20%); refusing artifact")
+
+
+def rank_proc(pvc: Path, rank: int, *args: str, env: dict | None = None, killpoint: int | None = None):
+    prefix = [sys.executable, str(ROOT / "tests/killpoint.py"), str(killpoint)] if killpoint is not None \
+        else [sys.executable, "-m", "trainjob"]
+    return subprocess.Popen([*prefix, "run", "--pvc", str(pvc), *map(str, args)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_ranks_started_by_another_launcher_find_each_other_through_the_pvc(tmp_path, one_rank):
+    pvc = tmp_path / "pvc"
+    follower = rank_proc(pvc, 1, env={"RANK": "1", "WORLD_SIZE": "2"})  # torchrun style, started first
+    time.sleep(0.3)
+    coordinator = rank_proc(pvc, 0, "--world-size", "2", env={"JOB_COMPLETION_INDEX": "0"})  # Indexed Job style
+    assert coordinator.wait(30) == 0 and follower.wait(30) == 0
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == (one_rank / "artifacts/model-v1.json").read_bytes()
+
+
+def test_a_second_process_for_the_same_rank_exits_75(tmp_path):
+    pvc = tmp_path / "pvc"
+    pvc.mkdir()
+    fd = os.open(pvc / ".lock.rank-00001", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        result = trainjob("run", "--pvc", pvc, "--rank", 1, "--world-size", 2)
+    finally:
+        os.close(fd)
+    assert result.returncode == 75 and "rank-1" in result.stderr
+
+
+def test_a_rank_alone_waits_a_bounded_time_then_exits_75(tmp_path):
+    started = time.monotonic()
+    result = trainjob("run", "--pvc", tmp_path / "pvc", "--rank", 1, "--world-size", 2, "--rank-timeout", 1)
+    assert result.returncode == 75 and "waited 1s for rank 0" in result.stderr
+    assert time.monotonic() - started < 10
+
+
+# --- kills and signals ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory) -> bytes:
+    pvc = tmp_path_factory.mktemp("ref") / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--steps", 6, "--ckpt-every", 1).returncode == 0
+    return (pvc / "artifacts/model-v1.json").read_bytes()
+
+
+# Kill one rank (SIGKILL, from inside, just before its Nth write/fsync/rename) at points spread
+# over a run: while joining, while writing a shard or receipt, while rank 0 stages, writes the
+# manifest, renames the directory, writes the pointer, rotates. The survivor must give up within
+# its bounded wait (75), and a relaunch of all ranks must finish with the uninterrupted bytes.
+@pytest.mark.parametrize("victim, point", [(1, 0), (1, 3), (1, 10), (0, 5), (0, 14), (0, 33), (0, 60)])
+def test_sigkill_of_one_rank_at_any_point_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
+    pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--keep", "2", "--world-size", "2",
+                                     "--rank-timeout", "1")
+    procs = [rank_proc(pvc, r, *flags, "--rank", str(r), killpoint=point if r == victim else None)
+             for r in (0, 1)]
+    codes = [p.wait(30) for p in procs]
+    assert codes[victim] == -signal.SIGKILL and codes[1 - victim] == 75, [p.stderr.read() for p in procs]
+    result = trainjob("run", "--pvc", pvc, *flags)
+    assert result.returncode == 0, result.stderr
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
+    assert trainjob("verify", "--pvc", pvc).returncode == 0
+    assert not [p for p in (pvc / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def wait_for_checkpoint(pvc: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not (pvc / "checkpoint.json").exists():
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+
+
+def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tmp_path):
+    pvc = tmp_path / "pvc"
+    launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "2",
+                                 *LONG], stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(pvc)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(30) == 75
+    event, detail = events(pvc / "log.jsonl")[-1]
+    at_step = int(detail.split()[0].removeprefix("at_step="))
+    assert event == "killed" and "signal=SIGTERM" in detail
+    assert json.loads((pvc / "checkpoint.json").read_text())["step"] == at_step  # saved where it stopped
+
+
+def test_sigterm_to_one_rank_stops_all_at_an_agreed_step_with_a_checkpoint(tmp_path):
+    pvc = tmp_path / "pvc"
+    procs = [rank_proc(pvc, r, *LONG, "--rank", str(r), "--world-size", "2") for r in (0, 1)]
+    wait_for_checkpoint(pvc)
+    procs[1].send_signal(signal.SIGTERM)  # as when Kubernetes evicts one pod of an Indexed Job
+    assert [p.wait(30) for p in procs] == [75, 75]
+    event, detail = events(pvc / "log.jsonl")[-1]
+    assert event == "killed" and "signal=SIGTERM@rank1" in detail
+    step = json.loads((pvc / "checkpoint.json").read_text())["step"]
+    assert detail.startswith(f"at_step={step} ") and trainjob("verify", "--pvc", pvc).returncode == 0
+
+
+def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
+    pvc = tmp_path / "pvc"
+    launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "3",
+                                 *LONG], stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(pvc)
+    os.kill(children(launcher.pid)[2], signal.SIGKILL)
+    assert launcher.wait(30) == 75
+    assert not children(launcher.pid) if Path(f"/proc/{launcher.pid}").exists() else True
+    assert trainjob("verify", "--pvc", pvc).returncode == 0

@@ -1,0 +1,100 @@
+"""Shard files: the safetensors bytes, hashing while writing, verification, the directory commit."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import pytest
+import safetensors.numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainjob import shards
+from trainjob.errors import InputError
+from trainjob.pvc import atomic_write, commit_dir
+from trainjob.records import TensorSlice
+
+floats = st.floats(allow_nan=False, width=64)
+
+
+@given(st.lists(floats, max_size=40), st.integers(0, 3))
+@settings(max_examples=50)
+def test_encoding_is_byte_for_byte_the_reference_implementation(values, rank):
+    tensors = {"params": np.array(values, dtype=np.float64), "aux": np.arange(3, dtype=np.float64)}
+    meta = {"rank": str(rank)}
+    mine = b"".join(bytes(c) for c in shards.encode(tensors, meta))
+    assert mine == safetensors.numpy.save(tensors, metadata=meta)
+
+
+def test_large_tensors_stream_in_chunks_that_view_the_array(monkeypatch):
+    monkeypatch.setattr(shards, "CHUNK", 1024)
+    a = np.arange(1000, dtype=np.float64)  # 8000 bytes -> 8 chunks after the header
+    chunks = list(shards.encode({"a": a}, {}))
+    assert len(chunks) == 9 and all(isinstance(c, memoryview) for c in chunks[1:])
+
+
+def test_sha256_is_computed_from_the_bytes_as_written(tmp_path):
+    tensors = {"params": np.array([1.0, 2.0, 3.0, 4.0])}
+    written = atomic_write(tmp_path / "s.safetensors", shards.encode(tensors, {}))
+    data = (tmp_path / "s.safetensors").read_bytes()
+    assert written.size == len(data) and written.sha256 == hashlib.sha256(data).hexdigest()
+    assert shards.hash_file(tmp_path / "s.safetensors", written.size, written.sha256) is None
+    holds = [TensorSlice(name="params", dtype="F64", shape=(4,), start=0)]
+    assert np.array_equal(shards.read(tmp_path / "s.safetensors", holds)["params"], tensors["params"])
+
+
+@pytest.fixture
+def shard(tmp_path):
+    path = tmp_path / "s.safetensors"
+    written = atomic_write(path, shards.encode({"params": np.arange(4, dtype=np.float64)}, {}))
+    return path, written
+
+
+def test_truncation_is_caught_by_size(shard):
+    path, w = shard
+    os.truncate(path, w.size - 1)
+    assert "bytes, the manifest says" in shards.hash_file(path, w.size, w.sha256)
+
+
+def test_one_flipped_bit_is_caught_by_sha256(shard):
+    path, w = shard
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert "sha256" in shards.hash_file(path, w.size, w.sha256)
+
+
+def test_a_symlinked_shard_is_never_followed(shard, tmp_path):
+    path, w = shard
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(path)  # the very same good bytes, behind a link
+    assert "symlink is never followed" in shards.hash_file(link, w.size, w.sha256)
+    assert "missing" in shards.hash_file(tmp_path / "nope", w.size, w.sha256)
+
+
+def test_a_header_that_disagrees_with_the_manifest_is_refused(shard):
+    path, _ = shard
+    with pytest.raises(ValueError, match="F64"):
+        shards.read(path, [TensorSlice(name="params", dtype="F64", shape=(3,), start=0)])
+    with pytest.raises(ValueError, match="holds tensors"):
+        shards.read(path, [TensorSlice(name="other", dtype="F64", shape=(4,), start=0)])
+    path.write_bytes(b"\xff" * 16)
+    with pytest.raises(ValueError, match="not a valid safetensors"):
+        shards.read(path, [])
+
+
+def test_commit_dir_publishes_whole_and_never_replaces(tmp_path):
+    staging, final = tmp_path / ".tmp-x", tmp_path / "x"
+    staging.mkdir()
+    atomic_write(staging / "a", b"A")
+    commit_dir(staging, final)
+    assert (final / "a").read_bytes() == b"A" and not staging.exists()
+    staging.mkdir()
+    with pytest.raises(InputError, match="never overwrites"):
+        commit_dir(staging, final)
+    final.rename(tmp_path / "y")
+    final.mkdir()  # rename(2) would silently replace an empty directory: commit_dir must not
+    with pytest.raises(InputError, match="never overwrites"):
+        commit_dir(staging, final)
