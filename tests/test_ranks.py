@@ -68,7 +68,7 @@ def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank
     assert trainjob("run", "--pvc", pvc, "--world-size", world).returncode == 0
     assert (pvc / "artifacts/model-v1.json").read_bytes() == (one_rank / "artifacts/model-v1.json").read_bytes()
     assert events(pvc / "log.jsonl") == events(one_rank / "log.jsonl")  # same legal path, same numbers
-    manifest = json.loads((pvc / "checkpoints/step-00000010-a0001-w%03d/manifest.json" % world).read_text())
+    manifest = json.loads((pvc / f"checkpoints/step-00000010-a0001-w{world:03d}/manifest.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == list(range(world))
 
 

@@ -288,13 +288,14 @@ class Peers:
 # --- the local launcher --------------------------------------------------------------------------
 
 def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[int], published: Collection[int],
-                 grace: float = 10.0) -> tuple[str | None, list[int]]:
+                 grace: float = 10.0, stop_grace: float = 2.0) -> tuple[str | None, list[int]]:
     """Start ``world_size`` rank processes running ``trainjob <argv> --rank r`` and supervise them.
 
     Returns (the signal the launcher received or None, every rank's exit status; negative is
     killed by that signal). Exit codes are cli.py's: ``finished`` are the codes a rank other
     than 0 exits with when the job has ended; any other end while rank 0 runs means the job
-    cannot go on, so the others are stopped (SIGTERM, then SIGKILL after ``grace`` s).
+    cannot go on, so the others are stopped (SIGTERM, then SIGKILL after ``stop_grace`` s: they
+    cannot agree on a last checkpoint without the dead rank, so there is little to wait for).
     ``published`` are rank 0's codes after which the others have an outcome to follow: they get
     ``grace`` s to do so; after any other code they are stopped at once.
     SIGTERM/SIGINT to the launcher are forwarded to every rank.
@@ -332,7 +333,7 @@ def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[i
             stop_all(time.monotonic() + 1.0)
             break
         if any(c is not None and c not in finished for c in codes[1:]):
-            stop_all(time.monotonic() + grace)  # a rank died: the job cannot go on without it
+            stop_all(time.monotonic() + stop_grace)  # a rank died: the job cannot go on without it
             break
         time.sleep(0.02)
     return (received[0] if received else None), [p.returncode for p in procs]

@@ -18,7 +18,7 @@ from transitions import EventData
 
 from . import layout, machine, shards
 from .checkpoints import CheckpointStore, Verdict
-from .errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, UsageError
+from .errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from .eventlog import EventLog
 from .layout import Ref
 from .pvc import Pvc
@@ -27,14 +27,15 @@ from .records import Manifest
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
 
-def pick_source(store: CheckpointStore, step: int | None) -> tuple[Ref, Verdict]:
-    """The newest checkpoint (at ``step``, if given) that verifies."""
+def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tuple[Ref, Verdict]:
+    """The newest checkpoint (at ``step``, if given) that verifies; at equal steps, one of another
+    world size than ``world_size`` (the one of the same size is the target, already there)."""
     refs = [r for r in store.committed() if step is None or r.step == step]
     if not refs:
         where = f" at step {step}" if step is not None else ""
         raise InputError(f"{store.root}: no committed checkpoint{where} to reshard")
     reasons = []
-    for ref in sorted(refs, key=lambda r: (r.attempt, r.step), reverse=True):
+    for ref in sorted(refs, key=lambda r: (r.attempt, r.step, r.world_size != world_size), reverse=True):
         verdict = store.verify(ref)
         if verdict.reason is None:
             return ref, verdict
@@ -53,13 +54,10 @@ class Reshard:
         last = pvc.read_state()
         if last is not None and last.state == "completed":
             raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
-        self.source, verdict = pick_source(self.store, step)
+        self.source, verdict = pick_source(self.store, step, world_size)
         assert verdict.manifest is not None and verdict.sha256 is not None
         self.manifest, self.source_sha = verdict.manifest, verdict.sha256
         self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
-        if world_size == self.source.world_size:
-            raise UsageError(f"{self.store.rel(self.store.path(self.source))} already has world size "
-                             f"{world_size}; pass the world size you want to resume with")
         self.notes: list[tuple[str, dict[str, Any]]] = []
         machine.build(self)
 
