@@ -1,0 +1,85 @@
+"""The checkpoint store in a real run: rotation bounds, the free-space check, cleanup, --keep.
+
+In-process runs (``cli.main``) with a wrapped commit, so every commit is observed as it happens.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import namedtuple
+
+import pytest
+
+from conftest import events, snapshot, trainjob
+from trainjob import checkpoints, cli
+from trainjob.layout import Ref
+
+
+def committed(pvc):
+    return sorted(p.name for p in (pvc / "checkpoints").iterdir() if Ref.parse(p.name))
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_rotation_never_exceeds_k_plus_one_and_never_loses_the_newest(tmp_path, monkeypatch, keep):
+    pvc, seen = tmp_path / "pvc", []
+    real_commit = checkpoints.commit_dir
+
+    def observed(staging, final):  # at every commit: K committed at most, plus this one in flight
+        on_disk = [p.name for p in (pvc / "checkpoints").iterdir()]
+        seen.append(len([n for n in on_disk if Ref.parse(n) or n.startswith(".tmp-")]))
+        real_commit(staging, final)
+        assert final.name == committed(pvc)[-1]  # the newest is the one just committed
+
+    monkeypatch.setattr(checkpoints, "commit_dir", observed)
+    assert cli.main(["run", "--pvc", str(pvc), "--ckpt-every", "1", "--keep", str(keep)]) == 0
+    assert len(seen) == 10 and max(seen) == keep + 1
+    assert committed(pvc) == [f"step-{s:08d}-a0001-w001" for s in range(11 - keep, 11)]
+
+
+def test_keep_below_one_is_a_usage_error_saying_what_to_change(tmp_path):
+    result = trainjob("run", "--pvc", tmp_path / "pvc", "--keep", 0)
+    assert result.returncode == 2 and "--keep must be at least 1" in result.stderr
+
+
+def test_a_save_that_cannot_fit_exits_75_and_keeps_every_checkpoint(tmp_path, monkeypatch, capsys):
+    pvc = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
+    before = snapshot(pvc / "checkpoints")
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 100, 100))
+    assert cli.main(["run", "--pvc", str(pvc)]) == 75
+    assert "bytes free, but the next checkpoint needs about" in capsys.readouterr().err
+    assert snapshot(pvc / "checkpoints") == before
+    monkeypatch.undo()
+    assert cli.main(["run", "--pvc", str(pvc)]) == 0  # with room again, it simply goes on
+
+
+def test_abandoned_staging_and_trash_are_removed_on_the_next_start_and_logged(tmp_path):
+    pvc = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
+    for name in (".tmp-step-00000006-a0001-w001.g00000000", ".trash-step-00000002-a0001-w001"):
+        (pvc / "checkpoints" / name).mkdir()
+        (pvc / "checkpoints" / name / "shard-00000-of-00001.safetensors").write_bytes(b"half")
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    assert not [p for p in (pvc / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+    log = events(pvc / "log.jsonl")
+    cleaned = [d for e, d in log if e == "cleaned_up"]
+    assert cleaned == ["removed=2 paths=checkpoints/.tmp-step-00000006-a0001-w001.g00000000,"
+                       "checkpoints/.trash-step-00000002-a0001-w001"]
+    assert log[log.index(("cleaned_up", cleaned[0])) + 1] == ("resumed", "from_step=4")
+
+
+def test_an_old_format_checkpoint_json_is_refused_not_loaded(tmp_path):
+    pvc = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
+    (pvc / "checkpoint.json").write_text('{"step":4,"weights":[0,0,0],"bias":0,"loss_milli":241}\n')
+    result = trainjob("run", "--pvc", pvc)
+    assert result.returncode == 2 and "checkpoint.json" in result.stderr and "weights" in result.stderr
+
+
+def test_a_vanished_newest_checkpoint_is_not_mistaken_for_no_checkpoint(tmp_path):
+    pvc = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--die-at", 2).returncode == 75
+    shutil.rmtree(pvc / "checkpoints")
+    result = trainjob("run", "--pvc", pvc)
+    assert result.returncode == 2 and "missing, but checkpoint.json names it" in result.stderr
