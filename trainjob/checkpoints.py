@@ -36,7 +36,7 @@ import numpy as np
 from . import layout, shards
 from .errors import InputError, NoSpace, TryAgainLater
 from .layout import MANIFEST, Ref
-from .pvc import Pvc, atomic_write, commit_dir, fsync_dir
+from .pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir
 from .records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 
 # The built-in model's whole training state: one float64 vector [w0, w1, w2, bias].
@@ -182,8 +182,7 @@ class CheckpointStore:
     def create_staging(self, ref: Ref, generation: int) -> Path:
         path = self.staging(ref, generation)
         try:
-            self.root.mkdir(exist_ok=True)
-            path.mkdir(exist_ok=True)
+            make_dir(path)
             fsync_dir(self.root)
         except OSError as exc:
             raise TryAgainLater(f"{path}: cannot create: {exc.strerror}") from None

@@ -38,7 +38,7 @@ import attrs
 
 from .errors import InputError, PeerFailed, RankTimeout, TrainJobError, TryAgainLater, UsageError
 from .layout import MAX_WORLD_SIZE
-from .pvc import Pvc, atomic_write
+from .pvc import Pvc, atomic_write, make_dir
 from .records import Outcome, RankNote, Session, dumps
 
 T = TypeVar("T")
@@ -158,7 +158,7 @@ class Peers:
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
         try:
-            self.gen_dir().mkdir(parents=True, exist_ok=True)
+            make_dir(self.gen_dir())
         except OSError as exc:
             raise InputError(f"{self.gen_dir()}: cannot create: {exc.strerror}") from None
         self._write(self.session_path, session)
