@@ -13,6 +13,7 @@ import pytest
 from conftest import events, snapshot, trainjob
 from trainjob import checkpoints, cli
 from trainjob.layout import Ref
+from trainjob.path import replay
 
 
 def committed(pvc):
@@ -67,6 +68,7 @@ def test_abandoned_staging_and_trash_are_removed_on_the_next_start_and_logged(tm
     assert cleaned == ["removed=2 paths=checkpoints/.tmp-step-00000006-a0001-w001.g00000000,"
                        "checkpoints/.trash-step-00000002-a0001-w001"]
     assert log[log.index(("cleaned_up", cleaned[0])) + 1] == ("resumed", "from_step=4")
+    assert replay(pvc / "log.jsonl").illegal is None  # cleaned_up is a note the table knows
 
 
 def test_an_old_format_checkpoint_json_is_refused_not_loaded(tmp_path):

@@ -137,7 +137,7 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
     assert "color=red" in nodes["completed"]  # the last state
     assert {n for n, attrs in nodes.items() if "color=blue" in attrs} == {
         "pending", "started", "resumed", "checkpointed", "killed"}
-    assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed"}
+    assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed", "resharded"}
     assert "last state completed" in result.stdout
 
 
@@ -152,7 +152,8 @@ def test_an_illegal_log_is_refused_not_drawn(tmp_path, walkthrough_log):
     log.write_text("".join(walkthrough_log.read_text().splitlines(keepends=True)[:4]) * 2)
     result = trainjob("diagram", "--log", log)
     assert result.returncode == 2 and result.stdout == ""
-    assert "line 5: illegal step from killed: job_started (expected one of: resumed)" in result.stderr
+    assert ("line 5: illegal step from killed: job_started "
+            "(expected one of: cleaned_up, checkpoint_rejected, resumed, resharded)") in result.stderr
 
 
 # --- the committed pictures -----------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import events, snapshot, trainjob
+from trainjob.path import replay
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +131,4 @@ def test_a_corrupt_newest_falls_back_logs_the_rejection_and_ends_bit_identical(t
     assert log[log.index(next(x for x in log if x[0] == "checkpoint_rejected")) + 1] == ("resumed", "from_step=2")
     assert (pvc / "checkpoints" / f"rejected-{bad}").is_dir()  # kept for inspection, out of the way
     assert (pvc / "artifacts/model-v1.json").read_bytes() == clean_artifact
+    assert replay(pvc / "log.jsonl").illegal is None  # checkpoint_rejected is a note the table knows

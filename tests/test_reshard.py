@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, events, snapshot, trainjob
+from trainjob.path import replay
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def test_reshard_then_resume_ends_with_the_uninterrupted_bytes(pvc, clean_artifa
     assert (pvc / "artifacts/model-v1.json").read_bytes() == clean_artifact
     assert [e for e, _ in events(pvc / "log.jsonl")][-6:] == [
         "resumed", "checkpointed", "checkpointed", "checkpointed", "artifact_written", "completed"]
+    assert replay(pvc / "log.jsonl").illegal is None  # the table knows a reshard between processes
 
 
 def test_resharded_shards_are_byte_identical_to_a_native_save(pvc, tmp_path):

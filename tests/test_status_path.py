@@ -208,11 +208,12 @@ def test_paths_that_unlogged_kills_make_possible_are_legal(tmp_path, names):
 
 
 # Who may begin after each state, per path.py's docstring (persist-before-announce included).
-NEW_PROCESS_MAY_LOG = {
-    "started": {"resumed"}, "killed": {"resumed"},
-    "resumed": {"resumed", "job_started", "job_failed", "artifact_written"},
-    "checkpointed": {"resumed", "job_started", "job_failed", "artifact_written"},
-    "drift_failed": {"resumed", "job_started", "job_failed"}, "job_failed": {"resumed", "job_started", "job_failed"},
+NEW_PROCESS_MAY_LOG = {  # `trainjob reshard` (resharded) may run between any two processes
+    "started": {"resumed", "resharded"}, "killed": {"resumed", "resharded"},
+    "resumed": {"resumed", "job_started", "job_failed", "artifact_written", "resharded"},
+    "checkpointed": {"resumed", "job_started", "job_failed", "artifact_written", "resharded"},
+    "drift_failed": {"resumed", "job_started", "job_failed", "resharded"},
+    "job_failed": {"resumed", "job_started", "job_failed", "resharded"},
     "completed": set(),
 }
 REACH = {  # a shortest log that ends in each state

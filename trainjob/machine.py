@@ -8,10 +8,9 @@ the pure functions in ``decisions.py``, whether this is a resumed attempt, a fre
 the end of the retry budget. Each state (but ``pending``) names the event logged on entering it.
 ``trainjob reshard`` is a process of its own that takes the one ``reshard`` edge.
 
-Some events are announced *within* a transition, just before its state's event:
-``ANNOUNCED_WITHIN`` says which, and into which states (cleanup of abandoned checkpoint
-directories, checkpoints rejected by verification, the artifact's hash). Nothing is logged
-beside this table.
+Some events are announced *within* a transition, before its state's event: the required
+``ANNOUNCED_WITHIN`` (the artifact's hash) and the optional ``NOTED_WITHIN`` (cleanup of what
+killed writers left, checkpoints rejected by verification). Nothing is logged beside this table.
 
 Callback order, and why: ``before`` callbacks persist to the PVC *before* the state changes, so
 a failed write leaves the machine where it was and nothing is announced; the machine-wide
@@ -75,13 +74,19 @@ GUARD_LABELS = {
 EVENT_FOR_STATE = {state: state for state in STATES if state != INITIAL}
 EVENT_FOR_STATE["started"] = "job_started"
 STATE_FOR_EVENT = {event: state for state, event in EVENT_FOR_STATE.items()}
-# Logged inside a transition rather than as one, just before the event of the state entered:
-# event -> the states whose entering transitions may announce it.
-ANNOUNCED_WITHIN: dict[str, tuple[str, ...]] = {
-    "cleaned_up": ("started", "resumed", "job_failed", "completed", "resharded"),
+# Logged inside a transition rather than as one, before the event of the state entered.
+# Required, once: artifact_written comes just before completed.
+ANNOUNCED_WITHIN = {"artifact_written": "completed"}
+# Optional notes a process's first transition may log first, in this order, each zero or more
+# times: event -> the states that transition may enter. (What killed writers left and was
+# cleaned up; each checkpoint that failed verification and was set aside.)
+NOTED_WITHIN: dict[str, tuple[str, ...]] = {
+    "cleaned_up": ("completed", "resumed", "started", "job_failed", "resharded"),
     "checkpoint_rejected": ("resumed",),
-    "artifact_written": ("completed",),
 }
+# States a process of its own reaches that leave the run's persisted state as it was: a
+# `trainjob reshard` may run between any two processes, so its event may appear there in a log.
+OUT_OF_BAND = ("resharded",)
 
 Facts = Mapping[str, Any]
 DETAIL: dict[str, Callable[[Facts], str]] = {

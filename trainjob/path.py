@@ -13,7 +13,14 @@ first event is an *entry*: the event of a state the table reaches from ``pending
 process, an event is legal when the table has a transition from the state the previous event
 announced to the event's state. An event announced *within* a transition
 (``machine.ANNOUNCED_WITHIN``: ``artifact_written`` inside every move to ``completed``) stands
-for that transition: the transition's own event is legal only right after it.
+for that transition: the transition's own event is legal only right after it. A process's first
+transition may also log optional notes before anything else (``machine.NOTED_WITHIN``:
+``cleaned_up``, then ``checkpoint_rejected``, each any number of times); a note stands for every
+transition it may belong to until the next event tells them apart.
+
+A process that leaves the run's persisted state as it was (``machine.OUT_OF_BAND``: ``trainjob
+reshard``) may run between any two processes: its events are steps of their own, after which the
+log stands where it stood before them.
 
 A new process may begin after any event: a SIGKILL ends a process anywhere without a word in the
 log. Which entry it logs depends on what the PVC holds, and the engine persists a state *before*
@@ -57,7 +64,7 @@ import attrs
 from . import decisions
 from .errors import InputError
 from .eventlog import read_log
-from .machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, TRANSITIONS
+from .machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, NOTED_WITHIN, OUT_OF_BAND, TRANSITIONS
 
 # What the start guards answer for a PVC holding state ``p`` while the log's last event is or is
 # not ``completed``, asked of the pure decisions the guards call. A start guard missing here
@@ -122,6 +129,8 @@ def _entries_from(persisted: str, log_says_completed: bool) -> list[str]:
         return []
     entries = []
     for source, row in table_edges():
+        if row["dest"] in OUT_OF_BAND:
+            continue  # not a way for the run to begin: see _candidates
         passes = _row_passes(row, persisted, log_says_completed) if source == INITIAL else False
         if passes is not False:
             entries.append(row["dest"])
@@ -135,7 +144,7 @@ def _entries_after(persisted: Iterable[str] | None, log_says_completed: bool) ->
 
     Follows processes that reached an entry state and died before announcing it.
     """
-    entries = _successors(INITIAL)
+    entries = [dest for dest in _successors(INITIAL) if dest not in OUT_OF_BAND]
     if persisted is None:
         return entries
     seen, todo, reachable = set(persisted), list(persisted), set()
@@ -197,52 +206,69 @@ class Aside:
 
 
 @functools.cache
-def _candidates(at: str | None, within: Edge | None, last_event: str | None) -> tuple[Edge, ...]:
-    """Transitions the next event may belong to: the same process's first, then a new one's."""
-    if within is not None:
-        same, persisted = [within], [within[1]]
+def _candidates(at: str | None, within: tuple[Edge, ...] | None, last_event: str | None) -> tuple[Edge, ...]:
+    """Transitions the next event may belong to: the same process's first, then a new one's,
+    then an out-of-band process's (never once the log announced the completion)."""
+    if within is not None:  # an out-of-band process persists nothing of the run's
+        same, persisted = list(within), [edge[1] for edge in within if edge[1] not in OUT_OF_BAND] or None
     elif at is None:
         same, persisted = [], None
     else:
         same = [(at, dest) for dest in _successors(at)]
         persisted = [at, *_successors(at)]
-    entries = _entries_after(persisted, last_event == EVENT_FOR_STATE["completed"])
-    return (*same, *((INITIAL, entry) for entry in entries))
+    log_says_completed = last_event == EVENT_FOR_STATE["completed"]
+    entries = _entries_after(persisted, log_says_completed)
+    aside = [] if log_says_completed else [dest for dest in _successors(INITIAL) if dest in OUT_OF_BAND]
+    return tuple(dict.fromkeys([*same, *((INITIAL, entry) for entry in [*entries, *aside])]))
 
 
-def _events_for(edge: Edge, within: Edge | None) -> list[str]:
-    """Events that may be logged next for ``edge``: the announcements made within it come first."""
+def _events_for(edge: Edge, within: tuple[Edge, ...] | None, last_event: str | None) -> list[str]:
+    """Events that may be logged next for ``edge``: optional notes (a process's first transition
+    only), then the required announcement made within it, then its own event."""
     own = [EVENT_FOR_STATE[edge[1]]]
-    if edge == within:
-        return own
-    return [event for event, dest in ANNOUNCED_WITHIN.items() if dest == edge[1]] or own
+    required = [event for event, dest in ANNOUNCED_WITHIN.items() if dest == edge[1]]
+    notes = [event for event, dests in NOTED_WITHIN.items() if edge[0] == INITIAL and edge[1] in dests]
+    if within is not None and edge in within:  # part of this transition is logged already
+        if last_event in required:
+            return own
+        notes = notes[notes.index(last_event):] if last_event in notes else []
+    return notes + (required or own)
 
 
 @attrs.define
 class _Cursor:
-    """Where the log stands: the last state announced, or a transition announced only within."""
+    """Where the log stands: the last state announced, or the transitions (one, or several a
+    note may belong to) announced only within so far."""
 
     at: str | None = None
-    within: Edge | None = None
+    within: tuple[Edge, ...] | None = None
     last_event: str | None = None
+    before: tuple[str | None, tuple[Edge, ...] | None, str | None] | None = None  # before this transition
 
     def where(self) -> str | None:
-        return " -> ".join(self.within) if self.within else self.at
+        return " | ".join(" -> ".join(edge) for edge in self.within) if self.within else self.at
 
     def _candidates(self) -> tuple[Edge, ...]:
         return _candidates(self.at, self.within, self.last_event)
 
     def expected(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(e for edge in self._candidates() for e in _events_for(edge, self.within)))
+        return tuple(dict.fromkeys(e for edge in self._candidates()
+                                   for e in _events_for(edge, self.within, self.last_event)))
 
     def advance(self, line: int, event: str, detail: str) -> Step | None:
-        for source, dest in self._candidates():
-            if event in _events_for((source, dest), self.within):
-                step = Step(line, source, dest, event, detail)
-                self.at, self.within = (dest, None) if step.completes else (self.at, (source, dest))
-                self.last_event = event
-                return step
-        return None
+        matches = [edge for edge in self._candidates() if event in _events_for(edge, self.within, self.last_event)]
+        if not matches:
+            return None
+        step = Step(line, *matches[0], event, detail)
+        if self.before is None:
+            self.before = (self.at, self.within, self.last_event)
+        if not step.completes:  # a note may belong to any of them; an announcement, to the first
+            self.within, self.last_event = tuple(matches if event in NOTED_WITHIN else matches[:1]), event
+        elif step.dest in OUT_OF_BAND:  # the run's persisted state is as it was before
+            (self.at, self.within, self.last_event), self.before = self.before, None
+        else:
+            self.at, self.within, self.last_event, self.before = step.dest, None, event, None
+        return step
 
 
 @attrs.define
