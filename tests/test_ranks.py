@@ -127,7 +127,7 @@ def short_reference(tmp_path_factory) -> bytes:
 # over a run: while joining, while writing a shard or receipt, while rank 0 stages, writes the
 # manifest, renames the directory, writes the pointer, rotates. The survivor must give up within
 # its bounded wait (75), and a relaunch of all ranks must finish with the uninterrupted bytes.
-@pytest.mark.parametrize("victim, point", [(1, 0), (1, 3), (1, 10), (0, 5), (0, 14), (0, 33), (0, 60)])
+@pytest.mark.parametrize("victim, point", [(1, 0), (1, 10), (0, 5), (0, 33), (0, 60)])
 def test_sigkill_of_one_rank_at_any_point_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
     pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--keep", "2", "--world-size", "2",
                                      "--rank-timeout", "1")

@@ -157,7 +157,7 @@ class CheckpointStore:
 
     def read_tensors(self, ref: Ref, manifest: Manifest) -> dict[str, np.ndarray]:
         """Reassemble the whole state from a checkpoint that ``verify`` passed."""
-        full = {t.name: np.zeros(t.shape, dtype=np.dtype(shards._NP_DTYPE[t.dtype])) for t in manifest.tensors}
+        full = {t.name: np.zeros(t.shape, dtype=shards.np_dtype(t.dtype)) for t in manifest.tensors}
         for shard in manifest.shards:
             try:
                 part = shards.read(self.path(ref) / shard.file, shard.holds)
@@ -280,8 +280,9 @@ class CheckpointStore:
         return self.rel(dest)
 
     def cleanup(self) -> list[str]:
-        """Delete staging and trash directories left by killed writers (under the job lock)."""
-        removed = []
+        """Delete what killed writers left (under the job lock): tmp files on the PVC, staging
+        and trash directories. Returns the paths removed, relative to the PVC."""
+        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
         for name in self.entries():
             if name.startswith((TMP, TRASH)) and self._remove(self.root / name):
                 removed.append(f"checkpoints/{name}")

@@ -36,7 +36,7 @@ from .layout import Ref
 from .model import evaluate, train_one_epoch
 from .pvc import Pvc
 from .ranks import Peers, Superseded
-from .records import Artifact, Manifest, RunState, Session, dumps, load
+from .records import MANIFEST_SCHEMA, Artifact, Manifest, RunState, Session, dumps, load
 
 
 @attrs.frozen
@@ -91,14 +91,33 @@ class StopFlag:
         self.signal = signal.Signals(signum).name
 
 
-class Job:
+class Notes:
+    """What every model of the machine does at its first transition: clean up after killed
+    writers, and announce the optional notes (``machine.NOTED_WITHIN``) before its own event."""
+
+    def __init__(self, pvc: Pvc, log: EventLog) -> None:
+        self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
+        self.notes: list[tuple[str, dict[str, Any]]] = []  # announced within the next transition
+
+    def persist_cleanup(self, _ev: EventData) -> None:
+        removed = self.store.cleanup()
+        if removed:
+            self.notes.append(("cleaned_up", dict(removed=len(removed), paths=",".join(removed))))
+
+    def announce_notes(self, _ev: EventData) -> None:
+        for event, facts in self.notes:
+            self.log.append(event, machine.DETAIL[event](facts))
+        self.notes.clear()
+
+
+class Job(Notes):
     """The state machine's model for rank 0 (the coordinator) of one launch."""
 
     state: str  # set by transitions.Machine
 
     def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Peers) -> None:
-        self.cfg, self.pvc, self.log, self.data_sha256, self.peers = cfg, pvc, log, data_sha256, peers
-        self.store = CheckpointStore(pvc)
+        super().__init__(pvc, log)
+        self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
         self.last = pvc.read_state()
         completed = self.last is not None and self.last.state == "completed"
         self.completion_announced = completed and log.last_event() == "completed"
@@ -113,7 +132,6 @@ class Job:
         self.from_step = 0
         self.persisted_state: str | None = self.last.state if self.last else None
         self.artifact: dict[str, Any] = {}
-        self.notes: list[tuple[str, dict[str, Any]]] = []  # announced within the next transition
         self.rejected: list[tuple[Ref, str]] = []
         self.loaded: Loaded | None = None
         self.last_size = 0
@@ -187,12 +205,6 @@ class Job:
             )
             self.persisted_state = state
 
-    def persist_cleanup(self, _ev: EventData) -> None:
-        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
-        removed += self.store.cleanup()
-        if removed:
-            self.notes.append(("cleaned_up", dict(removed=len(removed), paths=",".join(removed))))
-
     def persist_state(self, ev: EventData) -> None:
         self._write_state(ev.transition.dest)
 
@@ -244,7 +256,7 @@ class Job:
         entries = [self.store.write_shard(staging, 0, world, ref.step, tensors)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
-        manifest = Manifest(schema=1, step=ref.step, attempt=ref.attempt, world_size=world,
+        manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
                             loss_milli=kw["loss_milli"], tensors=tensor_specs(tensors), shards=entries)
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
@@ -280,11 +292,6 @@ class Job:
 
     def _append(self, event: str, ev: EventData) -> None:
         self.log.append(event, machine.DETAIL[event](self._facts(ev)))
-
-    def announce_notes(self, _ev: EventData) -> None:
-        for event, facts in self.notes:
-            self.log.append(event, machine.DETAIL[event](facts))
-        self.notes.clear()
 
     def announce_artifact(self, ev: EventData) -> None:
         self._append("artifact_written", ev)

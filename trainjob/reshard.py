@@ -11,7 +11,6 @@ next start deletes. Takes the job lock: never runs beside a ``run``.
 from __future__ import annotations
 
 from collections import ChainMap
-from typing import Any
 
 import numpy as np
 from transitions import EventData
@@ -20,9 +19,10 @@ from . import layout, machine, shards
 from .checkpoints import CheckpointStore, Verdict
 from .errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from .eventlog import EventLog
+from .job import Notes
 from .layout import Ref
 from .pvc import Pvc
-from .records import Manifest
+from .records import MANIFEST_SCHEMA, Manifest
 
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
@@ -44,13 +44,13 @@ def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tu
                                f"run `trainjob verify --pvc {store.pvc.root}` to inspect them")
 
 
-class Reshard:
+class Reshard(Notes):
     """The machine's model for one ``trainjob reshard`` process."""
 
     state: str  # set by transitions.Machine
 
     def __init__(self, pvc: Pvc, log: EventLog, world_size: int, step: int | None) -> None:
-        self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
+        super().__init__(pvc, log)
         last = pvc.read_state()
         if last is not None and last.state == "completed":
             raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
@@ -58,7 +58,6 @@ class Reshard:
         assert verdict.manifest is not None and verdict.sha256 is not None
         self.manifest, self.source_sha = verdict.manifest, verdict.sha256
         self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
-        self.notes: list[tuple[str, dict[str, Any]]] = []
         machine.build(self)
 
     def target_exists(self) -> bool:
@@ -72,12 +71,6 @@ class Reshard:
                              f"`trainjob verify --pvc {self.pvc.root}`")
         return True
 
-    def persist_cleanup(self, _ev: EventData) -> None:
-        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
-        removed += self.store.cleanup()
-        if removed:
-            self.notes.append(("cleaned_up", dict(removed=len(removed), paths=",".join(removed))))
-
     def persist_reshard(self, _ev: EventData) -> None:
         src, n = self.manifest, self.target.world_size
         source_dir = self.store.path(self.source)
@@ -89,22 +82,17 @@ class Reshard:
         entries = []
         dest_layout = layout.plan_shards(src.tensors, n)
         for rank, pieces in enumerate(layout.plan_reshard(src, n)):
-            mine = {h.name: np.empty(h.shape, dtype=np.dtype(shards._NP_DTYPE[h.dtype])) for h in dest_layout[rank]}
+            mine = {h.name: np.empty(h.shape, dtype=shards.np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
                 mine[p.tensor][p.dest_row:p.dest_row + p.rows] = parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
             entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine))
-        manifest = Manifest(schema=src.schema, step=src.step, attempt=src.attempt, world_size=n,
+        manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,
                             resharded_from=self.source_sha)
         sha = self.store.commit(staging, self.target, manifest)
         pointer = self.pvc.read_checkpoint()
         if pointer is not None and pointer.dir == f"checkpoints/{self.source.name}":
             self.pvc.write_checkpoint(self.store.pointer(manifest, self.target, sha))
-
-    def announce_notes(self, _ev: EventData) -> None:
-        for event, facts in self.notes:
-            self.log.append(event, machine.DETAIL[event](facts))
-        self.notes.clear()
 
     def announce(self, _ev: EventData) -> None:
         facts = ChainMap(dict(step=self.source.step, from_world_size=self.source.world_size,

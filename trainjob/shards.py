@@ -1,7 +1,7 @@
 """One shard file: the safetensors format, streamed out and verified back in.
 
 safetensors (maintained by Hugging Face) is a header of JSON plus raw little-endian tensor bytes:
-loading it runs no code, unlike pickle. Writing is done here rather than with the package's
+loading it runs no code, unlike pickled files. Writing is done here rather than with the package's
 ``save_file`` because the bytes must be hashed as they are written (``pvc.atomic_write`` does
 that chunk by chunk) and must never be held twice in memory; ``tests/test_shards.py`` checks the
 output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading uses the package's own
@@ -31,17 +31,16 @@ _NP_DTYPE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4
 _CODE = {np.dtype(v): k for k, v in _NP_DTYPE.items()}
 
 
+def np_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code (little-endian)."""
+    return np.dtype(_NP_DTYPE[code])
+
+
 def dtype_code(array: np.ndarray) -> str:
     try:
         return _CODE[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
     except KeyError:
         raise ValueError(f"dtype {array.dtype} cannot be stored in a shard") from None
-
-
-def slices_of(tensors: Mapping[str, np.ndarray], starts: Mapping[str, int]) -> tuple[TensorSlice, ...]:
-    """Describe ``tensors`` (each a slice starting at row ``starts[name]``) for the manifest."""
-    return tuple(TensorSlice(name=name, dtype=dtype_code(a), shape=a.shape, start=starts[name])
-                 for name, a in sorted(tensors.items()))
 
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:

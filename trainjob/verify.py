@@ -97,7 +97,12 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
                     logged[fields["path"]] = fields["sha256"]
     on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
     for rel in sorted(set(logged) | set(on_disk)):
-        raw = pvc.read_bytes(pvc.root / rel) if layout.plain_name(rel.removeprefix("artifacts/")) else None
+        try:
+            raw = pvc.read_bytes(pvc.root / rel) if layout.plain_name(rel.removeprefix("artifacts/")) else None
+        except InputError as exc:  # a symlink, unreadable: never followed, reported
+            items.append(Item("artifact", rel, "corrupt", str(exc)))
+            ok = False
+            continue
         if rel not in logged:
             items.append(Item("artifact", rel, "unlogged", "no artifact_written event in the log records its sha256"))
         elif raw is None:
