@@ -32,7 +32,7 @@ import attrs
 from . import __version__, controller, diagram, k8s, plot
 from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
 from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy,
-                     RankTimeout, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
+                     RankTimeout, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, follow, run
 from .path import legal_path, replay
@@ -56,6 +56,7 @@ EXIT_FOR_ERROR: list[tuple[type[TrainJobError], int]] = [
     (NoSpace, EXIT_RELAUNCH),
     (RankTimeout, EXIT_RELAUNCH),
     (PeerFailed, EXIT_RELAUNCH),
+    (Superseded, EXIT_RELAUNCH),
     (TryAgainLater, EXIT_RELAUNCH),
 ]
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.

@@ -10,7 +10,9 @@
         ├── PvcBusy               another process holds the PVC (rank) lock  -> exit 75
         ├── NoSpace               a checkpoint would not fit on the PVC      -> exit 75
         ├── RankTimeout           a bounded wait for another rank ran out    -> exit 75
-        └── PeerFailed            the coordinator (rank 0) stopped on error  -> exit 75
+        ├── PeerFailed            the coordinator (rank 0) stopped on error  -> exit 75
+        └── Superseded            a newer launch took over (a rank rejoins   -> exit 75
+                                  it; only escapes by mistake)
 
 Honest failures (drift_failed, job_failed) are outcomes of the state machine, not
 exceptions. The mapping from error to exit code lives in exactly one place: ``cli.py``.
@@ -65,3 +67,11 @@ class RankTimeout(TryAgainLater):
 
 class PeerFailed(TryAgainLater):
     """Rank 0 ended this launch with an error; the other ranks stop too."""
+
+
+class Superseded(TryAgainLater):
+    """A newer launch (generation) started while this rank worked for an older one.
+
+    ``job.follow`` catches it and rejoins the new launch; were it ever to escape, relaunching
+    is still the right answer.
+    """

@@ -29,13 +29,13 @@ from transitions import EventData
 from . import decisions, layout, machine
 from .checkpoints import CheckpointStore, Loaded, model_params, model_tensors, tensor_specs
 from .data import Dataset
-from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, TryAgainLater, UsageError,
+from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater, UsageError,
                      WorldSizeMismatch)
 from .eventlog import EventLog
 from .layout import Ref
 from .model import evaluate, train_one_epoch
 from .pvc import Pvc
-from .ranks import Peers, Superseded
+from .ranks import Peers
 from .records import MANIFEST_SCHEMA, Artifact, Manifest, RunState, Session, dumps, load
 
 

@@ -36,7 +36,7 @@ from typing import TypeVar
 
 import attrs
 
-from .errors import InputError, PeerFailed, RankTimeout, TrainJobError, TryAgainLater, UsageError
+from .errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError
 from .layout import MAX_WORLD_SIZE
 from .pvc import Pvc, atomic_write, make_dir
 from .records import Outcome, RankNote, Session, dumps
@@ -109,10 +109,6 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: Callable[[], s
                               "(or raise --rank-timeout)")
         time.sleep(delay)
         delay = min(delay * 2, POLL_MAX)
-
-
-class Superseded(TrainJobError):
-    """Internal: a newer generation started while this rank worked for an older one (never exits)."""
 
 
 # --- the shared files ----------------------------------------------------------------------------
