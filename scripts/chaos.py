@@ -36,9 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["--steps", "300", "--ckpt-every", "1"]
+STEPS = ["--steps", "100", "--ckpt-every", "1"]
 # Racers need a run long enough that none of them can arrive after the winner has finished.
-RACE_STEPS = ["--steps", "3000", "--ckpt-every", "1"]
+RACE_STEPS = ["--steps", "1000", "--ckpt-every", "1"]
+# Two ranks coordinate every checkpoint through the PVC, so a step costs more: fewer of them.
+W2_STEPS = ["--steps", "60", "--ckpt-every", "1", "--world-size", "2"]
+LITTER = ("*.tmp.*", ".tmp-*", ".trash-*")
+
+
+def one_rank(flags: list[str]) -> list[str]:
+    """The same run on one rank: every W-rank result must equal it byte for byte."""
+    if "--world-size" not in flags:
+        return flags
+    i = flags.index("--world-size")
+    return flags[:i] + flags[i + 2:]
 
 
 def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
@@ -85,12 +96,23 @@ class Campaign:
     def __init__(self, work: Path, seed: int) -> None:
         self.work, self.rng = work, random.Random(seed)
         self.references: dict[tuple[str, ...], bytes] = {}
-        started = time.monotonic()
+        self.seconds: dict[tuple[str, ...], float] = {}
         self.reference = self.reference_for(STEPS)
-        self.run_seconds = time.monotonic() - started
+        self.run_seconds = self.seconds_for(STEPS)
+
+    def seconds_for(self, flags: list[str]) -> float:
+        """How long an uninterrupted run with ``flags`` takes here: the window kills land in."""
+        if tuple(flags) not in self.seconds:
+            pvc = self.pvc("timing")
+            started = time.monotonic()
+            if trainjob("run", "--pvc", pvc, *flags).returncode != 0:
+                raise SystemExit(f"an uninterrupted run with {flags} failed")
+            self.seconds[tuple(flags)] = time.monotonic() - started
+        return self.seconds[tuple(flags)]
 
     def reference_for(self, flags: list[str]) -> bytes:
-        """The artifact of an uninterrupted run with ``flags``: what every recovery must reach."""
+        """The artifact of an uninterrupted one-rank run: what every recovery must reach."""
+        flags = one_rank(flags)
         if tuple(flags) not in self.references:
             ref = self.pvc("reference")
             assert trainjob("run", "--pvc", ref, *flags).returncode == 0, "the uninterrupted run failed"
@@ -119,24 +141,29 @@ class Campaign:
         attempts = (pvc / "attempts").read_text().strip()
         if attempts != "1":
             section.violation(trial, f"attempts={attempts}: an interruption cost an attempt")
-        litter = [p.name for p in pvc.rglob("*.tmp.*")]
+        litter = [p.name for pattern in LITTER for p in pvc.rglob(pattern)]
         if litter:
             section.violation(trial, f"tmp litter left: {litter}")
         status = trainjob("status", pvc / "log.jsonl")
         if status.returncode != 0:
             section.violation(trial, f"status exited {status.returncode}")
+        verify = trainjob("verify", "--pvc", pvc)
+        if verify.returncode != 0:
+            section.violation(trial, f"verify exited {verify.returncode}: {verify.stdout.strip()[-300:]}")
 
     # --- sections ----------------------------------------------------------------------------------
 
-    def kill_storm(self, trials: int, kills_per_trial: int = 3) -> Section:
-        section = Section("kill storm")
+    def kill_storm(self, trials: int, flags: list[str] = STEPS, kills_per_trial: int = 3) -> Section:
+        world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
+        section = Section(f"kill storm W={world}")
+        seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("kill")
             for _ in range(kills_per_trial):
-                proc = spawn("run", "--pvc", pvc, *STEPS)
+                proc = spawn("run", "--pvc", pvc, *flags)
                 try:
-                    code = proc.wait(timeout=self.rng.uniform(0, self.run_seconds))
+                    code = proc.wait(timeout=self.rng.uniform(0, seconds))
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
@@ -144,21 +171,23 @@ class Campaign:
                     continue
                 if code not in (0, 75) and not (code == 2 and "already completed" in proc.stderr.read()):
                     section.violation(trial, f"a launch exited {code}")
-            self.recover(section, trial, pvc)
+            self.recover(section, trial, pvc, flags)
         return section
 
-    def sigterm_storm(self, trials: int) -> Section:
-        section = Section("sigterm storm", note="signal sent once the run has logged its start")
+    def sigterm_storm(self, trials: int, flags: list[str] = STEPS) -> Section:
+        world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
+        section = Section(f"sigterm W={world}", note="signal sent once the run has logged its start")
+        seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("term")
-            proc = spawn("run", "--pvc", pvc, *STEPS)
+            proc = spawn("run", "--pvc", pvc, *flags)
             # Before the interpreter has installed trainjob's handler, SIGTERM's default action
             # ends the process with nothing written; the storm targets the run itself.
             while last_event(pvc) is None and proc.poll() is None:
                 time.sleep(0.005)
-            time.sleep(self.rng.uniform(0, self.run_seconds / 2))
-            proc.send_signal(signal.SIGTERM)
+            time.sleep(self.rng.uniform(0, seconds / 2))
+            proc.send_signal(signal.SIGTERM)  # to the launcher alone: it must pass it on
             section.injected += 1
             code = proc.wait(timeout=60)
             event = last_event(pvc)
@@ -168,7 +197,7 @@ class Campaign:
                     section.violation(trial, f"exit 75 but the log ends with {event}")
             elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
                 section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
-            self.recover(section, trial, pvc)
+            self.recover(section, trial, pvc, flags)
         return section
 
     def io_faults(self, trials: int) -> Section:
@@ -256,14 +285,17 @@ class Campaign:
         data = base.parent / "data"
         trainjob("gen", data)
         trainjob("run", "--pvc", base, "--data", data, *STEPS, "--die-at", "7")
+        # The newest checkpoint is step 7; steps 5 and 6 are older ones that still verify.
         targets = ["data/train.jsonl", "data/holdout.jsonl", "data/baseline.json",
-                   "pvc/state.json", "pvc/attempts", "pvc/log.jsonl"]
+                   "pvc/state.json", "pvc/attempts", "pvc/log.jsonl", "pvc/checkpoint.json",
+                   "pvc/checkpoints/step-00000007-*/manifest.json",
+                   "pvc/checkpoints/step-00000007-*/shard-*.safetensors"]
         for trial in range(trials):
             section.trials += 1
             work = Path(tempfile.mkdtemp(prefix="hostile-", dir=self.work))
             shutil.copytree(base, work / "pvc")
             shutil.copytree(data, work / "data")
-            target = work / self.rng.choice(targets)
+            target = next(work.glob(self.rng.choice(targets)))
             original = target.read_bytes()
             kind, corrupted = corrupt(original, self.rng)
             if corrupted == original:
@@ -290,9 +322,13 @@ class Campaign:
                     section.violation(trial, f"{where}: exit 2 but changed {sorted(lost)}")
                     section.bytes_lost += sum(len(before[k]) for k in lost)
             elif result.returncode == 0:
-                # Only acceptable when the damage did not change what the file means.
+                # Only acceptable when the damage did not change what the file means, or when a
+                # damaged checkpoint was caught, set aside and an older one resumed instead.
                 if (work / "pvc/artifacts/model-v1.json").read_bytes() != self.reference:
                     section.violation(trial, f"{where}: exit 0 with a different artifact (silently wrong)")
+                if target.parent.parent.name == "checkpoints" and \
+                        '"checkpoint_rejected"' not in (work / "pvc/log.jsonl").read_text():
+                    section.violation(trial, f"{where}: a damaged checkpoint was resumed without a word")
             else:
                 section.violation(trial, f"{where}: exit {result.returncode}: {result.stderr.strip()[-200:]}")
         return section
@@ -312,6 +348,48 @@ class Campaign:
             if starts != 1:
                 section.violation(trial, f"{starts} job_started events: more than one run proceeded")
             self.recover(section, trial, pvc, RACE_STEPS)
+        return section
+
+    def reshard_races(self, trials: int) -> Section:
+        """A reshard racing a run for one PVC: one holds the lock, the other is told to relaunch."""
+        section = Section("reshard races")
+        for trial in range(trials):
+            section.trials += 1
+            pvc = self.pvc("rerace")
+            trainjob("run", "--pvc", pvc, *STEPS, "--die-at", "5")
+            procs = [spawn("reshard", "--pvc", pvc, "--world-size", "2"), spawn("run", "--pvc", pvc, *STEPS)]
+            section.injected += 1
+            codes = [p.wait(timeout=120) for p in procs]
+            if 75 not in codes or not set(codes) <= {0, 75}:
+                section.violation(trial, f"reshard and run exited {codes}: exactly one must be told to relaunch")
+            self.recover(section, trial, pvc)
+        return section
+
+    def reshard_kills(self, trials: int) -> Section:
+        """SIGKILL a reshard at a random instant; reshard again, resume on two ranks."""
+        section = Section("reshard kills")
+        base = self.pvc("rebase")
+        trainjob("run", "--pvc", base, *STEPS, "--die-at", "5")
+        timing = base.parent / "timing"
+        shutil.copytree(base, timing)
+        started = time.monotonic()
+        trainjob("reshard", "--pvc", timing, "--world-size", "2")
+        seconds = time.monotonic() - started
+        for trial in range(trials):
+            section.trials += 1
+            pvc = Path(tempfile.mkdtemp(prefix="rekill-", dir=self.work)) / "pvc"
+            shutil.copytree(base, pvc)
+            proc = spawn("reshard", "--pvc", pvc, "--world-size", "2")
+            try:
+                proc.wait(timeout=self.rng.uniform(0, seconds))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                section.injected += 1
+            again = trainjob("reshard", "--pvc", pvc, "--world-size", "2")
+            if again.returncode != 0:
+                section.violation(trial, f"reshard after a kill exited {again.returncode}: {again.stderr.strip()[-200:]}")
+            self.recover(section, trial, pvc, [*STEPS, "--world-size", "2"])
         return section
 
     def security(self) -> Section:
@@ -371,6 +449,7 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=8)
     parser.add_argument("--inputs", type=int, default=40)
     parser.add_argument("--races", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2, help="two-rank kill and SIGTERM trials, reshard kills")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
@@ -378,11 +457,15 @@ def main() -> int:
         campaign = Campaign(Path(tmp), args.seed)
         sections = [
             campaign.kill_storm(args.kills),
+            campaign.kill_storm(args.ranks, W2_STEPS),
             campaign.sigterm_storm(args.sigterms),
+            campaign.sigterm_storm(args.ranks, W2_STEPS),
+            campaign.reshard_kills(args.ranks * 2),
             campaign.io_faults(args.faults),
             campaign.full_disk(),
             campaign.hostile_inputs(args.inputs),
             campaign.races(args.races),
+            campaign.reshard_races(args.races),
             campaign.security(),
         ]
     print(f"{'section':<16}{'trials':>8}{'injected':>10}{'violations':>12}{'bytes lost':>12}  note")
