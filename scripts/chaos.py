@@ -412,6 +412,17 @@ class Campaign:
         lines = log.read_text().splitlines()
         if any(json.loads(line).keys() != {"ts", "event", "detail"} for line in lines):
             section.violation(2, "a log line is not exactly one event")
+        # A PVC entry that is a symlink out of the PVC is refused, and what it points at untouched.
+        section.trials += 1
+        pvc = self.pvc("link")
+        trainjob("run", "--pvc", pvc, *STEPS, "--die-at", "3")
+        outside = pvc.parent / "outside.json"
+        outside.write_text("precious")
+        (pvc / "state.json").unlink()
+        (pvc / "state.json").symlink_to(outside)
+        result = trainjob("run", "--pvc", pvc, *STEPS)
+        if result.returncode != 2 or outside.read_text() != "precious":
+            section.violation(3, f"a symlinked state.json gave exit {result.returncode}")
         return section
 
 

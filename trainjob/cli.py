@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import traceback
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -312,6 +313,12 @@ def emit(text: str | bytes) -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+def one_line(text: str) -> str:
+    """Escape control characters: an error message quotes names from hostile files (a JSON key
+    holding a newline or a carriage return) and must stay one line that cannot forge another."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in text)
+
+
 def warn(text: str) -> None:
     """Print to stderr. When stderr itself cannot be written (a full or failing disk), the
     message is lost but the exit code must survive: a failed print would otherwise end the
@@ -423,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except TrainJobError as exc:
-        warn(f"trainjob {args.command}: {exc}")
+        warn(f"trainjob {args.command}: {one_line(str(exc))}")
         return next(code for kind, code in EXIT_FOR_ERROR if isinstance(exc, kind))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
         warn(traceback.format_exc().rstrip())
