@@ -169,8 +169,9 @@ class Campaign:
                     proc.wait()
                     section.injected += 1
                     continue
-                if code not in (0, 75) and not (code == 2 and "already completed" in proc.stderr.read()):
-                    section.violation(trial, f"a launch exited {code}")
+                stderr = proc.stderr.read()
+                if code not in (0, 75) and not (code == 2 and "already completed" in stderr):
+                    section.violation(trial, f"a launch exited {code}: {stderr.strip()[-300:]}")
             self.recover(section, trial, pvc, flags)
         return section
 
@@ -351,18 +352,26 @@ class Campaign:
         return section
 
     def reshard_races(self, trials: int) -> Section:
-        """A reshard racing a run for one PVC: one holds the lock, the other is told to relaunch."""
+        """A reshard started while a run holds the PVC is told to relaunch and changes nothing."""
         section = Section("reshard races")
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("rerace")
-            trainjob("run", "--pvc", pvc, *STEPS, "--die-at", "5")
-            procs = [spawn("reshard", "--pvc", pvc, "--world-size", "2"), spawn("run", "--pvc", pvc, *STEPS)]
+            trainjob("run", "--pvc", pvc, *RACE_STEPS, "--die-at", "5")
+            run = spawn("run", "--pvc", pvc, *RACE_STEPS)
+            while last_event(pvc) != "resumed" and run.poll() is None:
+                time.sleep(0.005)
+            checkpoints = sorted(p.name for p in (pvc / "checkpoints").iterdir())
+            reshard = trainjob("reshard", "--pvc", pvc, "--world-size", "2")
             section.injected += 1
-            codes = [p.wait(timeout=120) for p in procs]
-            if 75 not in codes or not set(codes) <= {0, 75}:
-                section.violation(trial, f"reshard and run exited {codes}: exactly one must be told to relaunch")
-            self.recover(section, trial, pvc)
+            if reshard.returncode != 75:
+                section.violation(trial, f"reshard during a run exited {reshard.returncode}: {reshard.stderr.strip()}")
+            if any("w002" in name for name in os.listdir(pvc / "checkpoints")):
+                section.violation(trial, f"reshard wrote beside a live run: {checkpoints}")
+            run.send_signal(signal.SIGTERM)
+            if run.wait(timeout=120) != 75:
+                section.violation(trial, "the run did not stop with 75 after SIGTERM")
+            self.recover(section, trial, pvc, RACE_STEPS)
         return section
 
     def reshard_kills(self, trials: int) -> Section:
