@@ -104,7 +104,7 @@ def _load(path: Path, want: dict[str, tuple[str, int | None]]) -> dict[str, np.n
 
 class DigitsTrainer:
     def __init__(self, directory: Path, lr: float) -> None:
-        self.lr = lr
+        self.directory, self.lr = directory, lr
         raw = b"".join(hashlib.sha256((directory / n).read_bytes()).digest()
                        for n in FILES if (directory / n).is_file())
         sets = [_load(directory / n, {"x": ("float64", FEATURES), "y": ("int64", None)}) for n in FILES[:2]]

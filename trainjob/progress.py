@@ -23,14 +23,13 @@ class Progress:
 
     def __init__(self, stream: TextIO, steps: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.stream, self.steps, self.clock = stream, steps, clock
-        self.started: float | None = None
+        self.started = clock()
         self.first: int | None = None
 
     def __call__(self, step: int, loss_milli: int) -> None:
-        now = self.clock()
-        if self.started is None:  # a resumed run's rate counts only the steps done in this launch
-            self.started, self.first = now, step - 1
-        text = line(step, self.steps, loss_milli, step - (self.first or 0), now - self.started)
+        if self.first is None:  # a resumed launch's rate counts only the steps done in this launch
+            self.first = step - 1
+        text = line(step, self.steps, loss_milli, step - self.first, self.clock() - self.started)
         try:
             self.stream.write(f"\r{text}\x1b[K" + ("\n" if step >= self.steps else ""))
             self.stream.flush()
