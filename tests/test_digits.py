@@ -43,7 +43,8 @@ def artifact(pvc) -> bytes:
 
 def test_gen_is_repeatable_and_splits_by_index(tmp_path, data):
     assert trainjob("gen", "--dataset", "digits", tmp_path / "again").returncode == 0
-    assert {p.name: p.read_bytes() for p in data.iterdir()} == {p.name: p.read_bytes() for p in (tmp_path / "again").iterdir()}
+    again = tmp_path / "again"
+    assert {p.name: p.read_bytes() for p in data.iterdir()} == {p.name: p.read_bytes() for p in again.iterdir()}
     trainer = DigitsTrainer(data, 0.05)
     assert (len(trainer.y), len(trainer.hy)) == (1437, 360) and trainer.x.shape == (1437, 64)
 
