@@ -82,13 +82,17 @@ def generate_files() -> dict[str, bytes]:
     }
 
 
-def _load(path: Path, want: dict[str, tuple[str, int | None]]) -> dict[str, np.ndarray]:
+def _read(path: Path) -> bytes:
     try:
-        raw = path.read_bytes()
+        return path.read_bytes()
     except FileNotFoundError:
         raise InputError(f"{path}: missing (create it with `trainjob gen --dataset digits {path.parent}`)") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+
+
+def _arrays(path: Path, raw: bytes, want: dict[str, tuple[str, int | None]]) -> dict[str, np.ndarray]:
+    """The arrays of one file, checked: exactly ``want``'s names, dtypes and column counts."""
     try:
         arrays = st_load(raw)
     except Exception as exc:  # safetensors raises its own error types; any of them means a bad file
@@ -105,18 +109,18 @@ def _load(path: Path, want: dict[str, tuple[str, int | None]]) -> dict[str, np.n
 class DigitsTrainer:
     def __init__(self, directory: Path, lr: float) -> None:
         self.directory, self.lr = directory, lr
-        raw = b"".join(hashlib.sha256((directory / n).read_bytes()).digest()
-                       for n in FILES if (directory / n).is_file())
-        sets = [_load(directory / n, {"x": ("float64", FEATURES), "y": ("int64", None)}) for n in FILES[:2]]
-        (self.x, self.y), (self.hx, self.hy) = ((s["x"], s["y"]) for s in sets)
-        for s, n in zip(sets, FILES[:2]):
+        raw = {n: _read(directory / n) for n in FILES}
+        sets = []
+        for n in FILES[:2]:
+            s = _arrays(directory / n, raw[n], {"x": ("float64", FEATURES), "y": ("int64", None)})
             if len(s["x"]) != len(s["y"]) or not len(s["y"]) or not np.isin(s["y"], np.arange(CLASSES)).all():
                 raise InputError(f"{directory / n}: x and y disagree in length, are empty, or y is not 0..9")
-        base = _load(directory / FILES[2], {"W": ("float64", CLASSES), "b": ("float64", None)})
-        if base["W"].shape != (FEATURES, CLASSES) or base["b"].shape != (CLASSES,):
+            sets.append(s)
+        (self.x, self.y), (self.hx, self.hy) = ((s["x"], s["y"]) for s in sets)
+        self.base = _arrays(directory / FILES[2], raw[FILES[2]], {"W": ("float64", CLASSES), "b": ("float64", None)})
+        if self.base["W"].shape != (FEATURES, CLASSES) or self.base["b"].shape != (CLASSES,):
             raise InputError(f"{directory / FILES[2]}: expected W[64, 10] and b[10]")
-        self.base = base
-        self.data_sha256 = hashlib.sha256(raw).hexdigest()
+        self.data_sha256 = hashlib.sha256(b"".join(hashlib.sha256(raw[n]).digest() for n in FILES)).hexdigest()
 
     def initial_state(self) -> State:
         return {"W": np.zeros((FEATURES, CLASSES)), "b": np.zeros(CLASSES),

@@ -25,6 +25,7 @@ This module loads trainers and checks what they return; it does no training and 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -79,7 +80,14 @@ def resolve(spec: str) -> Factory:
 
 def build(spec: str, data: Path | None, lr: float) -> Trainer:
     """Load and build the trainer, refusing one that does not fit the protocol (one line, exit 2)."""
-    trainer = resolve(spec)(data, lr)
+    factory = resolve(spec)
+    try:
+        inspect.signature(factory).bind(data, lr)
+    except TypeError as exc:
+        raise UsageError(f"--trainer {spec!r}: the factory must accept (data, lr): {exc}") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): let the call say
+    trainer = factory(data, lr)
     missing = [m for m in METHODS if not callable(getattr(trainer, m, None))]
     sha = getattr(trainer, "data_sha256", None)
     if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):

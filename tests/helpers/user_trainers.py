@@ -30,3 +30,7 @@ def not_a_trainer(data, lr):
 
 
 NOT_CALLABLE = 3
+
+
+def no_arguments():
+    return object()
