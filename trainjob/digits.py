@@ -2,7 +2,7 @@
 
 Data (``trainjob gen --dataset digits DIR``): the 1,797 bundled 8x8 images (no download), pixel
 values scaled to [0, 1], split by index (every fifth image is holdout: 360; the rest train:
-1,437), written as safetensors files, never pickle. ``baseline.safetensors`` is a frozen
+1,437), written as safetensors files (loading them runs no code). ``baseline.safetensors`` is a frozen
 reference model: softmax regression trained by ``gen`` with a fixed recipe (full-batch gradient
 descent), so the gate has a real model to compare against. Only ``gen`` needs scikit-learn.
 

@@ -379,7 +379,9 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
             peers.finish(job.state)
             return job.state
-        state = start if loaded else trainer.initial_state()
+        # ``start`` is the checkpoint's state when resuming from it, else the initial state; a
+        # checkpoint found but not resumed (a fresh attempt) must not leak into the new attempt.
+        state = start if loaded is job.loaded else trainer.initial_state()
 
         def save(step: int, state: State, loss: int, force: bool) -> None:
             job.checkpoint(step=step, state=state, loss_milli=loss, force=force)
@@ -392,7 +394,7 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             else:
                 if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
                     state = force(state, cfg.force_weights)
-                job.gate(state=state, exported=trainer.export(state), holdout=trainer.evaluate(state),
+                job.gate(exported=trainer.export(state), holdout=trainer.evaluate(state),
                          baseline=trainer.baseline())
             return job.state
 
