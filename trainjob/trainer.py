@@ -28,7 +28,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -42,8 +42,9 @@ BUILTIN = {"linear": "trainjob.linear:make", "digits": "trainjob.digits:make"}
 METHODS = ("initial_state", "step", "evaluate", "baseline", "export")
 
 
-@runtime_checkable
 class Trainer(Protocol):
+    """For type checkers and readers; ``build`` checks the members at run time."""
+
     data_sha256: str
 
     def initial_state(self) -> State: ...
