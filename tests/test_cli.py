@@ -194,7 +194,7 @@ def test_fresh_attempt_killed_before_its_first_checkpoint_starts_from_step_0(tmp
     assert events(pvc / "log.jsonl")[-9:-7] == [("killed", "at_step=1"), ("resumed", "from_step=0")]
     clean = tmp_path / "clean"
     assert trainjob("run", "--pvc", clean).returncode == 0
-    weights = [json.loads(p.read_text())["weights"] for p in (pvc / "artifacts/model-v2.json", clean / "artifacts/model-v1.json")]
+    weights = [json.loads(p.read_text())["arrays"] for p in (pvc / "artifacts/model-v2.json", clean / "artifacts/model-v1.json")]
     assert weights[0] == weights[1]
 
 

@@ -8,17 +8,20 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainjob.errors import InputError
-from trainjob.records import Artifact, CheckpointPointer, Score, dumps, load
+from trainjob.records import Artifact, CheckpointPointer, NamedArray, Score, dumps, load
 
-# The artifact holds the same kinds of field the old whole-state checkpoint did (a step, three
-# weights, a bias): the converter's strictness is tested on it. The checkpoint itself is now a
-# manifest plus safetensors shards (tests/test_manifest.py); checkpoint.json is a pointer.
-GOOD = {"attempt": 1, "step": 4, "weights": [1.0, 0.5, -1.0], "bias": 0.0,
+# The artifact holds the kinds of field the old whole-state checkpoint did (a step, the model's
+# numbers): the converter's strictness is tested on it. The checkpoint itself is now a manifest
+# plus safetensors shards (tests/test_manifest.py); checkpoint.json is a pointer.
+GOOD = {"attempt": 1, "step": 4, "trainer": "linear",
+        "arrays": [{"name": "weights", "shape": [3], "values": [1.0, 0.5, -1.0]},
+                   {"name": "bias", "shape": [1], "values": [0.0]}],
         "holdout": {"correct": 20, "total": 20}, "baseline": {"correct": 20, "total": 20}}
 
 
-def bad(**change):
-    return json.dumps({**GOOD, **change})
+def bad(weights=None, **change):
+    arrays = GOOD["arrays"] if weights is None else [{"name": "weights", "shape": [3], "values": weights}]
+    return json.dumps({**GOOD, "arrays": arrays, **change})
 
 
 @pytest.mark.parametrize(
@@ -27,11 +30,11 @@ def bad(**change):
         (bad(extra=1), "extra"),
         (bad(step=True), "step"),           # JSON true is not a step number
         (bad(step=4.5), "step"),
-        (bad(bias="0.5"), "bias"),
+        (bad(weights=[1.0, "0.5", 2.0]), "values"),
         (bad(step=-1), "step"),
-        (bad(weights=[1.0, 2.0]), "weights"),
-        (bad(weights=[1, 2, 1e400]).replace("Infinity", "1e400"), "weights"),  # inf
-        ('{"step": 4}', "weights"),
+        (bad(weights=[1.0, 2.0]), "values"),
+        (bad(weights=[1, 2, 1e400]).replace("Infinity", "1e400"), "values"),  # inf
+        ('{"step": 4}', "arrays"),
         (bad(step=0).replace('"step": 0', '"step": NaN'), "NaN"),
         ("[1, 2]", "JSON object"),
         ('{"step": 4', "invalid JSON"),
@@ -51,13 +54,15 @@ finite = st.floats(allow_nan=False, allow_infinity=False)
 
 @given(st.integers(0, 10**9), st.tuples(finite, finite, finite), finite, st.integers(0, 10**6))
 def test_round_trip_is_exact_and_canonical(step, weights, bias, correct):
-    ckpt = Artifact(attempt=1, step=step, weights=weights, bias=bias, holdout=Score(correct=correct, total=correct),
-                    baseline=Score(correct=0, total=correct))
+    ckpt = Artifact(attempt=1, step=step, trainer="linear",
+                    arrays=(NamedArray(name="weights", shape=(3,), values=weights),
+                            NamedArray(name="bias", shape=(1,), values=(bias,))),
+                    holdout=Score(correct=correct, total=correct), baseline=Score(correct=0, total=correct))
     text = dumps(ckpt)
     again = load(text, Artifact, where="x")
     assert again == ckpt
     assert dumps(again) == text
-    assert all(math.copysign(1, a) == math.copysign(1, b) for a, b in zip(again.weights, weights))
+    assert all(math.copysign(1, a) == math.copysign(1, b) for a, b in zip(again.arrays[0].values, weights))
 
 
 def test_the_checkpoint_pointer_is_strict_too():

@@ -26,7 +26,7 @@ import os
 import shutil
 import stat
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -39,19 +39,8 @@ from .layout import MANIFEST, Ref
 from .pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir
 from .records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 
-# The built-in model's whole training state: one float64 vector [w0, w1, w2, bias].
-MODEL_TENSORS = (TensorSpec(name="params", dtype="F64", shape=(4,)),)
 RECEIPT = ".receipt.json"
 TMP, TRASH, REJECTED = ".tmp-", ".trash-", "rejected-"
-
-
-def model_tensors(weights: Sequence[float], bias: float) -> dict[str, np.ndarray]:
-    return {"params": np.array([*weights, bias], dtype=np.float64)}
-
-
-def model_params(tensors: Mapping[str, np.ndarray]) -> tuple[tuple[float, float, float], float]:
-    w0, w1, w2, bias = (float(x) for x in tensors["params"])  # float64 -> float: exact
-    return (w0, w1, w2), bias
 
 
 def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:

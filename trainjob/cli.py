@@ -30,13 +30,14 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__, controller, diagram, k8s, plot
-from .data import FILES, N_HOLDOUT, N_TRAIN, generate_files, load_dataset
+from . import __version__, controller, diagram, k8s, plot, trainer
+from .data import DATASETS
 from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy,
                      RankTimeout, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
 from .eventlog import EventLog
 from .job import RunConfig, StopFlag, follow, run
 from .path import legal_path, replay
+from .progress import Progress
 from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
 from .ranks import launch_local, resolve_rank
 from .reshard import Reshard
@@ -102,13 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trainjob {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    gen = sub.add_parser("gen", help="write the lab's data set (train, holdout, baseline)")
+    gen = sub.add_parser("gen", help="write a data set (train, holdout, baseline): the lab's, or digits")
+    gen.add_argument("--dataset", choices=list(DATASETS), default="lab",
+                     help="lab (default: the toy data) or digits (scikit-learn's, needs trainjob[digits])")
     gen.add_argument("dir", type=Path)
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
     d = RunConfig()
     r.add_argument("--pvc", type=Path, required=True, help="durable directory for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
+    r.add_argument("--trainer", default=d.trainer,
+                   help=f"the model: {', '.join(trainer.BUILTIN)} (default %(default)s), or package.module:factory "
+                        "(docs/trainers.md)")
     r.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps)
     r.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
@@ -117,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--backoff-limit", type=int, default=d.backoff_limit, help="fresh attempts allowed after the first")
     r.add_argument("--die-at", type=int, help="teaching hook: exit 75 after this step (and its checkpoint)")
     r.add_argument("--force-weights", type=_weights, metavar="W0,W1,W2",
-                   help="teaching hook: gate these weights (bias 0) instead of the trained ones")
+                   help="teaching hook (linear trainer only): gate these weights (bias 0) instead of the trained ones")
     r.add_argument("--keep", type=int, default=d.keep, help="committed checkpoints to keep (at least 1)")
     r.add_argument("--world-size", type=int,
                    help="number of ranks (default: $WORLD_SIZE, else 1); without a rank, starts them all here")
@@ -191,15 +197,16 @@ def cmd_gen(args: argparse.Namespace) -> int:
     directory: Path = args.dir
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
+    dataset = DATASETS[args.dataset]
+    files = dataset.generate()  # before creating anything: a missing optional package is exit 2
     make_dir(directory)
-    files = generate_files()
-    for name in FILES:  # check all before writing any: refuse to overwrite different data
+    for name, data in files.items():  # check all before writing any: refuse to overwrite different data
         path = directory / name
-        if path.exists() and path.read_bytes() != files[name]:
+        if path.exists() and path.read_bytes() != data:
             raise InputError(f"{path}: exists with different contents; refusing to overwrite it")
-    for name in FILES:
-        atomic_write(directory / name, files[name])
-    emit(f"wrote train.jsonl ({N_TRAIN}), holdout.jsonl ({N_HOLDOUT}), baseline.json to {directory}")
+    for name, data in files.items():
+        atomic_write(directory / name, data)
+    emit(f"wrote {dataset.summary} to {directory}")
     return EXIT_OK
 
 
@@ -217,7 +224,7 @@ def _check_log_location(path: Path) -> None:
 def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
     return RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
                      backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights,
-                     keep=args.keep, world_size=world_size, rank_timeout=args.rank_timeout)
+                     keep=args.keep, world_size=world_size, rank_timeout=args.rank_timeout, trainer=args.trainer)
 
 
 def _log_path(args: argparse.Namespace) -> Path:
@@ -246,16 +253,16 @@ def cmd_run(args: argparse.Namespace) -> int:
         return launch(spec.world_size, args.argv)
     stop = StopFlag()
     stop.install()
-    data = load_dataset(args.data)
+    model = trainer.build(args.trainer, args.data, cfg.lr)
     pvc = Pvc(args.pvc)
     pvc.create()
     log_path = _log_path(args)
     _check_log_location(log_path)
     with pvc.lock(spec.rank):  # stray tmp files and directories are removed (and logged) by run
         if spec.rank == 0:
-            final = run(cfg, pvc, EventLog(log_path), data, stop)
+            final = run(cfg, pvc, EventLog(log_path), model, stop, Progress.for_stream(sys.stderr, cfg.steps))
         else:
-            final = follow(cfg, pvc, data, stop, spec.rank)
+            final = follow(cfg, pvc, model, stop, spec.rank)
     return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
 
 

@@ -9,10 +9,14 @@ and writes its own shard of each checkpoint. Both share ``train``, the step loop
 ``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
 The engine never writes a file or a log line itself.
 
+The model is a ``Trainer`` (trainer.py): the engine asks it for an initial state, a step, and
+two scores, and knows nothing else about it. The state is a dict of named arrays (model and
+optimizer); the engine checkpoints all of it and keeps only the step and the loss itself.
+
 Every rank computes the same full update (SGD over the same samples in the same order is
 sequential, so splitting the arithmetic would change the numbers); each rank *persists* only its
-slice of the parameter vector, and a resume reassembles the vector from all shards. That is what
-keeps the weights bit-for-bit equal at every world size.
+slice of every array, and a resume reassembles the arrays from all shards. That is what keeps the
+weights bit-for-bit equal at every world size.
 """
 
 from __future__ import annotations
@@ -20,23 +24,22 @@ from __future__ import annotations
 import hashlib
 import signal
 from collections import ChainMap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 from transitions import EventData
 
 from . import decisions, layout, machine
-from .checkpoints import CheckpointStore, Loaded, model_params, model_tensors, tensor_specs
-from .data import Dataset
-from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater, UsageError,
-                     WorldSizeMismatch)
+from .checkpoints import CheckpointStore, Loaded
+from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, RankTimeout, Superseded, TryAgainLater,
+                     UsageError, WorldSizeMismatch)
 from .eventlog import EventLog
 from .layout import Ref
-from .model import evaluate, train_one_epoch
 from .pvc import Pvc
-from .ranks import Peers
-from .records import MANIFEST_SCHEMA, Artifact, Manifest, RunState, Session, dumps, load
+from .ranks import Peers, wait_for
+from .records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
+from .trainer import State, Trainer, check_loss, check_resumable, specs
 
 
 @attrs.frozen
@@ -51,6 +54,7 @@ class RunConfig:
     keep: int = 3
     world_size: int = 1
     rank_timeout: float = 60.0
+    trainer: str = "linear"
 
     def check(self) -> None:
         """Raise UsageError for settings that cannot work, naming the flag and what to change."""
@@ -74,7 +78,7 @@ class RunConfig:
     def settings(self, data_sha256: str) -> str:
         """What every rank of one launch must agree on to compute the same updates."""
         return (f"steps={self.steps} ckpt_every={self.ckpt_every} lr={self.lr!r} die_at={self.die_at} "
-                f"data={data_sha256[:16]}")
+                f"data={data_sha256[:16]} trainer={self.trainer}")
 
 
 class StopFlag:
@@ -250,14 +254,14 @@ class Job(Notes):
         """Write rank 0's shard, gather the others' receipts, commit, point, rotate (in that order)."""
         kw, world = ev.kwargs, self.cfg.world_size
         ref = Ref(attempt=self.attempt, step=kw["step"], world_size=world)
-        tensors = model_tensors(kw["weights"], kw["bias"])
+        tensors = kw["state"]
         self.store.check_space(self.last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
         entries = [self.store.write_shard(staging, 0, world, ref.step, tensors)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
-                            loss_milli=kw["loss_milli"], tensors=tensor_specs(tensors), shards=entries)
+                            loss_milli=kw["loss_milli"], tensors=specs(tensors), shards=entries)
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
         self.last_size = sum(e.size for e in entries)
@@ -275,7 +279,8 @@ class Job(Notes):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, weights=kw["weights"], bias=kw["bias"],
+        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer,
+                          arrays=tuple(NamedArray.of(n, a) for n, a in sorted(kw["exported"].items())),
                           holdout=kw["holdout"], baseline=kw["baseline"])
         data = (dumps(record) + "\n").encode()
         name = f"model-v{self.attempt}.json"
@@ -300,12 +305,13 @@ class Job(Notes):
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
 
 
-Save = Callable[[int, Sequence[float], float, int, bool], None]
-End = Callable[[str, int, Sequence[float], float], str]
+Save = Callable[[int, State, int, bool], None]
+End = Callable[[str, int, State], str]
+Progress = Callable[[int, int], None]
 
 
-def train(cfg: RunConfig, data: Dataset, peers: Peers, step: int, weights: Sequence[float], bias: float,
-          save: Save, end: End) -> str:
+def train(cfg: RunConfig, trainer: Trainer, peers: Peers, step: int, state: State, save: Save, end: End,
+          progress: Progress | None = None) -> str:
     """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
     A stop (SIGTERM here or at any other rank) is agreed through ``peers``: every rank trains on
@@ -319,104 +325,131 @@ def train(cfg: RunConfig, data: Dataset, peers: Peers, step: int, weights: Seque
         if step >= (cfg.steps if target is None else target):
             break
         step += 1
-        weights, bias, mean_loss = train_one_epoch(weights, bias, data.train, cfg.lr)
-        loss = decisions.loss_milli(mean_loss)
+        state, mean_loss = trainer.step(state, step)
+        loss = decisions.loss_milli(check_loss(mean_loss, step))
         peers.step = step
+        if progress is not None:
+            progress(step, loss)
         if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
-            save(step, weights, bias, loss, step == target)
+            save(step, state, loss, step == target)
             last_saved = step
         if cfg.die_at == step:
-            return end("die", step, weights, bias)
+            return end("die", step, state)
     if target is None and peers.stop_wanted():  # the stop came during the last step
         target = peers.agree_stop()
     if target is None:
-        return end("done", step, weights, bias)
+        return end("done", step, state)
     if step > last_saved:  # save the step we finished before obeying the stop
-        save(step, weights, bias, loss, True)
-    return end("stop", step, weights, bias)
+        save(step, state, loss, True)
+    return end("stop", step, state)
 
 
-def run(cfg: RunConfig, pvc: Pvc, log: EventLog, data: Dataset, stop: StopFlag) -> str:
+def _start_state(trainer: Trainer, loaded: Loaded | None, where: str) -> State:
+    """The trainer's initial state, or the checkpoint's when it holds exactly the same arrays."""
+    initial = trainer.initial_state()
+    expected = specs(initial)
+    if loaded is None:
+        return initial
+    check_resumable(expected, loaded.manifest.tensors, where)
+    return loaded.tensors
+
+
+def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFlag,
+        progress: Progress | None = None) -> str:
     """Rank 0: run this launch of the job; return the state the machine ended in."""
+    force = getattr(trainer, "force_weights", None)
+    if cfg.force_weights is not None and not callable(force):
+        raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
+                         "(a teaching hook of the linear trainer)")
     peers = Peers(pvc, 0, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    job = Job(cfg, pvc, log, data.sha256, peers)
+    job = Job(cfg, pvc, log, trainer.data_sha256, peers)
+    # Before any write: a checkpoint holding other arrays than this trainer's is refused.
+    start = _start_state(trainer, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
     job.start()
     loaded = job.loaded if job.state == "resumed" else None
     if not peers.solo:
         peers.publish(lambda g: Session(
             generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
             checkpoint=loaded.ref.name if loaded else None,
-            manifest_sha256=loaded.manifest_sha256 if loaded else None, settings=cfg.settings(data.sha256)))
+            manifest_sha256=loaded.manifest_sha256 if loaded else None,
+            settings=cfg.settings(trainer.data_sha256)))
         peers.remove_stale()
     try:
         peers.wait_joined()
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
             peers.finish(job.state)
             return job.state
-        weights, bias = model_params(loaded.tensors) if loaded else ((0.0, 0.0, 0.0), 0.0)
+        # ``start`` is the checkpoint's state when resuming from it, else the initial state; a
+        # checkpoint found but not resumed (a fresh attempt) must not leak into the new attempt.
+        state = start if loaded is job.loaded else trainer.initial_state()
 
-        def save(step: int, weights: Sequence[float], bias: float, loss: int, force: bool) -> None:
-            job.checkpoint(step=step, weights=weights, bias=bias, loss_milli=loss, force=force)
+        def save(step: int, state: State, loss: int, force: bool) -> None:
+            job.checkpoint(step=step, state=state, loss_milli=loss, force=force)
 
-        def end(kind: str, step: int, weights: Sequence[float], bias: float) -> str:
+        def end(kind: str, step: int, state: State) -> str:
             if kind == "die":
                 job.kill(at_step=step)
             elif kind == "stop":
                 job.kill(at_step=step, signal=stop.signal or peers.peer_signal())
             else:
                 if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
-                    weights, bias = cfg.force_weights, 0.0
-                job.gate(weights=weights, bias=bias,
-                         holdout=evaluate(weights, bias, data.holdout),
-                         baseline=evaluate(data.baseline.weights, data.baseline.bias, data.holdout))
+                    state = force(state, cfg.force_weights)
+                job.gate(exported=trainer.export(state), holdout=trainer.evaluate(state),
+                         baseline=trainer.baseline())
             return job.state
 
-        state = train(cfg, data, peers, job.from_step, weights, bias, save, end)
+        final = train(cfg, trainer, peers, job.from_step, state, save, end, progress)
     except BaseException as exc:
         peers.finish("error", f"{type(exc).__name__}: {exc}")
         raise
-    peers.finish(state)
-    return state
+    peers.finish(final)
+    return final
 
 
-def follow(cfg: RunConfig, pvc: Pvc, data: Dataset, stop: StopFlag, rank: int) -> str:
+def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int) -> str:
     """Rank >= 1: join rank 0's launch, train the same steps, write this rank's shards.
 
     Returns the state rank 0 ended the launch in; this rank's exit code follows it.
     """
     peers = Peers(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
     store = CheckpointStore(pvc)
-    settings, skip = cfg.settings(data.sha256), set()
+    settings, skip = cfg.settings(trainer.data_sha256), set()
     while True:
         session = peers.join(settings, skip)
         try:
-            return _follow_generation(cfg, data, peers, store, session, rank)
+            return _follow_generation(cfg, trainer, peers, store, session, rank)
         except Superseded:
             skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
 
 
-def _follow_generation(cfg: RunConfig, data: Dataset, peers: Peers, store: CheckpointStore,
+def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Peers, store: CheckpointStore,
                        session: Session, rank: int) -> str:
     try:
         loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256)  # type: ignore[arg-type]
                   if session.checkpoint else None)
     except InputError:
-        peers.check_current()  # rotated away under a stale session: rejoin; else it is real damage
+        # Rotated away under a stale session: rejoin the newer one. A launch whose rank 0 was
+        # killed leaves its session behind with no outcome, and a rank started before the next
+        # rank 0 joins it; so wait (bounded) for the next session before calling it damage.
+        try:
+            wait_for(lambda: peers.check_current(), peers.timeout, lambda: "a newer session", peers.poll)
+        except RankTimeout:
+            pass  # none came: the checkpoint the live session names really is damaged
         raise
-    weights, bias = model_params(loaded.tensors) if loaded else ((0.0, 0.0, 0.0), 0.0)
+    state = _start_state(trainer, loaded, session.checkpoint or "")
 
-    def save(step: int, weights: Sequence[float], bias: float, loss: int, force: bool) -> None:
+    def save(step: int, state: State, loss: int, force: bool) -> None:
         ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
         staging = store.staging(ref, session.generation)
         peers.wait_staging(staging, step)
         try:
-            entry = store.write_shard(staging, rank, cfg.world_size, step, model_tensors(weights, bias))
+            entry = store.write_shard(staging, rank, cfg.world_size, step, state)
             store.write_receipt(staging, entry)
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise
 
-    def end(_kind: str, _step: int, _weights: Sequence[float], _bias: float) -> str:
+    def end(_kind: str, _step: int, _state: State) -> str:
         return peers.wait_outcome().state
 
-    return train(cfg, data, peers, session.from_step, weights, bias, save, end)
+    return train(cfg, trainer, peers, session.from_step, state, save, end)

@@ -7,7 +7,7 @@ callback) and returns plain values, so each policy is tested in isolation, with 
 
 The split rule (documented in docs/checkpoints.md): every tensor is split along its first axis
 into ``world_size`` contiguous ranges, rank ``r`` owning rows ``[r*n//W, (r+1)*n//W)``. For the
-built-in model the state is one tensor ``params = [w0, w1, w2, bias]`` (float64), so at W=2 rank
+linear trainer the state is one tensor ``params = [w0, w1, w2, bias]`` (float64), so at W=2 rank
 0 owns ``w0, w1`` and rank 1 owns ``w2, bias``; at W > 4 some ranks own an empty slice.
 """
 

@@ -206,14 +206,34 @@ class Score:
         return f"{self.correct}/{self.total}"
 
 
+def _values_fill_shape(inst: NamedArray, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
+    if len(value) != math.prod(inst.shape):
+        raise ValueError(f"'values' must hold {math.prod(inst.shape)} numbers for shape {list(inst.shape)}, "
+                         f"got {len(value)}")
+
+
+@attrs.frozen
+class NamedArray:
+    """One published array: its shape and its values in C order (floats, exact in JSON)."""
+
+    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    shape: tuple[int, ...] = _shape()
+    values: tuple[float, ...] = attrs.field(converter=tuple, validator=[_finite_items, _values_fill_shape])
+
+    @classmethod
+    def of(cls, name: str, array: Any) -> NamedArray:
+        return cls(name=name, shape=tuple(array.shape), values=tuple(float(x) for x in array.ravel()))
+
+
 @attrs.frozen
 class Artifact:
-    """The versioned model a passing run publishes as ``artifacts/model-v{attempt}.json``."""
+    """The versioned model a passing run publishes as ``artifacts/model-v{attempt}.json``:
+    the arrays the trainer exports (the linear trainer's: ``weights`` and ``bias``)."""
 
     attempt: int = attrs.field(validator=v.ge(1))
     step: int = attrs.field(validator=v.ge(0))
-    weights: tuple[float, ...] = _weights()
-    bias: float = attrs.field(validator=_finite)
+    trainer: str
+    arrays: tuple[NamedArray, ...] = attrs.field(converter=tuple)
     holdout: Score
     baseline: Score
 
