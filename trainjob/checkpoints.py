@@ -49,11 +49,13 @@ def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
 
 @attrs.frozen
 class Verdict:
-    """What ``verify`` found: ``reason`` is None when the checkpoint is sound."""
+    """What ``verify`` found: ``reason`` is None when the checkpoint is sound. ``tensors`` is the
+    whole state when it was asked for (``load=True``) and everything verified, else None."""
 
     manifest: Manifest | None
     sha256: str | None
     reason: str | None
+    tensors: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -117,24 +119,36 @@ class CheckpointStore:
             raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
         return manifest, hashlib.sha256(raw).hexdigest()
 
-    def check_files(self, ref: Ref, manifest: Manifest) -> str | None:
-        """Size and sha256 of every shard, hashed in parallel; and no file beside them."""
+    def check_files(self, ref: Ref, manifest: Manifest,
+                    into: Mapping[str, np.ndarray] | None = None) -> str | None:
+        """Size and sha256 of every shard, one thread per shard; and no file beside them.
+
+        With ``into`` (the whole state's arrays), each shard is read straight into its rows while
+        it is hashed, and its header is checked against the manifest: one read of every byte.
+        """
         directory = self.path(ref)
         expected = {MANIFEST, *(s.file for s in manifest.shards)}
         extra = sorted(set(os.listdir(directory)) - expected)
         if extra:
             return f"{self.rel(directory)}: holds files the manifest does not list: {', '.join(extra)}"
-        jobs = [(directory / s.file, s.size, s.sha256) for s in manifest.shards]
-        if len(jobs) == 1:
-            reasons = [shards.hash_file(*jobs[0])]
-        else:  # hashlib and os.readv release the GIL: threads hash shards on all cores
-            with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1, 16)) as pool:
-                reasons = list(pool.map(lambda j: shards.hash_file(*j), jobs))
+
+        def check(shard: ShardEntry) -> str | None:
+            if into is None:
+                return shards.hash_file(directory / shard.file, shard.size, shard.sha256)
+            rows = {h.name: into[h.name][h.start:h.start + h.shape[0]] for h in shard.holds}
+            return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256)
+
+        if len(manifest.shards) == 1:
+            reasons = [check(manifest.shards[0])]
+        else:  # readv and hashlib release the GIL: threads hash shards on all cores
+            with ThreadPoolExecutor(max_workers=min(len(manifest.shards), os.cpu_count() or 1, 16)) as pool:
+                reasons = list(pool.map(check, manifest.shards))
         bad = [r for r in reasons if r]
         return f"{self.rel(directory)}: {'; '.join(bad)}" if bad else None
 
-    def verify(self, ref: Ref, expect_sha256: str | None = None) -> Verdict:
-        """Check everything but the tensors' values: manifest, names, sizes, sha256 of every byte."""
+    def verify(self, ref: Ref, expect_sha256: str | None = None, load: bool = False) -> Verdict:
+        """Check the manifest, names, sizes and sha256 of every byte; with ``load``, also read the
+        state (in the same pass) and check each shard's header against the manifest."""
         try:
             manifest, sha = self.read_manifest(ref)
         except InputError as exc:
@@ -142,26 +156,19 @@ class CheckpointStore:
         if expect_sha256 is not None and sha != expect_sha256:
             return Verdict(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                           f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
-        return Verdict(manifest, sha, self.check_files(ref, manifest))
-
-    def read_tensors(self, ref: Ref, manifest: Manifest) -> dict[str, np.ndarray]:
-        """Reassemble the whole state from a checkpoint that ``verify`` passed."""
-        full = {t.name: np.zeros(t.shape, dtype=shards.np_dtype(t.dtype)) for t in manifest.tensors}
-        for shard in manifest.shards:
-            try:
-                part = shards.read(self.path(ref) / shard.file, shard.holds)
-            except ValueError as exc:
-                raise InputError(f"{self.rel(self.path(ref))}: {exc}") from None
-            for h in shard.holds:
-                full[h.name][h.start:h.start + h.shape[0]] = part[h.name]
-        return full
+        # np.empty: every byte is overwritten, since the shards partition the state (manifest_problems)
+        full = {t.name: np.empty(t.shape, dtype=shards.np_dtype(t.dtype)) for t in manifest.tensors} if load else None
+        reason = self.check_files(ref, manifest, full)
+        return Verdict(manifest, sha, reason, full if reason is None else None)
 
     def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verdict | None = None) -> Loaded:
-        """Verify (unless ``verdict`` is a fresh pass), then load; InputError when it does not verify."""
-        verdict = verdict or self.verify(ref, expect_sha256)
-        if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None:
+        """Verify and read in one pass (unless ``verdict`` already holds the state); InputError when
+        it does not verify. No tensor is handed out before every shard's sha256 matched."""
+        if verdict is None or verdict.tensors is None:
+            verdict = self.verify(ref, expect_sha256, load=True)
+        if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None or verdict.tensors is None:
             raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
-        return Loaded(ref, verdict.manifest, verdict.sha256, self.read_tensors(ref, verdict.manifest))
+        return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors)
 
     # --- writing: any rank writes its own shard; rank 0 commits ---------------------------------
 

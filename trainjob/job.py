@@ -151,7 +151,7 @@ class Job(Notes):
         verdicts = {}
 
         def verify(ref: Ref) -> str | None:
-            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None)
+            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True)
             return verdicts[ref].reason
 
         pick = layout.pick_resume(refs, attempt, self.cfg.world_size, verify)

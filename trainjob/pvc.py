@@ -31,6 +31,7 @@ from typing import TypeVar
 
 import attrs
 
+from .digest import Sha256Pipe
 from .errors import InputError, PvcBusy, TryAgainLater
 from .records import CheckpointPointer, RunState, dumps, load
 
@@ -63,20 +64,22 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Writ
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
     directory (so the rename itself survives power loss, not only a killed process).
     ``data`` may be an iterable of chunks, so a large shard streams through in bounded memory;
-    every chunk is hashed as it is written, never by reading the file back.
+    every chunk is hashed as it is written, never by reading the file back (on a helper thread,
+    overlapped with writing the next chunk: see digest.py).
     Storage errors become TryAgainLater: the previous file is untouched, a relaunch is safe.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    digest, size = hashlib.sha256(), 0
+    digest, size = Sha256Pipe(), 0
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
         try:
             for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
                 view = memoryview(chunk).cast("B")
-                digest.update(view)  # releases the GIL on large chunks: other ranks' threads run
+                digest.update(view)  # hashed on a helper thread while this chunk is written
                 size += len(view)
                 while view:
                     view = view[os.write(fd, view):]
+            sha256 = digest.hexdigest()  # waits for the last chunk's hash
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -85,7 +88,7 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Writ
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise TryAgainLater(f"{path}: write failed: {exc.strerror or exc}") from None
-    return Written(size=size, sha256=digest.hexdigest())
+    return Written(size=size, sha256=sha256)
 
 
 def commit_dir(staging: Path, final: Path) -> None:

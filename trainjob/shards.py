@@ -4,28 +4,30 @@ safetensors (maintained by Hugging Face) is a header of JSON plus raw little-end
 loading it runs no code, unlike pickled files. Writing is done here rather than with the package's
 ``save_file`` because the bytes must be hashed as they are written (``pvc.atomic_write`` does
 that chunk by chunk) and must never be held twice in memory; ``tests/test_shards.py`` checks the
-output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading uses the package's own
-parser (``safe_open``), but only after ``hash_file`` has checked the exact bytes against the
-manifest.
+output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading is done here too
+(``read_verified``, following the format's spec): the bytes go straight from the file into the
+caller's arrays and are hashed on the way, so a load reads every byte once, holds the state once,
+and uses exactly the bytes it checked.
 
 This module knows nothing about ranks, manifests on disk or the PVC layout.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
 import os
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
 
+from .digest import Sha256Pipe
 from .records import TensorSlice
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
+_MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header
 _NP_DTYPE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
              "I8": "i1", "U8": "u1", "BOOL": "?"}
 _CODE = {np.dtype(v): k for k, v in _NP_DTYPE.items()}
@@ -65,64 +67,173 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
             yield flat[i:i + CHUNK]
 
 
+def _open(path: Path, size: int | None) -> tuple[int, str | None]:
+    """Open ``path`` for reading, never through a symlink; (fd, None) or (-1, the reason)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return -1, f"{path.name}: missing"
+    except OSError as exc:
+        return -1, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
+    st = os.fstat(fd)
+    reason = None
+    if not stat.S_ISREG(st.st_mode):
+        reason = f"{path.name}: not a regular file"
+    elif size is not None and st.st_size != size:
+        reason = f"{path.name}: {st.st_size} bytes, the manifest says {size}"
+    if reason:
+        os.close(fd)
+        return -1, reason
+    return fd, None
+
+
+def _read_exact(fd: int, view: memoryview, digest: Sha256Pipe) -> int:
+    """Fill ``view`` from ``fd`` chunk by chunk, hashing each chunk while the next is read."""
+    done = 0
+    while done < len(view):
+        part = view[done:done + CHUNK]
+        n = os.readv(fd, [part])
+        if n == 0:
+            break
+        digest.update(part[:n])
+        done += n
+    return done
+
+
 def hash_file(path: Path, size: int, sha256: str) -> str | None:
     """Check the file at ``path`` is a regular file of exactly ``size`` bytes hashing to ``sha256``.
 
     Returns None when it is, else the reason. Streams in bounded memory; never follows a
     symlink (O_NOFOLLOW), so a shard name cannot lead outside the checkpoint directory.
-    Runs in worker threads: ``os.readv``-style reads and ``hashlib`` release the GIL.
+    Runs in worker threads: ``readv`` and ``hashlib`` release the GIL.
     """
+    fd, reason = _open(path, size)
+    if reason:
+        return reason
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return f"{path.name}: missing"
-    except OSError as exc:
-        return f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return f"{path.name}: not a regular file"
-        if st.st_size != size:
-            return f"{path.name}: {st.st_size} bytes, the manifest says {size}"
-        digest, buf = hashlib.sha256(), bytearray(min(CHUNK, max(size, 1)))
-        view, seen = memoryview(buf), 0
-        while True:
-            n = os.readv(fd, [view])
-            if n == 0:
-                break
-            digest.update(view[:n])
+        digest, bufs = Sha256Pipe(), [bytearray(min(CHUNK, max(size, 1))) for _ in range(2)]
+        seen = 0
+        while True:  # two buffers in turn: one is hashed while the other is filled
+            view = memoryview(bufs[seen // CHUNK % 2])
+            n = _read_exact(fd, view, digest)
             seen += n
-        if seen != size:
-            return f"{path.name}: changed size while being read"
-        if digest.hexdigest() != sha256:
-            return f"{path.name}: sha256 {digest.hexdigest()[:12]}... differs from the manifest's {sha256[:12]}..."
-        return None
+            if n < len(view):
+                break
+        return _size_and_hash(path, seen, size, digest, sha256)
     except OSError as exc:
         return f"{path.name}: read failed ({exc.strerror})"
     finally:
         os.close(fd)
 
 
-def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:
-    """Load a shard whose bytes ``hash_file`` has verified; check its header against ``holds``.
+def _size_and_hash(path: Path, seen: int, size: int, digest: Sha256Pipe, sha256: str) -> str | None:
+    if seen != size:
+        return f"{path.name}: changed size while being read"
+    got = digest.hexdigest()
+    if got != sha256:
+        return f"{path.name}: sha256 {got[:12]}... differs from the manifest's {sha256[:12]}..."
+    return None
 
-    Raises ValueError naming what disagrees (the caller turns it into a rejection reason).
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("a key appears twice in the header")
+    return out
+
+
+def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_size: int) -> list[TensorSlice]:
+    """The holds in file order, once the header says exactly what the manifest says; else ValueError.
+
+    The checks the package's parser makes (offsets back to back from 0 to the end of the file,
+    each tensor's byte length matching its dtype and shape), plus agreement with ``holds``.
     """
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: not a valid safetensors file (the header is not a JSON object)")
+    header = {k: v for k, v in header.items() if k != "__metadata__"}
+    names, wanted = sorted(header), sorted(h.name for h in holds)
+    if names != wanted:
+        raise ValueError(f"{name}: holds tensors {names}, the manifest says {wanted}")
+    by_name = {h.name: h for h in holds}
+    spans = []
+    for key, info in header.items():
+        h = by_name[key]
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{name}: not a valid safetensors file (tensor {key}: {info!r})") from None
+        if dtype != h.dtype or shape != list(h.shape):
+            raise ValueError(f"{name}: tensor {key} is {dtype}{shape}, the manifest says {h.dtype}{list(h.shape)}")
+        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != np_dtype(h.dtype).itemsize * math.prod(h.shape):
+            raise ValueError(f"{name}: not a valid safetensors file (tensor {key}: offsets {begin}..{end})")
+        spans.append((begin, end, h))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    edge = 0
+    for begin, end, _ in spans:
+        if begin != edge:
+            raise ValueError(f"{name}: not a valid safetensors file (a gap or overlap at byte {begin})")
+        edge = end
+    if edge != data_size:
+        raise ValueError(f"{name}: not a valid safetensors file (tensors end at {edge}, the data is {data_size} bytes)")
+    return [h for _, _, h in spans]
+
+
+def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray],
+                  size: int | None = None, sha256: str | None = None) -> str | None:
+    """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
+    every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
+    header says exactly what ``holds`` says, else the reason.
+
+    One read, no intermediate copy: the bytes checked are the bytes the caller gets (no window
+    between a hash pass and a parse pass). ``dest`` holds unverified bytes until this returns
+    None; callers discard it otherwise. The header is parsed here as data (JSON, size-capped),
+    following the safetensors format; nothing in the file can run code.
+    """
+    fd, reason = _open(path, size)
+    if reason:
+        return reason
     try:
-        with safe_open(str(path), framework="np") as f:
-            names = sorted(f.keys())
-            if names != sorted(h.name for h in holds):
-                raise ValueError(f"{path.name}: holds tensors {names}, the manifest says "
-                                 f"{sorted(h.name for h in holds)}")
-            out = {}
-            for h in holds:
-                a = f.get_tensor(h.name)
-                if a.shape != h.shape or dtype_code(a) != h.dtype:
-                    raise ValueError(f"{path.name}: tensor {h.name} is {dtype_code(a)}{list(a.shape)}, "
-                                     f"the manifest says {h.dtype}{list(h.shape)}")
-                out[h.name] = a
-            return out
-    except ValueError:
-        raise
-    except Exception as exc:  # the package's own parse errors (SafetensorError) and I/O errors
-        raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
+        digest = Sha256Pipe()
+        total = os.fstat(fd).st_size
+        head = bytearray(8)
+        if _read_exact(fd, memoryview(head), digest) != 8:
+            raise ValueError(f"{path.name}: not a valid safetensors file (shorter than 8 bytes)")
+        n = int.from_bytes(head, "little")
+        if n > min(total - 8, _MAX_HEADER):
+            raise ValueError(f"{path.name}: not a valid safetensors file (header length {n})")
+        text = bytearray(n)
+        if _read_exact(fd, memoryview(text), digest) != n:
+            raise ValueError(f"{path.name}: changed size while being read")
+        try:
+            header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except ValueError as exc:
+            raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
+        seen = 8 + n
+        for h in _check_header(path.name, header, holds, total - seen):
+            out = dest[h.name]
+            if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
+                raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
+            view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(b"")
+            got = _read_exact(fd, view, digest)
+            seen += got
+            if got != len(view):
+                break
+        if os.readv(fd, [bytearray(1)]):
+            seen += 1  # grew while being read
+        return _size_and_hash(path, seen, total if size is None else size, digest,
+                              sha256 if sha256 is not None else digest.hexdigest())
+    except OSError as exc:
+        return f"{path.name}: read failed ({exc.strerror})"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        os.close(fd)
+
+
+def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:
+    """Load a shard (already verified by ``hash_file``) into new arrays; ValueError naming what is wrong."""
+    out = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in holds}
+    reason = read_verified(path, holds, out)
+    if reason:
+        raise ValueError(reason)
+    return out
