@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainjob import shards
+from trainjob.digest import Sha256Pipe
 from trainjob.errors import InputError
 from trainjob.pvc import atomic_write, commit_dir
 from trainjob.records import TensorSlice
@@ -83,6 +84,50 @@ def test_a_header_that_disagrees_with_the_manifest_is_refused(shard):
     path.write_bytes(b"\xff" * 16)
     with pytest.raises(ValueError, match="not a valid safetensors"):
         shards.read(path, [])
+
+
+@given(st.lists(st.integers(0, 600_000), max_size=6))
+@settings(max_examples=30, deadline=None)
+def test_the_pipelined_sha256_is_the_plain_sha256_of_the_same_chunks(sizes):
+    chunks = [os.urandom(n) for n in sizes]  # sizes either side of the inline/threaded cut-off
+    pipe = Sha256Pipe()
+    for c in chunks:
+        pipe.update(memoryview(c))
+    assert pipe.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+
+
+def _rewrite_header(path, edit):
+    """Rewrite a shard's JSON header with ``edit`` applied, keeping the data bytes."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    text = edit(raw[8:8 + n].decode().rstrip())
+    text += " " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text.encode() + raw[8 + n:])
+
+
+def test_a_load_reads_straight_into_the_state_and_checks_the_bytes_it_kept(shard):
+    path, w = shard
+    holds = [TensorSlice(name="params", dtype="F64", shape=(4,), start=0)]
+    dest = {"params": np.full(4, -1.0)}
+    assert shards.read_verified(path, holds, dest, w.size, w.sha256) is None
+    assert np.array_equal(dest["params"], np.arange(4, dtype=np.float64))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert "sha256" in shards.read_verified(path, holds, dest, w.size, w.sha256)
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda t: t.replace("[0,32]", "[8,40]"), "gap or overlap"),
+    (lambda t: t.replace("[0,32]", "[0,24]"), "offsets"),
+    (lambda t: t[:-1] + ',"params":{"dtype":"F64","shape":[4],"data_offsets":[0,32]}}', "twice"),
+    (lambda t: "[1]", "not a JSON object"),
+])
+def test_a_header_the_format_forbids_is_refused(shard, edit, reason):
+    path, _ = shard
+    _rewrite_header(path, edit)
+    with pytest.raises(ValueError, match=reason):
+        shards.read(path, [TensorSlice(name="params", dtype="F64", shape=(4,), start=0)])
 
 
 def test_commit_dir_publishes_whole_and_never_replaces(tmp_path):

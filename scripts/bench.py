@@ -1,0 +1,510 @@
+#!/usr/bin/env python3
+"""Benchmark trainjob's checkpoints against the disk's limit and against what users would use instead.
+
+    python scripts/bench.py [--size 1GiB] [--world-size 1,2,4] [--repeat 5] [--json OUT] [--plot [PNG]]
+
+The state is synthetic: float32 matrices split across W ranks by trainjob's own rule
+(``layout.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
+peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
+``trainjob run`` makes (``CheckpointStore.create_staging/write_slices/write_receipt/commit`` for a
+save, ``CheckpointStore.load`` for a resume), the engine overhead through the real CLI.
+
+The disk is shared and noisy, so nothing is reported alone: within each repeat the contenders run
+back to back (A B C ... A B C ...) and each one's time is divided by its reference's time from
+the same repeat. The table gives the median of those per-pair ratios with min..max over repeats.
+
+- save: W processes, each writes its own shard; wall time from the first start to the last end.
+  Limit: raw ``write`` + ``fsync`` of the same bytes to W files by W processes.
+- load: one process reads every shard of the checkpoint just written (warm page cache: the files
+  were just written, so this measures the CPU work of a resume, hashing included, not the disk).
+  Limit: ``read`` + ``hashlib.sha256`` of the same files on one thread. Peers verify nothing.
+- engine: ``trainjob run --ckpt-every 1``, seconds per step from two runs (N and 2N steps, so
+  start-up and the final gate cancel), against the same SGD loop saving the same tensors with a
+  bare ``pvc.atomic_write`` per step.
+- status: ``trainjob status`` on a log of ``--log-lines`` events, one run: seconds and peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from trainjob import layout, shards
+from trainjob.checkpoints import CheckpointStore
+from trainjob.layout import Ref
+from trainjob.pvc import Pvc, atomic_write
+from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
+
+MiB = 1 << 20
+COLS = 1024  # columns of each synthetic matrix; rows are what ranks split
+TENSORS = 8  # matrices in the state (a model's layers, say)
+CHUNK = 8 << 20
+POLL = 0.001
+
+SAVES = ("raw", "trainjob", "safetensors", "numpy", "torch", "gather")
+LOADS = ("limit", "trainjob", "safetensors", "numpy", "torch")
+LABEL = {
+    "save": {"raw": "raw write+fsync (limit)", "trainjob": "trainjob", "safetensors": "safetensors save_file+fsync",
+             "numpy": "numpy.save+fsync", "torch": "torch.save+fsync",
+             "gather": "gather to rank 0, then trainjob W=1"},
+    "load": {"limit": "read+sha256, 1 thread (limit)", "trainjob": "trainjob (verifies every sha256)",
+             "safetensors": "safetensors load_file (no check)", "numpy": "numpy.load (no check)",
+             "torch": "torch.load weights_only (no check)"},
+}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"(\d+)\s*([KMG]i?B?)?", text.strip(), re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 16MiB, 1GiB)")
+    unit = (m.group(2) or "B")[0].upper()
+    return int(m.group(1)) << {"B": 0, "K": 10, "M": 20, "G": 30}[unit]
+
+
+def specs(size: int) -> tuple[TensorSpec, ...]:
+    rows = max(1, size // (TENSORS * COLS * 4))
+    return tuple(TensorSpec(name=f"layer{i:02d}", dtype="F32", shape=(rows, COLS)) for i in range(TENSORS))
+
+
+def state_bytes(spec: tuple[TensorSpec, ...]) -> int:
+    return sum(4 * t.shape[0] * t.shape[1] for t in spec)
+
+
+def rank_state(spec: tuple[TensorSpec, ...], rank: int, world: int) -> tuple[tuple, dict[str, np.ndarray]]:
+    """This rank's slices, filled (so every page is resident before the clock starts)."""
+    holds = layout.plan_shards(spec, world)[rank]
+    mine = {}
+    for i, h in enumerate(holds):
+        a = np.empty(h.shape, dtype=np.float32)
+        a.fill(rank * 100 + i + 0.5)
+        mine[h.name] = a
+    return holds, mine
+
+
+def vm_hwm() -> int:
+    """Peak resident set of this process, in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def byte_views(mine: dict[str, np.ndarray]):
+    for a in mine.values():
+        flat = memoryview(a.reshape(-1)).cast("B")
+        for i in range(0, len(flat), CHUNK):
+            yield flat[i:i + CHUNK]
+
+
+# --- the contenders, each run inside a fresh worker process ---------------------------------------
+
+def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int) -> None:
+    """What persist_checkpoint and _follow_generation do for one checkpoint, minus the log/pointer."""
+    store = CheckpointStore(Pvc(root))
+    ref = Ref(attempt=1, step=step, world_size=world)
+    staging = store.staging(ref, 1)
+    if rank == 0:
+        store.create_staging(ref, 1)
+    while not staging.is_dir():
+        time.sleep(POLL)
+    entry = store.write_slices(staging, rank, world, step, holds, mine)
+    if rank:
+        store.write_receipt(staging, entry)
+        return
+    entries = [entry]
+    for r in range(1, world):
+        while not store.receipt_path(staging, r, world).exists():
+            time.sleep(POLL)
+        entries.append(store.read_receipt(staging, r, world))
+    store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world,
+                                        loss_milli=0, tensors=spec, shards=entries))
+
+
+def save_peer(kind: str, root: Path, rank: int, mine: dict[str, np.ndarray]) -> None:
+    path = root / f"{kind}-{rank:05d}"
+    if kind == "raw":
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for view in byte_views(mine):
+                while view:
+                    view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return
+    if kind == "safetensors":
+        from safetensors.numpy import save_file
+        save_file(mine, str(path))
+    elif kind == "numpy":
+        with open(path, "wb") as f:
+            for a in mine.values():
+                np.save(f, a)
+    elif kind == "torch":
+        import torch
+        torch.save({k: torch.from_numpy(a) for k, a in mine.items()}, path)
+    fsync_path(path)
+
+
+def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step: int,
+           barrier, results, pipe) -> None:
+    try:
+        spec = specs(size)
+        root_path = Path(root)
+        if kind == "torch":
+            import torch  # noqa: F401  (imported before the clock starts, like the others' imports)
+        if op == "save":
+            holds, mine = rank_state(spec, rank, world)
+            state = sum(a.nbytes for a in mine.values())
+            if kind == "gather" and rank == 0:  # receive buffers for the whole state
+                full = {t.name: np.empty(t.shape, dtype=np.float32) for t in spec}
+                for name, a in mine.items():
+                    full[name][:a.shape[0]] = a  # rank 0 owns the first rows
+                state = state_bytes(spec)
+            barrier.wait()
+            t0 = time.perf_counter()
+            if kind == "trainjob":
+                save_trainjob(root_path, rank, world, holds, mine, spec, step)
+            elif kind == "gather":
+                if rank:  # ship every byte to rank 0 through a pipe
+                    for view in byte_views(mine):
+                        pipe.send_bytes(view)
+                else:
+                    for conn, r in zip(pipe, range(1, world)):
+                        for h in layout.plan_shards(spec, world)[r]:
+                            dest = memoryview(full[h.name][h.start:h.start + h.shape[0]].reshape(-1)).cast("B")
+                            got = 0
+                            while got < len(dest):
+                                got += conn.recv_bytes_into(dest[got:])
+                    save_trainjob(root_path, 0, 1, layout.plan_shards(spec, 1)[0], full, spec, step)
+            else:
+                save_peer(kind, root_path, rank, mine)
+            t1 = time.perf_counter()
+        else:
+            state = state_bytes(spec)
+            files = sorted(p for p in root_path.glob(f"{kind}-*")) if kind not in ("trainjob", "limit") else []
+            barrier.wait()
+            t0 = time.perf_counter()
+            if kind == "trainjob":
+                loaded = CheckpointStore(Pvc(root_path)).load(Ref(attempt=1, step=step, world_size=world))
+                assert loaded.tensors["layer00"].shape == spec[0].shape
+            elif kind == "limit":
+                shard_dir = root_path / "checkpoints" / Ref(attempt=1, step=step, world_size=world).name
+                buf = memoryview(bytearray(CHUNK))
+                for path in sorted(shard_dir.glob("shard-*")):
+                    digest = hashlib.sha256()
+                    with open(path, "rb", buffering=0) as f:
+                        while n := f.readinto(buf):
+                            digest.update(buf[:n])
+            elif kind == "safetensors":
+                from safetensors.numpy import load_file
+                out = [load_file(str(p)) for p in files]
+            elif kind == "numpy":
+                out = []
+                for p in files:
+                    with open(p, "rb") as f:
+                        out += [np.load(f) for _ in spec]
+            elif kind == "torch":
+                import torch
+                out = [torch.load(p, weights_only=True) for p in files]
+            t1 = time.perf_counter()
+        results.put({"rank": rank, "t0": t0, "t1": t1, "hwm": vm_hwm(), "state": state})
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{op} {kind} rank {rank}: {type(exc).__name__}: {exc}"})
+        raise
+
+
+def run_workers(ctx, op: str, kind: str, root: Path, world: int, size: int, step: int) -> dict:
+    """Start the W (or 1) processes of one contender, release them together, return wall time and peak RSS."""
+    procs_n = world if op == "save" else 1
+    barrier, results = ctx.Barrier(procs_n), ctx.Queue()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)] if (op, kind) == ("save", "gather") else []
+    procs = []
+    for rank in range(procs_n):
+        pipe = [r for r, _ in pipes] if rank == 0 else (pipes[rank - 1][1] if pipes else None)
+        procs.append(ctx.Process(target=worker, args=(op, kind, str(root), rank, world, size, step,
+                                                      barrier, results, pipe if pipes else None)))
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+    errors = [g["error"] for g in got if "error" in g]
+    if errors:
+        raise SystemExit("; ".join(errors))
+    return {"seconds": max(g["t1"] for g in got) - min(g["t0"] for g in got),
+            "rss": max(g["hwm"] for g in got), "rss_state": max(g["state"] for g in got),
+            "rss_rank0": next(g["hwm"] for g in got if g["rank"] == 0)}
+
+
+# --- engine overhead ---------------------------------------------------------------------------
+
+def engine_seconds(work: Path, steps: int) -> float:
+    pvc = work / f"engine-{steps}"
+    shutil.rmtree(pvc, ignore_errors=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--steps", str(steps),
+                           "--ckpt-every", "1"], capture_output=True, text=True)
+    elapsed = time.perf_counter() - t0
+    if proc.returncode not in (0, 1):  # 1: the drift gate failed at this step count, still a full run
+        raise SystemExit(f"trainjob run exited {proc.returncode}: {proc.stderr[-2000:]}")
+    shutil.rmtree(pvc, ignore_errors=True)
+    return elapsed
+
+
+def bare_loop(directory: str, steps: int, results) -> None:
+    """The same SGD loop saving the same tensors each step with one bare atomic write."""
+    from trainjob.checkpoints import model_tensors
+    from trainjob.data import load_dataset
+    from trainjob.model import train_one_epoch
+    data, weights, bias = load_dataset(None), (0.0, 0.0, 0.0), 0.0
+    path = Path(directory) / "bare.safetensors"
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        weights, bias, _ = train_one_epoch(weights, bias, data.train, 0.05)
+        atomic_write(path, shards.encode(model_tensors(weights, bias), {"step": str(step)}))
+    results.put(time.perf_counter() - t0)
+
+
+# --- status on a long log ------------------------------------------------------------------------
+
+STATUS_CHILD = """
+import sys, time, io, contextlib
+from trainjob.cli import main
+out = io.StringIO()
+t0 = time.perf_counter()
+try:
+    with contextlib.redirect_stdout(out):
+        main(["status", sys.argv[1]])
+except SystemExit:
+    pass
+elapsed = time.perf_counter() - t0
+hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(elapsed, hwm)
+"""
+
+
+def status_bench(work: Path, lines: int) -> dict:
+    log = work / "long.jsonl"
+    first = '{"ts":"2026-11-30T00:00:00Z","event":"job_started","detail":"attempt=1 steps=10"}\n'
+    line = '{"ts":"2026-11-30T00:00:00Z","event":"checkpointed","detail":"step=4 loss_milli=241"}\n'
+    with open(log, "w") as f:
+        f.write(first)
+        block = line * 10000
+        for _ in range((lines - 1) // 10000):
+            f.write(block)
+        f.write(line * ((lines - 1) % 10000))
+    proc = subprocess.run([sys.executable, "-c", STATUS_CHILD, str(log)], capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"status benchmark failed: {proc.stderr[-2000:]}")
+    seconds, hwm = proc.stdout.split()
+    log.unlink()
+    return {"lines": lines, "seconds": float(seconds), "peak_mib": int(hwm) / MiB}
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def have_torch() -> bool:
+    try:
+        import importlib.util
+        return importlib.util.find_spec("torch") is not None
+    except Exception:
+        return False
+
+
+def machine(work: Path) -> dict:
+    mem = next((int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal:")), 0)
+    dev = fs = "?"
+    best = ""
+    for line in open("/proc/mounts"):
+        d, mnt, kind = line.split()[:3]
+        if str(work.resolve()).startswith(mnt) and len(mnt) > len(best):
+            best, dev, fs = mnt, d, kind
+    versions = {}
+    for pkg in ("numpy", "safetensors", "torch", "transitions", "attrs", "cattrs"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"cores": os.cpu_count(), "memory_gib": round(mem / (1 << 30), 1), "disk": f"{dev} ({fs}) at {best}",
+            "python": platform.python_version(), "platform": platform.platform(), "versions": versions}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", type=parse_size, default=parse_size("1GiB"), help="state size (default 1GiB)")
+    ap.add_argument("--world-size", default="1,2,4", help="comma-separated world sizes (default 1,2,4)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--plot", nargs="?", const=Path("docs/benchmarks.png"), type=Path,
+                    help="draw throughput vs world size (default docs/benchmarks.png)")
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (default /tmp)")
+    ap.add_argument("--steps", type=int, default=100, help="engine: N in the N vs 2N steps runs")
+    ap.add_argument("--log-lines", type=int, default=1_000_000, help="status: lines in the log")
+    args = ap.parse_args(argv)
+    worlds = [int(w) for w in args.world_size.split(",")]
+    torch_ok = have_torch()
+    saves = [k for k in SAVES if k != "torch" or torch_ok]
+    loads = [k for k in LOADS if k != "torch" or torch_ok]
+    ctx = mp.get_context("spawn")
+    spec = specs(args.size)
+    size = state_bytes(spec)
+    work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
+    t: dict = {"save": {}, "load": {}}  # op -> W -> kind -> list of runs
+    try:
+        for rep in range(args.repeat):
+            for w in worlds:
+                root = work / f"w{w}"
+                for kind in saves:
+                    if kind == "gather" and w == 1:
+                        continue  # at W=1 it is trainjob's own save
+                    target = root / kind if kind in ("trainjob", "gather") else root
+                    target.mkdir(parents=True, exist_ok=True)
+                    r = run_workers(ctx, "save", kind, target, w, size, rep + 1)
+                    t["save"].setdefault(w, {}).setdefault(kind, []).append(r)
+                for kind in loads:
+                    target = root / "trainjob" if kind in ("trainjob", "limit") else root
+                    r = run_workers(ctx, "load", kind, target, w, size, rep + 1)
+                    t["load"].setdefault(w, {}).setdefault(kind, []).append(r)
+                shutil.rmtree(root)
+                print(f"repeat {rep + 1}/{args.repeat} W={w} done", file=sys.stderr, flush=True)
+        engine, bare = [], []
+        for rep in range(args.repeat):  # interleaved: engine, bare, engine, bare ...
+            n = args.steps
+            engine.append((engine_seconds(work, 2 * n) - engine_seconds(work, n)) / n)
+            q = ctx.Queue()
+            p = ctx.Process(target=bare_loop, args=(str(work), n, q))
+            p.start()
+            bare.append(q.get(timeout=1800) / n)
+            p.join()
+        status = status_bench(work, args.log_lines)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+                 "machine": machine(args.dir), "state_bytes": size, "repeat": args.repeat, "world_sizes": worlds,
+                 "notes": [] if torch_ok else ["torch is not installed: its rows are skipped"],
+                 "save": {}, "load": {}}
+    for op, ref in (("save", "raw"), ("load", "limit")):
+        for w in worlds:
+            runs = t[op][w]
+            out[op][str(w)] = {
+                kind: {"mb_per_s": summary([size / 1e6 / r["seconds"] for r in rs]),
+                       # throughput ratio: reference time / contender time, pairwise within a repeat
+                       "ratio_to_limit": summary([a["seconds"] / b["seconds"] for a, b in zip(runs[ref], rs)]),
+                       "peak_rss_over_state": summary([r["rss"] / r["rss_state"] for r in rs]),
+                       "peak_rss_mib": summary([r["rss"] / MiB for r in rs])}
+                for kind, rs in runs.items()}
+    engine_ratio = [e / b for e, b in zip(engine, bare)]
+    out["engine"] = {"engine_ms_per_step": summary([e * 1e3 for e in engine]),
+                     "bare_ms_per_step": summary([b * 1e3 for b in bare]),
+                     "ratio": summary(engine_ratio), "steps": args.steps}
+    out["status"] = status
+    w1 = str(worlds[0])
+    budget = lambda op: (out[op][w1]["trainjob"]["peak_rss_mib"]["max"] * MiB
+                         <= 1.1 * t[op][worlds[0]]["trainjob"][0]["rss_state"] + 64 * MiB)
+    out["targets"] = {
+        "save >= 0.9x raw at every W": all(out["save"][str(w)]["trainjob"]["ratio_to_limit"]["median"] >= 0.9
+                                           for w in worlds),
+        "load >= 0.9x read+sha256 at W=1": out["load"][w1]["trainjob"]["ratio_to_limit"]["median"] >= 0.9,
+        "load > 1x single-thread limit at W>=2": all(out["load"][str(w)]["trainjob"]["ratio_to_limit"]["median"] > 1
+                                                     for w in worlds if w >= 2),
+        "save peak RSS <= 1.1x state + 64MiB": budget("save"),
+        "load peak RSS <= 1.1x state + 64MiB": budget("load"),
+        "engine <= 1.25x bare loop": out["engine"]["ratio"]["median"] <= 1.25,
+        "status < 100MiB": status["peak_mib"] < 100,
+    }
+    if 2 in worlds:
+        s2 = out["save"]["2"]
+        out["targets"]["W=2 save faster than gather"] = (s2["trainjob"]["ratio_to_limit"]["median"]
+                                                         > s2["gather"]["ratio_to_limit"]["median"])
+    print(table(out))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.plot:
+        plot(out, args.plot)
+    return 0
+
+
+def fmt(s: dict, digits: int = 2) -> str:
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}..{s['max']:.{digits}f})"
+
+
+def table(out: dict) -> str:
+    mib = out["state_bytes"] / MiB
+    lines = [f"state {mib:.0f} MiB float32, {out['repeat']} repeats; median (min..max); "
+             "ratio = limit time / contender time in the same repeat (higher is faster)", ""]
+    for op, head in (("save", "save (W processes in parallel, write+fsync)"),
+                     ("load", "load (one process; warm page cache; only trainjob verifies)")):
+        lines += [f"| {head} | W | MB/s | x limit | peak RSS / state |", "| --- | --- | --- | --- | --- |"]
+        for w, kinds in out[op].items():
+            for kind, s in kinds.items():
+                name = LABEL[op][kind]
+                lines.append(f"| {name} | {w} | {fmt(s['mb_per_s'], 0)} | {fmt(s['ratio_to_limit'])} | "
+                             f"{fmt(s['peak_rss_over_state'])} |")
+        lines.append("")
+    e = out["engine"]
+    lines.append(f"engine, --ckpt-every 1: {fmt(e['engine_ms_per_step'])} ms/step vs bare loop "
+                 f"{fmt(e['bare_ms_per_step'])} ms/step: ratio {fmt(e['ratio'])}")
+    s = out["status"]
+    lines.append(f"status on {s['lines']:,} lines: {s['seconds']:.1f} s, peak RSS {s['peak_mib']:.0f} MiB")
+    lines.append("")
+    lines += [f"- [{'x' if ok else ' '}] {name}" for name, ok in out["targets"].items()]
+    lines += [f"note: {n}" for n in out["notes"]]
+    return "\n".join(lines)
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), dpi=90)
+    for ax, op, ref in ((axes[0], "save", "raw"), (axes[1], "load", "limit")):
+        worlds = [int(w) for w in out[op]]
+        kinds = list(next(iter(out[op].values())).keys() | set().union(*(k.keys() for k in out[op].values())))
+        for kind in sorted(kinds, key=lambda k: (k != ref, k != "trainjob", k)):
+            ws = [w for w in worlds if kind in out[op][str(w)]]
+            ys = [out[op][str(w)][kind]["mb_per_s"]["median"] for w in ws]
+            style = dict(color="black", linestyle="--", marker=None) if kind == ref else \
+                dict(linewidth=2.5 if kind == "trainjob" else 1, marker="o", markersize=3)
+            ax.plot(ws, ys, label=LABEL[op][kind],
+                    **style)
+        ax.set_xticks(worlds)
+        ax.set_xlabel("world size (ranks)")
+        ax.set_ylabel("MB/s (median)")
+        ax.set_title(f"{op}, {out['state_bytes'] / MiB:.0f} MiB", fontsize=9)
+        ax.legend(fontsize=6)
+        ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""scripts/bench.py still runs end to end (a smoke test: nothing here is about speed).
+
+Timings on a shared CI machine are noise, so this asserts only that the benchmark completes at a
+tiny size and reports every figure the results page is built from, as positive numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
+         "--repeat", "1", "--steps", "3", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
+         "--plot", str(tmp_path / "bench.png")],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    for op, ref in (("save", "raw"), ("load", "limit")):
+        assert set(result[op]) == {"1", "2"}
+        for w, kinds in result[op].items():
+            assert {ref, "trainjob", "safetensors", "numpy"} <= set(kinds)
+            assert (op, w) != ("save", "2") or "gather" in kinds
+            for figures in kinds.values():
+                for key in ("mb_per_s", "ratio_to_limit", "peak_rss_over_state", "peak_rss_mib"):
+                    assert all(v > 0 for v in figures[key].values()), (op, w, key)
+            assert kinds[ref]["ratio_to_limit"]["median"] == 1.0
+    # N vs 2N steps cancel start-up; at 3 steps that difference can be noise of either sign.
+    assert all(v > 0 for v in result["engine"]["bare_ms_per_step"].values())
+    assert {"engine_ms_per_step", "ratio"} <= set(result["engine"])
+    assert result["status"]["lines"] == 2000 and result["status"]["peak_mib"] > 0
+    assert result["targets"] and all(isinstance(v, bool) for v in result["targets"].values())
+    assert result["machine"]["cores"] >= 1 and result["state_bytes"] == 16 << 20
