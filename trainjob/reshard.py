@@ -36,7 +36,7 @@ def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tu
         raise InputError(f"{store.root}: no committed checkpoint{where} to reshard")
     reasons = []
     for ref in sorted(refs, key=lambda r: (r.attempt, r.step, r.world_size != world_size), reverse=True):
-        verdict = store.verify(ref)
+        verdict = store.verify(ref, load=True)  # the state, read once, as its bytes were hashed
         if verdict.reason is None:
             return ref, verdict
         reasons.append(verdict.reason)
@@ -56,7 +56,7 @@ class Reshard(Notes):
             raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
         self.source, verdict = pick_source(self.store, step, world_size)
         assert verdict.manifest is not None and verdict.sha256 is not None
-        self.manifest, self.source_sha = verdict.manifest, verdict.sha256
+        self.manifest, self.source_sha, self.source_tensors = verdict.manifest, verdict.sha256, verdict.tensors
         self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
         machine.build(self)
 
@@ -73,11 +73,10 @@ class Reshard(Notes):
 
     def persist_reshard(self, _ev: EventData) -> None:
         src, n = self.manifest, self.target.world_size
-        source_dir = self.store.path(self.source)
-        try:  # one source shard in memory at a time would do; the whole state (1x) is simpler
-            parts = {s.rank: shards.read(source_dir / s.file, s.holds) for s in src.shards}
-        except ValueError as exc:
-            raise InputError(f"{self.store.rel(source_dir)}: {exc}") from None
+        assert self.source_tensors is not None
+        # Each source rank's rows, as views of the verified state (held once, 1x).
+        parts = {s.rank: {h.name: self.source_tensors[h.name][h.start:h.start + h.shape[0]] for h in s.holds}
+                 for s in src.shards}
         staging = self.store.create_staging(self.target, STAGING_GENERATION)
         entries = []
         dest_layout = layout.plan_shards(src.tensors, n)
