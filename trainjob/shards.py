@@ -164,7 +164,8 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
             raise ValueError(f"{name}: not a valid safetensors file (tensor {key}: {info!r})") from None
         if dtype != h.dtype or shape != list(h.shape):
             raise ValueError(f"{name}: tensor {key} is {dtype}{shape}, the manifest says {h.dtype}{list(h.shape)}")
-        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != np_dtype(h.dtype).itemsize * math.prod(h.shape):
+        nbytes = np_dtype(h.dtype).itemsize * math.prod(h.shape)
+        if not (isinstance(begin, int) and isinstance(end, int)) or end - begin != nbytes:
             raise ValueError(f"{name}: not a valid safetensors file (tensor {key}: offsets {begin}..{end})")
         spans.append((begin, end, h))
     spans.sort(key=lambda s: (s[0], s[1]))
