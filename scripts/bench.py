@@ -339,6 +339,30 @@ def have_torch() -> bool:
         return False
 
 
+def cpu_probe() -> dict:
+    """How much a second thread buys right now: sha256 of 64 MiB on one thread, then on two at once.
+
+    The cores are shared with other tenants; when the second core is busy, overlapping hashing
+    with I/O (what trainjob does) cannot beat doing both in series, and this says so.
+    """
+    import threading
+    buf = os.urandom(1 << 20) * 64
+    one, two = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        hashlib.sha256(buf)
+        one.append(time.perf_counter() - t0)
+        threads = [threading.Thread(target=hashlib.sha256, args=(buf,)) for _ in range(2)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        two.append(time.perf_counter() - t0)
+    return {"sha256_mb_per_s_one_thread": len(buf) / 1e6 / statistics.median(one),
+            "two_thread_speedup": 2 * statistics.median(one) / statistics.median(two)}
+
+
 def machine(work: Path) -> dict:
     mem = next((int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemTotal:")), 0)
     dev = fs = "?"
@@ -368,15 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to write (default /tmp)")
     ap.add_argument("--steps", type=int, default=100, help="engine: N in the N vs 2N steps runs")
     ap.add_argument("--log-lines", type=int, default=1_000_000, help="status: lines in the log")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch peer even when it is installed")
     args = ap.parse_args(argv)
     worlds = [int(w) for w in args.world_size.split(",")]
-    torch_ok = have_torch()
+    torch_ok = have_torch() and not args.no_torch
     saves = [k for k in SAVES if k != "torch" or torch_ok]
     loads = [k for k in LOADS if k != "torch" or torch_ok]
     ctx = mp.get_context("spawn")
     spec = specs(args.size)
     size = state_bytes(spec)
     work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
+    probes = [cpu_probe()]
     t: dict = {"save": {}, "load": {}}  # op -> W -> kind -> list of runs
     try:
         for rep in range(args.repeat):
@@ -405,12 +431,14 @@ def main(argv: list[str] | None = None) -> int:
             bare.append(q.get(timeout=1800) / n)
             p.join()
         status = status_bench(work, args.log_lines)
+        probes.append(cpu_probe())
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "machine": machine(args.dir), "state_bytes": size, "repeat": args.repeat, "world_sizes": worlds,
-                 "notes": [] if torch_ok else ["torch is not installed: its rows are skipped"],
+                 "cpu_probe": {"before": probes[0], "after": probes[1]},
+                 "notes": [] if torch_ok else ["torch.save/torch.load skipped (not installed, or --no-torch)"],
                  "save": {}, "load": {}}
     for op, ref in (("save", "raw"), ("load", "limit")):
         for w in worlds:
@@ -477,6 +505,9 @@ def table(out: dict) -> str:
     lines.append(f"status on {s['lines']:,} lines: {s['seconds']:.1f} s, peak RSS {s['peak_mib']:.0f} MiB")
     lines.append("")
     lines += [f"- [{'x' if ok else ' '}] {name}" for name, ok in out["targets"].items()]
+    for when, p in out["cpu_probe"].items():
+        lines.append(f"cpu {when}: sha256 {p['sha256_mb_per_s_one_thread']:.0f} MB/s on one thread; "
+                     f"two threads at once do {p['two_thread_speedup']:.2f}x the work of one")
     lines += [f"note: {n}" for n in out["notes"]]
     return "\n".join(lines)
 

@@ -18,7 +18,7 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
-         "--repeat", "1", "--steps", "3", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
+         "--repeat", "1", "--steps", "3", "--no-torch", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
          "--plot", str(tmp_path / "bench.png")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,4 +38,5 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     assert {"engine_ms_per_step", "ratio"} <= set(result["engine"])
     assert result["status"]["lines"] == 2000 and result["status"]["peak_mib"] > 0
     assert result["targets"] and all(isinstance(v, bool) for v in result["targets"].values())
+    assert all(p["two_thread_speedup"] > 0 for p in result["cpu_probe"].values())
     assert result["machine"]["cores"] >= 1 and result["state_bytes"] == 16 << 20
