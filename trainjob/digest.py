@@ -5,7 +5,9 @@ roughly 1.5 GB/s per core; copying into the page cache is as fast or faster). Do
 one thread, a save runs at about half the speed of a raw write. ``Sha256Pipe`` overlaps them:
 ``update(buf)`` waits for the previous buffer's hash, then hands ``buf`` to a helper thread and
 returns at once, so the caller writes (or reads) the next chunk while this one is hashed.
-hashlib releases the GIL for buffers over 2 KiB, so the two really run in parallel.
+hashlib releases the GIL for buffers over 2 KiB, so the two run in parallel when a second core
+is free (on a host whose other core is busy it is no slower than doing both in series:
+docs/benchmarks.md).
 
 The hash is still of the very bytes written or read: the caller passes the same buffer to
 ``update`` and to ``os.write``/``readv``, and must not modify it until the next ``update`` or
