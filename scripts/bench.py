@@ -276,16 +276,16 @@ def engine_seconds(work: Path, steps: int) -> float:
 
 
 def bare_loop(directory: str, steps: int, results) -> None:
-    """The same SGD loop saving the same tensors each step with one bare atomic write."""
-    from trainjob.checkpoints import model_tensors
-    from trainjob.data import load_dataset
-    from trainjob.model import train_one_epoch
-    data, weights, bias = load_dataset(None), (0.0, 0.0, 0.0), 0.0
+    """The same SGD loop (the built-in linear trainer) saving the same state each step with one
+    bare atomic write."""
+    from trainjob.linear import make
+    trainer = make(None, 0.05)
+    state = trainer.initial_state()
     path = Path(directory) / "bare.safetensors"
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        weights, bias, _ = train_one_epoch(weights, bias, data.train, 0.05)
-        atomic_write(path, shards.encode(model_tensors(weights, bias), {"step": str(step)}))
+        state, _ = trainer.step(state, step)
+        atomic_write(path, shards.encode(state, {"step": str(step)}))
     results.put(time.perf_counter() - t0)
 
 
