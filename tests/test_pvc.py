@@ -119,3 +119,17 @@ def test_pvc_that_is_a_file_is_an_input_error(tmp_path):
     with pytest.raises(InputError, match="must be a directory"):
         Pvc(tmp_path / "f").create()
 
+
+
+def test_make_dir_tolerates_a_racer_creating_the_same_directory(tmp_path, monkeypatch):
+    from trainjob.pvc import make_dir
+
+    real_mkdir = os.mkdir
+
+    def racer_first(path, mode=0o777):
+        real_mkdir(path, mode)  # the other rank wins the race...
+        real_mkdir(path, mode)  # ...so ours finds it there
+
+    monkeypatch.setattr(os, "mkdir", racer_first)
+    make_dir(tmp_path / "a" / "pvc")
+    assert (tmp_path / "a" / "pvc").is_dir()

@@ -24,7 +24,7 @@ pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not in
 from trainjob.torch_state import from_arrays, materialize_sgd, to_arrays  # noqa: E402
 
 FLAGS = ("--trainer", "torch_digits:make", "--steps", "8", "--ckpt-every", "1", "--keep", "2",
-         "--rank-timeout", "20")
+         "--rank-timeout", "60")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
 
 

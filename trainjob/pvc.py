@@ -117,7 +117,13 @@ def make_dir(path: Path) -> None:
         missing.append(path)
         path = path.parent
     for directory in reversed(missing):
-        os.mkdir(directory, DIR_MODE)
+        try:
+            os.mkdir(directory, DIR_MODE)
+        except FileExistsError:
+            # Another rank (or racer) made it between our look and our mkdir: fine if it is a
+            # directory. os.path.isdir follows no link here: make_dir's callers refuse symlinks.
+            if not directory.is_dir():
+                raise
 
 
 def refuse_symlink(path: Path) -> None:
