@@ -72,3 +72,12 @@ def test_the_checkpoint_pointer_is_strict_too():
     for change in ({"dir": "../elsewhere"}, {"weights": [0, 0, 0]}, {"world_size": 0}):
         with pytest.raises(InputError, match="checkpoint.json"):
             load(json.dumps({**good, **change}), CheckpointPointer, where="checkpoint.json")
+
+
+def test_every_manifest_dtype_is_one_a_shard_can_be_loaded_as():
+    from trainjob.records import DTYPES, TensorSpec, structure
+    from trainjob.shards import np_dtype
+
+    assert [np_dtype(code).itemsize > 0 for code in DTYPES] == [True] * len(DTYPES)
+    with pytest.raises(InputError, match="dtype"):
+        structure({"name": "w", "dtype": "BF16", "shape": [2]}, TensorSpec, where="manifest.json")

@@ -82,7 +82,9 @@ class CheckpointPointer:
 # --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
 
 MANIFEST_SCHEMA = 1
-DTYPES = ("F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL")
+# The safetensors dtypes trainjob can load into numpy (numpy has no bfloat16, so no BF16: a
+# manifest claiming it is an input error, not a crash at load time).
+DTYPES = ("F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL")
 _PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
 _SHA256 = r"[0-9a-f]{64}"
 
