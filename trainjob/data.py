@@ -61,11 +61,12 @@ class Dataset:
     sha256: str  # over the three files, in FILES order
 
 
-def _read(path: Path) -> bytes:
+def read_data_file(path: Path, gen_flags: str = "") -> bytes:
+    """A data file's bytes; a missing one says which ``trainjob gen`` writes it."""
     try:
         return path.read_bytes()
     except FileNotFoundError:
-        raise InputError(f"{path}: missing (create it with `trainjob gen {path.parent}`)") from None
+        raise InputError(f"{path}: missing (create it with `trainjob gen {gen_flags}{path.parent}`)") from None
     except OSError as exc:
         raise InputError(f"{path}: cannot read: {exc.strerror}") from None
 
@@ -87,7 +88,7 @@ def load_dataset(directory: Path | None) -> Dataset:
     elif not directory.is_dir():
         raise InputError(f"{directory}: data directory not found (create it with `trainjob gen {directory}`)")
     else:
-        raw = {name: _read(directory / name) for name in FILES}
+        raw = {name: read_data_file(directory / name) for name in FILES}
     digest = hashlib.sha256()
     for name in FILES:
         digest.update(hashlib.sha256(raw[name]).digest())

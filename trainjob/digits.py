@@ -22,6 +22,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from .data import read_data_file
 from .errors import InputError, UsageError
 from .records import Score
 from .trainer import State
@@ -82,15 +83,6 @@ def generate_files() -> dict[str, bytes]:
     }
 
 
-def _read(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: missing (create it with `trainjob gen --dataset digits {path.parent}`)") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
-
-
 def _arrays(path: Path, raw: bytes, want: dict[str, tuple[str, int | None]]) -> dict[str, np.ndarray]:
     """The arrays of one file, checked: exactly ``want``'s names, dtypes and column counts."""
     try:
@@ -109,7 +101,7 @@ def _arrays(path: Path, raw: bytes, want: dict[str, tuple[str, int | None]]) -> 
 class DigitsTrainer:
     def __init__(self, directory: Path, lr: float) -> None:
         self.directory, self.lr = directory, lr
-        raw = {n: _read(directory / n) for n in FILES}
+        raw = {n: read_data_file(directory / n, "--dataset digits ") for n in FILES}
         sets = []
         for n in FILES[:2]:
             s = _arrays(directory / n, raw[n], {"x": ("float64", FEATURES), "y": ("int64", None)})
