@@ -24,7 +24,7 @@ pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not in
 from trainjob.torch_state import from_arrays, materialize_sgd, to_arrays  # noqa: E402
 
 FLAGS = ("--trainer", "torch_digits:make", "--steps", "8", "--ckpt-every", "1", "--keep", "2",
-         "--rank-timeout", "60")
+         "--rank-timeout", "20")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
 
 
@@ -74,22 +74,24 @@ def arrays(pvc: Path):
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path):
     data = tmp_path / "data"
     assert trainjob("gen", "--dataset", "digits", data).returncode == 0
-    reference = torchrun(tmp_path / "ref", data)  # meanwhile the victim's run starts alongside
+    reference = torchrun(tmp_path / "ref", data)
+    # Alone, not alongside the victim's launches: on two cores a second job's load can push a
+    # rank past --rank-timeout, which ends a launch (honestly, 75) before the test can kill it.
+    assert reference.wait(120) == 0, reference.stderr.read()[-2000:]
     pvc = tmp_path / "pvc"
     step = 0
     for victim in (1, 0):  # SIGKILL rank 1 in one launch, rank 0 in the next
         launcher = torchrun(pvc, data)
-        deadline = time.monotonic() + 40
+        deadline = time.monotonic() + 90
         while newest_step(pvc) < step + 2 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert launcher.poll() is None, "the launch ended before the kill: " + "\n".join(
             line for line in launcher.stderr.read().decode(errors="replace").splitlines() if "trainjob" in line)
         step = newest_step(pvc)
         os.kill(rank_pid(launcher.pid, victim), signal.SIGKILL)
-        assert launcher.wait(60) != 0
+        assert launcher.wait(120) != 0
     final = torchrun(pvc, data)
-    assert final.wait(60) == 0, final.stderr.read().decode()[-3000:]
-    assert reference.wait(60) == 0, reference.stderr.read()[-2000:]
+    assert final.wait(120) == 0, final.stderr.read().decode()[-3000:]
     log = (pvc / "log.jsonl").read_text()
     assert log.count('"event":"resumed"') >= 2 and log.count('"event":"job_started"') == 1
     assert arrays(pvc) == arrays(tmp_path / "ref")
