@@ -10,7 +10,7 @@ import stat
 import pytest
 
 from trainjob.errors import InputError, PvcBusy, TryAgainLater
-from trainjob.pvc import Pvc, atomic_write
+from trainjob.pvc import Pvc, atomic_write, make_dir
 
 
 def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
@@ -122,8 +122,6 @@ def test_pvc_that_is_a_file_is_an_input_error(tmp_path):
 
 
 def test_make_dir_tolerates_a_racer_creating_the_same_directory(tmp_path, monkeypatch):
-    from trainjob.pvc import make_dir
-
     real_mkdir = os.mkdir
 
     def racer_first(path, mode=0o777):
