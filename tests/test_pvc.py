@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import fcntl
 import os
 import stat
@@ -10,27 +11,63 @@ import stat
 import pytest
 
 from trainjob.errors import InputError, PvcBusy, TryAgainLater
-from trainjob.pvc import Pvc, atomic_write, make_dir
+from trainjob.pvc import Pvc, atomic_write, commit_dir, make_dir, write_staged
 
 
-def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+def record_fsyncs_and_renames(monkeypatch) -> list[str]:
     calls: list[str] = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_rename = os.fsync, os.replace, os.rename
 
     def fsync(fd):
         calls.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
         real_fsync(fd)
 
-    def replace(src, dst):
-        calls.append("rename")
-        real_replace(src, dst)
+    def rename(real):
+        def call(src, dst):
+            calls.append(f"rename {os.path.basename(src)}")
+            real(src, dst)
+        return call
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "replace", rename(real_replace))
+    monkeypatch.setattr(os, "rename", rename(real_rename))
+    return calls
+
+
+def test_atomic_write_fsyncs_the_file_before_the_rename_and_the_directory_after(tmp_path, monkeypatch):
+    calls = record_fsyncs_and_renames(monkeypatch)
     atomic_write(tmp_path / "f", b"new")
-    assert calls == ["fsync file", "rename", "fsync dir"]
+    assert calls == ["fsync file", f"rename f.tmp.{os.getpid()}", "fsync dir"]
     assert (tmp_path / "f").read_bytes() == b"new"
     assert os.listdir(tmp_path) == ["f"]
+
+
+def test_a_staged_directory_is_fsynced_file_by_file_then_as_a_whole_before_its_one_rename(tmp_path, monkeypatch):
+    staging, final = tmp_path / ".tmp-x", tmp_path / "x"
+    staging.mkdir()
+    calls = record_fsyncs_and_renames(monkeypatch)
+    written = write_staged(staging / "a", [b"he", b"llo"])
+    write_staged(staging / "b", b"!")
+    commit_dir(staging, final)
+    assert calls == ["fsync file", "fsync file", "fsync dir", "rename .tmp-x", "fsync dir"]
+    assert written.size == 5 and written.sha256 == hashlib.sha256(b"hello").hexdigest()
+    assert sorted(os.listdir(final)) == ["a", "b"] and not staging.exists()
+
+
+def test_a_failed_staged_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    real_write = os.write
+    writes = []
+
+    def full_on_second(fd, data):
+        writes.append(len(data))
+        if len(writes) > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_on_second)
+    with pytest.raises(TryAgainLater, match="No space left"):
+        write_staged(tmp_path / "shard", [b"first", b"second"])
+    assert os.listdir(tmp_path) == []
 
 
 def test_failed_write_keeps_the_old_bytes_and_leaves_no_tmp(tmp_path, monkeypatch):

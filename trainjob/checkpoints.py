@@ -16,7 +16,8 @@ Layout under ``P/checkpoints/`` (names are fixed width, so they sort by step):
 
 This module does the I/O; every choice (what to resume from, what to delete, whether a manifest
 is consistent) is asked of the pure functions in ``layout.py``. Writes go through
-``pvc.atomic_write`` and ``pvc.commit_dir`` only.
+``pvc.write_staged`` (shards and the manifest, inside a staging directory), ``pvc.atomic_write``
+(receipts) and ``pvc.commit_dir`` only.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import numpy as np
 from . import layout, shards
 from .errors import InputError, NoSpace, TryAgainLater
 from .layout import MANIFEST, Ref
-from .pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir
+from .pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
 from .records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 
 RECEIPT = ".receipt.json"
@@ -177,9 +178,10 @@ class CheckpointStore:
 
     def create_staging(self, ref: Ref, generation: int) -> Path:
         path = self.staging(ref, generation)
+        # No fsync here: the staging directory need not survive a power loss, and commit_dir
+        # fsyncs it and its parent before the checkpoint counts.
         try:
             make_dir(path)
-            fsync_dir(self.root)
         except OSError as exc:
             raise TryAgainLater(f"{path}: cannot create: {exc.strerror}") from None
         return path
@@ -196,7 +198,7 @@ class CheckpointStore:
         """Write rank ``rank``'s shard holding ``mine`` (described by ``holds``) into ``staging``."""
         name = layout.shard_file(rank, world_size)
         meta = {"rank": str(rank), "world_size": str(world_size), "step": str(step)}
-        written = atomic_write(staging / name, shards.encode(mine, meta))
+        written = write_staged(staging / name, shards.encode(mine, meta))
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
@@ -216,7 +218,7 @@ class CheckpointStore:
         """Write the manifest last and rename the directory into place; return the manifest's sha256."""
         for shard in manifest.shards:  # receipts were for rank 0 only; the manifest now says it all
             (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
-        written = atomic_write(staging / MANIFEST, (dumps(manifest) + "\n").encode())
+        written = write_staged(staging / MANIFEST, (dumps(manifest) + "\n").encode())
         commit_dir(staging, self.path(ref))
         return written.sha256
 
@@ -237,9 +239,13 @@ class CheckpointStore:
         """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
         trash = path if path.name.startswith(TRASH) else self.root / f"{TRASH}{path.name.removeprefix(TMP)}"
         try:
+            # No fsync after this rename: it hides a half-deleted directory from a relaunch after
+            # SIGKILL, which needs none. After a power loss the directory may come back; journalling
+            # filesystems keep the rename ahead of the deletes, and where one did not, the half-
+            # deleted copy is older than the committed, fsynced checkpoint that caused its
+            # rotation (a resume tries that first), and fails verification if it is ever reached.
             if trash != path:
                 os.rename(path, trash)
-                fsync_dir(self.root)
             for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
                 try:
                     shutil.rmtree(trash)
