@@ -6,6 +6,7 @@ tiny size and reports every figure the results page is built from, as positive n
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -14,11 +15,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_contender_is_compared_with_the_reference_runs_on_either_side_of_it():
+    times = iter([1.0, 4.0, 3.0, 2.0, 5.0])  # R A R B R: the disk slows down during the repeat
+    order = []
+
+    def run(kind):
+        order.append(kind)
+        return {"seconds": next(times)}
+
+    runs = load_bench().bracketed(run, "raw", ["a", "b"])
+    assert order == ["raw", "a", "raw", "b", "raw"]
+    assert runs["a"][0]["ref_seconds"] == 2.0 and runs["b"][0]["ref_seconds"] == 4.0
+    assert [r["ref_seconds"] for r in runs["raw"]] == [1.0, 3.0, 5.0]
+
+
 def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
-         "--repeat", "1", "--steps", "3", "--no-torch", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
+         "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
          "--plot", str(tmp_path / "bench.png")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -34,8 +56,10 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
                     assert all(v > 0 for v in figures[key].values()), (op, w, key)
             assert kinds[ref]["ratio_to_limit"]["median"] == 1.0
     # N vs 2N steps cancel start-up; at 3 steps that difference can be noise of either sign.
-    assert all(v > 0 for v in result["engine"]["bare_ms_per_step"].values())
-    assert {"engine_ms_per_step", "ratio"} <= set(result["engine"])
+    assert set(result["engine"]) == {"linear", "big"} and result["engine"]["big"]["state_mib"] == 4
+    for engine in result["engine"].values():
+        assert all(v > 0 for v in engine["bare_ms_per_step"].values())
+        assert {"engine_ms_per_step", "ratio"} <= set(engine)
     assert result["status"]["lines"] == 2000 and result["status"]["peak_mib"] > 0
     assert result["targets"] and all(isinstance(v, bool) for v in result["targets"].values())
     assert all(p["two_thread_speedup"] > 0 for p in result["cpu_probe"].values())
