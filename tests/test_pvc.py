@@ -7,9 +7,11 @@ import hashlib
 import fcntl
 import os
 import stat
+import sys
 
 import pytest
 
+from trainjob import pvc
 from trainjob.errors import InputError, PvcBusy, TryAgainLater
 from trainjob.pvc import Pvc, atomic_write, commit_dir, make_dir, write_staged
 
@@ -52,6 +54,26 @@ def test_a_staged_directory_is_fsynced_file_by_file_then_as_a_whole_before_its_o
     assert calls == ["fsync file", "fsync file", "fsync dir", "rename .tmp-x", "fsync dir"]
     assert written.size == 5 and written.sha256 == hashlib.sha256(b"hello").hexdigest()
     assert sorted(os.listdir(final)) == ["a", "b"] and not staging.exists()
+
+
+def test_writeback_of_each_large_chunk_starts_as_soon_as_it_is_written(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(pvc, "_start_writeback", lambda fd, offset, nbytes: started.append((offset, nbytes)))
+    mib = 1 << 20
+    chunks = [b"a" * mib, b"b" * 10, b"c" * (2 * mib)]
+    written = write_staged(tmp_path / "shard", chunks)
+    assert started == [(0, mib), (mib + 10, 2 * mib)]  # the 10-byte chunk is left to the fsync
+    assert (tmp_path / "shard").read_bytes() == b"".join(chunks)
+    assert written.sha256 == hashlib.sha256(b"".join(chunks)).hexdigest()
+    started.clear()
+    atomic_write(tmp_path / "state.json", b"{}")
+    assert started == []
+
+
+def test_the_writeback_hint_is_available_on_linux():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sync_file_range is Linux's")
+    assert pvc._start_writeback is not None
 
 
 def test_a_failed_staged_write_leaves_no_partial_file(tmp_path, monkeypatch):
