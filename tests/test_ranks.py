@@ -9,9 +9,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,9 @@ import pytest
 
 from conftest import ROOT, events, trainjob
 from trainjob.errors import UsageError
-from trainjob.ranks import RankSpec, resolve_rank
+from trainjob.pvc import Pvc
+from trainjob.ranks import Peers, RankSpec, resolve_rank
+from trainjob.records import Session
 
 LONG = ("--steps", "20000", "--ckpt-every", "500")
 
@@ -112,6 +116,32 @@ def test_a_rank_alone_waits_a_bounded_time_then_exits_75(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--rank", 1, "--world-size", 2, "--rank-timeout", 1)
     assert result.returncode == 75 and "waited 1s for rank 0" in result.stderr
     assert time.monotonic() - started < 10
+
+
+def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(tmp_path):
+    """The race a relaunch runs: rank 1 reads the killed launch's session (generation 1), the new
+    rank 0 publishes generation 2 and removes generation 1's directory, rank 1's join note then
+    has nowhere to go. It must join generation 2, not exit 75."""
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    session = lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
+                                manifest_sha256=None, settings="s")
+    stale = Peers(pvc, 0, 2, 5.0, lambda: None)
+    stale.publish(session)  # generation 1, as a launch whose rank 0 was then killed left it
+    shutil.rmtree(stale.gen_dir())  # ... and as the next rank 0 removed it, after its own publish
+
+    def new_rank_0() -> None:
+        time.sleep(0.3)
+        fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
+        fresh.publish(session)
+
+    publisher = threading.Thread(target=new_rank_0)
+    publisher.start()
+    rank1 = Peers(pvc, 1, 2, 5.0, lambda: None)
+    joined = rank1.join("s", set())
+    publisher.join()
+    assert joined.generation == 2
+    assert (pvc.root / "ranks/g00000002/join-00001.json").exists()
 
 
 # --- kills and signals ---------------------------------------------------------------------------

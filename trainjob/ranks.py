@@ -210,11 +210,19 @@ class Peers:
             if self.stop_signal():  # nothing joined, nothing to save: just go
                 raise TryAgainLater(f"rank {self.rank}: stopped by {self.stop_signal()} before joining a launch")
 
-        session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
-                           f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})", poll)
-        self.generation, self.stopping_note = session.generation, None
-        self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
-        return session
+        while True:
+            session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
+                               f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})", poll)
+            self.generation, self.stopping_note = session.generation, None
+            try:
+                self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
+                return session
+            except TryAgainLater:
+                if self.gen_dir().is_dir():
+                    raise  # the storage failed, not the session
+                # A killed launch's session, which a new rank 0 replaced and removed as stale
+                # between our read and our write: join the new one instead.
+                skip.add(session.generation)
 
     def check_current(self) -> None:
         s = self.read_session()
