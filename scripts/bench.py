@@ -66,12 +66,14 @@ CHUNK = 8 << 20
 POLL = 0.001
 
 SAVES = ("raw", "trainjob", "safetensors", "numpy", "torch", "gather")
-LOADS = ("limit", "trainjob", "safetensors", "numpy", "torch")
+LOADS = ("limit", "trainjob", "trainjob-new", "safetensors", "numpy", "torch")
 LABEL = {
     "save": {"raw": "raw write+fsync (limit)", "trainjob": "trainjob", "safetensors": "safetensors save_file+fsync",
              "numpy": "numpy.save+fsync", "torch": "torch.save+fsync",
              "gather": "gather to rank 0, then trainjob W=1"},
-    "load": {"limit": "read+sha256, 1 thread (limit)", "trainjob": "trainjob (verifies every sha256)",
+    "load": {"limit": "read+sha256, 1 thread (limit)",
+             "trainjob": "trainjob, in place (verifies every sha256)",
+             "trainjob-new": "trainjob, into new arrays (verifies)",
              "safetensors": "safetensors load_file (no check)", "numpy": "numpy.load (no check)",
              "torch": "torch.load weights_only (no check)"},
 }
@@ -214,12 +216,16 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
             t1 = time.perf_counter()
         else:
             state = state_bytes(spec)
-            files = sorted(p for p in root_path.glob(f"{kind}-*")) if kind not in ("trainjob", "limit") else []
+            files = sorted(p for p in root_path.glob(f"{kind}-*")) if not kind.startswith(("trainjob", "limit")) else []
+            # What `trainjob run` does on a resume: the trainer builds its state first (touched, as a
+            # model's initialised weights are) and the checkpoint is read into those arrays.
+            initial = rank_state(spec, 0, 1)[1] if kind == "trainjob" else None
             barrier.wait()
             t0 = time.perf_counter()
-            if kind == "trainjob":
-                loaded = CheckpointStore(Pvc(root_path)).load(Ref(attempt=1, step=step, world_size=world))
+            if kind.startswith("trainjob"):
+                loaded = CheckpointStore(Pvc(root_path)).load(Ref(attempt=1, step=step, world_size=world), into=initial)
                 assert loaded.tensors["layer00"].shape == spec[0].shape
+                assert initial is None or loaded.tensors["layer00"] is initial["layer00"]
             elif kind == "limit":
                 shard_dir = root_path / "checkpoints" / Ref(attempt=1, step=step, world_size=world).name
                 buf = memoryview(bytearray(CHUNK))
@@ -457,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                     return run_workers(ctx, "save", kind, target, w, size, rep + 1)
 
                 def load(kind: str) -> dict:
-                    target = root / "trainjob" if kind in ("trainjob", "limit") else root
+                    target = root / "trainjob" if kind in ("trainjob", "trainjob-new", "limit") else root
                     return run_workers(ctx, "load", kind, target, w, size, rep + 1)
 
                 savers = [k for k in saves if k != "raw" and (k != "gather" or w > 1)]  # W=1 gather is trainjob

@@ -8,12 +8,15 @@ from __future__ import annotations
 import shutil
 from collections import namedtuple
 
+import numpy as np
 import pytest
 
 from conftest import events, snapshot, trainjob
 from trainjob import checkpoints, cli
 from trainjob.layout import Ref
 from trainjob.path import replay
+from trainjob.pvc import Pvc
+from trainjob.records import MANIFEST_SCHEMA, Manifest
 
 
 def committed(pvc):
@@ -85,3 +88,36 @@ def test_a_vanished_newest_checkpoint_is_not_mistaken_for_no_checkpoint(tmp_path
     shutil.rmtree(pvc / "checkpoints")
     result = trainjob("run", "--pvc", pvc)
     assert result.returncode == 2 and "missing, but checkpoint.json names it" in result.stderr
+
+
+# --- loading in place ------------------------------------------------------------------------------
+
+def saved(tmp_path, state) -> tuple[checkpoints.CheckpointStore, Ref]:
+    store = checkpoints.CheckpointStore(Pvc(tmp_path / "pvc"))
+    store.pvc.create()
+    ref = Ref(attempt=1, step=1, world_size=1)
+    staging = store.create_staging(ref, 1)
+    entry = store.write_shard(staging, 0, 1, 1, state)
+    store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=1, attempt=1, world_size=1, loss_milli=0,
+                                        tensors=checkpoints.tensor_specs(state), shards=[entry]))
+    return store, ref
+
+
+def test_a_resume_reads_into_the_trainers_own_arrays_where_they_fit(tmp_path):
+    state = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(3, dtype=np.float64)}
+    store, ref = saved(tmp_path, state)
+    fits = np.zeros((3, 4), dtype=np.float32)
+    wrong_dtype = np.zeros(3, dtype=np.float32)
+    loaded = store.load(ref, into={"w": fits, "b": wrong_dtype})
+    assert loaded.tensors["w"] is fits and np.array_equal(fits, state["w"])  # read in place
+    assert loaded.tensors["b"] is not wrong_dtype and np.array_equal(loaded.tensors["b"], state["b"])
+    assert not wrong_dtype.any()  # an array that does not fit is left alone
+
+
+def test_arrays_that_share_memory_are_never_both_read_into(tmp_path):
+    state = {"a": np.ones(4, dtype=np.float32), "b": np.full(4, 2, dtype=np.float32)}
+    store, ref = saved(tmp_path, state)
+    shared = np.zeros(4, dtype=np.float32)  # a trainer that hands out one buffer under two names
+    loaded = store.load(ref, into={"a": shared, "b": shared[:]})
+    assert np.array_equal(loaded.tensors["a"], state["a"]) and np.array_equal(loaded.tensors["b"], state["b"])
+    assert not np.may_share_memory(loaded.tensors["a"], loaded.tensors["b"])

@@ -48,6 +48,23 @@ def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
     return tuple(TensorSpec(name=n, dtype=shards.dtype_code(a), shape=a.shape) for n, a in sorted(tensors.items()))
 
 
+def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """An array to read each tensor into: ``into``'s own where it fits exactly, else a new one.
+
+    A lent array must be C-contiguous and writable, and must not overlap one already chosen (a
+    trainer may hand out the same buffer under two names). np.empty is enough for a new one:
+    every byte is overwritten, since the shards partition the state (manifest_problems).
+    """
+    chosen: dict[str, np.ndarray] = {}
+    for t in specs:
+        a, dtype = into.get(t.name), shards.np_dtype(t.dtype)
+        fits = (isinstance(a, np.ndarray) and a.shape == tuple(t.shape) and a.dtype == dtype
+                and a.flags.c_contiguous and a.flags.writeable
+                and not any(np.may_share_memory(a, b) for b in chosen.values()))
+        chosen[t.name] = a if fits else np.empty(t.shape, dtype=dtype)
+    return chosen
+
+
 @attrs.frozen
 class Verdict:
     """What ``verify`` found: ``reason`` is None when the checkpoint is sound. ``tensors`` is the
@@ -147,9 +164,15 @@ class CheckpointStore:
         bad = [r for r in reasons if r]
         return f"{self.rel(directory)}: {'; '.join(bad)}" if bad else None
 
-    def verify(self, ref: Ref, expect_sha256: str | None = None, load: bool = False) -> Verdict:
+    def verify(self, ref: Ref, expect_sha256: str | None = None, load: bool = False,
+               into: Mapping[str, np.ndarray] | None = None) -> Verdict:
         """Check the manifest, names, sizes and sha256 of every byte; with ``load``, also read the
-        state (in the same pass) and check each shard's header against the manifest."""
+        state (in the same pass) and check each shard's header against the manifest.
+
+        ``into`` (a trainer's freshly built state) lends its arrays: a tensor is read into the
+        array of the same name, shape and dtype instead of a new one, so a resume holds the state
+        once, not the initial state and the checkpoint's side by side (as torch.distributed's
+        checkpoint loads in place). Until the verdict is good their contents are undefined."""
         try:
             manifest, sha = self.read_manifest(ref)
         except InputError as exc:
@@ -157,16 +180,17 @@ class CheckpointStore:
         if expect_sha256 is not None and sha != expect_sha256:
             return Verdict(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                           f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
-        # np.empty: every byte is overwritten, since the shards partition the state (manifest_problems)
-        full = {t.name: np.empty(t.shape, dtype=shards.np_dtype(t.dtype)) for t in manifest.tensors} if load else None
+        full = _destinations(manifest.tensors, into or {}) if load else None
         reason = self.check_files(ref, manifest, full)
         return Verdict(manifest, sha, reason, full if reason is None else None)
 
-    def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verdict | None = None) -> Loaded:
-        """Verify and read in one pass (unless ``verdict`` already holds the state); InputError when
-        it does not verify. No tensor is handed out before every shard's sha256 matched."""
+    def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verdict | None = None,
+             into: Mapping[str, np.ndarray] | None = None) -> Loaded:
+        """Verify and read in one pass (unless ``verdict`` already holds the state), into ``into``'s
+        arrays where they fit (see ``verify``); InputError when it does not verify. No tensor is
+        handed out before every shard's sha256 matched."""
         if verdict is None or verdict.tensors is None:
-            verdict = self.verify(ref, expect_sha256, load=True)
+            verdict = self.verify(ref, expect_sha256, load=True, into=into)
         if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None or verdict.tensors is None:
             raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
         return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors)

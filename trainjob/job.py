@@ -119,9 +119,11 @@ class Job(Notes):
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Peers) -> None:
+    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Peers,
+                 initial: State | None = None) -> None:
         super().__init__(pvc, log)
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
+        self.initial = initial  # the trainer's initial state: a resume reads the checkpoint into it
         self.last = pvc.read_state()
         completed = self.last is not None and self.last.state == "completed"
         self.completion_announced = completed and log.last_event() == "completed"
@@ -151,7 +153,8 @@ class Job(Notes):
         verdicts = {}
 
         def verify(ref: Ref) -> str | None:
-            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True)
+            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True,
+                                              into=self.initial)
             return verdicts[ref].reason
 
         pick = layout.pick_resume(refs, attempt, self.cfg.world_size, verify)
@@ -344,9 +347,12 @@ def train(cfg: RunConfig, trainer: Trainer, peers: Peers, step: int, state: Stat
     return end("stop", step, state)
 
 
-def _start_state(trainer: Trainer, loaded: Loaded | None, where: str) -> State:
-    """The trainer's initial state, or the checkpoint's when it holds exactly the same arrays."""
-    initial = trainer.initial_state()
+def _start_state(initial: State, loaded: Loaded | None, where: str) -> State:
+    """The trainer's initial state, or the checkpoint's when it holds exactly the same arrays.
+
+    When nothing was loaded, ``initial`` is untouched: a verification that wrote into it and
+    failed either gave way to a checkpoint that verified (which overwrote every byte) or ended
+    the run (NoVerifiedCheckpoint)."""
     expected = specs(initial)
     if loaded is None:
         return initial
@@ -362,9 +368,10 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
         raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
                          "(a teaching hook of the linear trainer)")
     peers = Peers(pvc, 0, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    job = Job(cfg, pvc, log, trainer.data_sha256, peers)
+    initial = trainer.initial_state()
+    job = Job(cfg, pvc, log, trainer.data_sha256, peers, initial)
     # Before any write: a checkpoint holding other arrays than this trainer's is refused.
-    start = _start_state(trainer, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
+    start = _start_state(initial, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
     job.start()
     loaded = job.loaded if job.state == "resumed" else None
     if not peers.solo:
@@ -424,9 +431,10 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
 
 def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Peers, store: CheckpointStore,
                        session: Session, rank: int) -> str:
+    initial = trainer.initial_state()
     try:
-        loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256)  # type: ignore[arg-type]
-                  if session.checkpoint else None)
+        loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                             into=initial) if session.checkpoint else None)
     except InputError:
         # Rotated away under a stale session: rejoin the newer one. A launch whose rank 0 was
         # killed leaves its session behind with no outcome, and a rank started before the next
@@ -436,7 +444,7 @@ def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Peers, store: Ch
         except RankTimeout:
             pass  # none came: the checkpoint the live session names really is damaged
         raise
-    state = _start_state(trainer, loaded, session.checkpoint or "")
+    state = _start_state(initial, loaded, session.checkpoint or "")
 
     def save(step: int, state: State, loss: int, force: bool) -> None:
         ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
