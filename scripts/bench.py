@@ -20,7 +20,9 @@ at a fast moment, by up to 1.4x.)
   Limit: raw ``write`` + ``fsync`` of the same bytes to W files by W processes.
 - load: one process reads every shard of the checkpoint just written (warm page cache: the files
   were just written, so this measures the CPU work of a resume, hashing included, not the disk).
-  Limit: ``read`` + ``hashlib.sha256`` of the same files on one thread. Peers verify nothing.
+  trainjob twice: in place, as a resume does (into a state built before the clock starts), and
+  into new arrays, as the peers do. Limit: ``read`` + ``hashlib.sha256`` of the same files on one
+  thread. Peers verify nothing.
 - engine: ``trainjob run --ckpt-every 1``, seconds per step from two runs (N and 2N steps, so
   start-up and the final gate cancel), against the same training loop saving the same tensors
   with a bare ``pvc.atomic_write`` per step. Twice: with the built-in linear model (a 32-byte

@@ -1,6 +1,8 @@
 """Trainers for the tests of ``--trainer package.module:factory`` (on PYTHONPATH as ``user_trainers``)."""
 
+from trainjob.data import load_dataset
 from trainjob.digits import DigitsTrainer, make
+from trainjob.linear import LinearTrainer
 
 
 class Forgetful(DigitsTrainer):
@@ -34,3 +36,23 @@ NOT_CALLABLE = 3
 
 def no_arguments():
     return object()
+
+
+WATCH = {"built": [], "stepped": []}
+
+
+class Watched(LinearTrainer):
+    """The linear trainer, noting the arrays it built and the ones each step is handed."""
+
+    def initial_state(self):
+        state = super().initial_state()
+        WATCH["built"].append(state["params"])
+        return state
+
+    def step(self, state, step):
+        WATCH["stepped"].append((step, state["params"]))
+        return super().step(state, step)
+
+
+def watched(data, lr):
+    return Watched(load_dataset(data), lr)
