@@ -547,7 +547,7 @@ def fmt(s: dict, digits: int = 2) -> str:
 def table(out: dict) -> str:
     mib = out["state_bytes"] / MiB
     lines = [f"state {mib:.0f} MiB float32, {out['repeat']} repeats; median (min..max); "
-             "ratio = limit time / contender time in the same repeat (higher is faster)", ""]
+             "ratio = mean time of the two limit runs around it / contender time (higher is faster)", ""]
     for op, head in (("save", "save (W processes in parallel, write+fsync)"),
                      ("load", "load (one process; warm page cache; only trainjob verifies)")):
         lines += [f"| {head} | W | MB/s | x limit | peak RSS / state |", "| --- | --- | --- | --- | --- |"]

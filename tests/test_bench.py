@@ -40,8 +40,8 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
-         "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000", "--dir", str(tmp_path), "--json", str(out),
-         "--plot", str(tmp_path / "bench.png")],
+         "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000",
+         "--dir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "bench.png")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -15,8 +15,8 @@ Layout of a PVC directory (all paths relative to it):
 Every file write goes through ``atomic_write``, except the files of a checkpoint being built,
 which go through ``write_staged`` into a staging directory that ``commit_dir`` then publishes
 with one rename: either way a reader (or a relaunch after SIGKILL) sees the old state or the
-new state, never a mixture. Readers are strict: a file that exists but does not parse is an InputError,
-never mistaken for "no file". This module makes no decisions.
+new state, never a mixture. Readers are strict: a file that exists but does not parse is an
+InputError, never mistaken for "no file". This module makes no decisions.
 """
 
 from __future__ import annotations
