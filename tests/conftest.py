@@ -19,6 +19,20 @@ def trainjob(*args: str | Path, cwd: Path | None = None, timeout: float = 60) ->
     )
 
 
+def killpoint(n: int, *args: str | Path) -> subprocess.CompletedProcess:
+    """The CLI with ``args`` under tests/killpoint.py: SIGKILLed just before its Nth write, fsync or
+    rename (0-based), or never with -1."""
+    return subprocess.run([sys.executable, ROOT / "tests/killpoint.py", str(n), *map(str, args)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def io_calls(*args: str | Path) -> int:
+    """How many writes, fsyncs and renames the CLI makes with ``args``, uninterrupted."""
+    clean = killpoint(-1, *args)
+    assert clean.returncode == 0, clean.stderr
+    return int(clean.stderr.split()[-1])
+
+
 def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
 

@@ -21,15 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import events, snapshot, trainjob
+from conftest import events, io_calls, killpoint, snapshot, trainjob
 
-HERE = Path(__file__).parent
 FLAGS = ["--steps", "3", "--ckpt-every", "2"]
-
-
-def killpoint(n: int, pvc: Path, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, HERE / "killpoint.py", str(n), "run", "--pvc", str(pvc), *flags],
-                          capture_output=True, text=True, timeout=60)
 
 
 def finish(pvc: Path, *flags: str) -> int:
@@ -70,14 +64,12 @@ def reference(tmp_path_factory) -> bytes:
 
 
 def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference):
-    clean = killpoint(-1, tmp_path / "count", *FLAGS)
-    assert clean.returncode == 0
-    total = int(clean.stderr.split()[-1])
+    total = io_calls("run", "--pvc", tmp_path / "count", *FLAGS)
     assert total > 20  # the harness really intercepts the engine's I/O
 
     def trial(n: int) -> str | None:
         pvc = tmp_path / f"k{n}"
-        died = killpoint(n, pvc, *FLAGS)
+        died = killpoint(n, "run", "--pvc", pvc, *FLAGS)
         if died.returncode != -signal.SIGKILL:
             return f"kill point {n}: harness exited {died.returncode}: {died.stderr[-300:]}"
         code = finish(pvc, *FLAGS)
@@ -94,7 +86,7 @@ def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference
 def test_any_sequence_of_kills_resumes_to_the_same_bytes(tmp_path_factory, reference, kills):
     pvc = tmp_path_factory.mktemp("seq") / "pvc"
     for n in kills:  # each relaunch is killed again at its own n-th I/O call
-        result = killpoint(n, pvc, *FLAGS)
+        result = killpoint(n, "run", "--pvc", pvc, *FLAGS)
         if result.returncode != -signal.SIGKILL:  # it got past its kill point: the job is over
             assert result.returncode == 0 or "already completed" in result.stderr
             break

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, events, trainjob
+from conftest import ROOT, events, io_calls, killpoint, trainjob
 from trainjob import cli
 from trainjob.digits import DigitsTrainer
 
@@ -70,17 +70,9 @@ def test_two_ranks_write_the_one_rank_bytes_and_split_every_array(tmp_path, data
                     {"W": (32, 32), "b": (5, 5), "vW": (32, 32), "vb": (5, 5)}]
 
 
-def killpoint(n, pvc, data, *flags):
-    return subprocess.run([sys.executable, ROOT / "tests/killpoint.py", str(n), "run", "--pvc", str(pvc),
-                           "--data", str(data), *SHORT, *flags], capture_output=True, text=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
-def io_calls(tmp_path_factory, data) -> int:
-    """How many writes, fsyncs and renames a clean short run makes (killpoint.py -1 counts them)."""
-    clean = killpoint(-1, tmp_path_factory.mktemp("count") / "pvc", data)
-    assert clean.returncode == 0, clean.stderr
-    return int(clean.stderr.split()[-1])
+def short_run_io_calls(tmp_path_factory, data) -> int:
+    return io_calls("run", "--pvc", tmp_path_factory.mktemp("count") / "pvc", "--data", data, *SHORT)
 
 
 # SIGKILL just before I/O call N of a clean run, N spread over the whole run: while starting,
@@ -88,9 +80,9 @@ def io_calls(tmp_path_factory, data) -> int:
 # after "completed" is logged, are test_crash.py's). Every relaunch must end with the
 # uninterrupted bytes, so the momentum buffers came back exactly too.
 @pytest.mark.parametrize("fraction", [0.03, 0.15, 0.35, 0.5, 0.66, 0.82, 0.95])
-def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, reference, io_calls, fraction):
-    pvc, point = tmp_path / "pvc", int(fraction * io_calls)
-    assert killpoint(point, pvc, data).returncode == -signal.SIGKILL
+def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, reference, short_run_io_calls, fraction):
+    pvc, point = tmp_path / "pvc", int(fraction * short_run_io_calls)
+    assert killpoint(point, "run", "--pvc", pvc, "--data", data, *SHORT).returncode == -signal.SIGKILL
     result = trainjob("run", "--pvc", pvc, "--data", data, *SHORT)
     assert result.returncode == 0, result.stderr
     assert artifact(pvc) == reference

@@ -5,12 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, events, snapshot, trainjob
+from conftest import events, io_calls, killpoint, snapshot, trainjob
 from trainjob.path import replay
 
 
@@ -88,23 +86,17 @@ def test_reshard_is_idempotent_and_refuses_what_cannot_work(pvc):
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 4
 
 
-def reshard_at(point: int, pvc) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "tests/killpoint.py"), str(point), "reshard",
-                           "--pvc", str(pvc), "--world-size", "1"], capture_output=True, text=True)
-
-
 def test_a_reshard_killed_at_any_instant_leaves_a_resumable_pvc(tmp_path, two_ranks_killed_at_4, clean_artifact):
     """SIGKILL just before each of the reshard's writes, fsyncs and renames in turn (the last ones
     logging); then do it again: it must complete and verify."""
-    counted = reshard_at(-1, shutil.copytree(two_ranks_killed_at_4, tmp_path / "count"))
-    assert counted.returncode == 0, counted.stderr
-    total = int(counted.stderr.split()[-1])
+    to_one = ("--world-size", "1")
+    total = io_calls("reshard", "--pvc", shutil.copytree(two_ranks_killed_at_4, tmp_path / "count"), *to_one)
     assert total > 5  # the harness really intercepts the reshard's I/O
     for point in range(total):
         pvc = shutil.copytree(two_ranks_killed_at_4, tmp_path / f"k{point}")
-        assert reshard_at(point, pvc).returncode == -9, point
+        assert killpoint(point, "reshard", "--pvc", pvc, *to_one).returncode == -9, point
         assert (pvc / SOURCE / "manifest.json").exists(), point
-        assert trainjob("reshard", "--pvc", pvc, "--world-size", 1).returncode == 0, point
+        assert trainjob("reshard", "--pvc", pvc, *to_one).returncode == 0, point
         assert trainjob("verify", "--pvc", pvc).returncode == 0, point
         if point in (0, total // 2):  # the resume itself is tested above; two full runs prove the kill left nothing
             assert trainjob("run", "--pvc", pvc).returncode == 0, point
