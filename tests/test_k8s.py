@@ -3,7 +3,6 @@ controller's view of the real program's exit codes."""
 
 from __future__ import annotations
 
-import copy
 import io
 import json
 import re

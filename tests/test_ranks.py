@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, events, trainjob
-from trainjob.errors import UsageError
+from trainjob.errors import PeerFailed, UsageError
 from trainjob.pvc import Pvc
 from trainjob.ranks import Peers, RankSpec, resolve_rank
 from trainjob.records import Session
@@ -134,6 +134,7 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
         time.sleep(0.3)
         fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
         fresh.publish(session)
+        fresh.wait_joined()
 
     publisher = threading.Thread(target=new_rank_0)
     publisher.start()
@@ -142,6 +143,54 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
     publisher.join()
     assert joined.generation == 2
     assert (pvc.root / "ranks/g00000002/join-00001.json").exists()
+
+
+@pytest.mark.parametrize("begun", [False, True])
+def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one(tmp_path, begun):
+    """The relaunch races the other way round: rank 1 reads the killed launch's session (generation
+    1, its directory still there) before the new rank 0 publishes generation 2. If generation 1 had
+    not begun, rank 1 joins it but waits in vain for rank 0 to begin it; if it had begun (rank 0
+    was killed mid-run, after its rank 1 had joined), its checkpoint may be rotated away, and rank 1
+    must not join it at all. Either way rank 1 must end up in generation 2: under torchrun, training
+    for generation 1 blocks in a collective while the new rank 0 waits for rank 1 to join."""
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    session = lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
+                                manifest_sha256=None, settings="s")
+    killed = Peers(pvc, 0, 2, 5.0, lambda: None)
+    killed.publish(session)  # generation 1; its rank 0 is then killed
+    gen1 = pvc.root / "ranks/g00000001"
+    if begun:
+        (gen1 / "join-00001.json").write_text('{"rank": 1, "step": 0, "signal": ""}\n')
+        killed.wait_joined()
+    seen: list[int] = []
+
+    def new_rank_0() -> None:
+        deadline = time.monotonic() + 0.5  # long enough for rank 1 to read generation 1's session
+        while not (gen1 / "join-00001.json").exists() or begun and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
+        fresh.publish(session)
+        fresh.remove_stale()
+        fresh.wait_joined()
+        seen.append(fresh.generation)
+
+    publisher = threading.Thread(target=new_rank_0)
+    publisher.start()
+    joined = Peers(pvc, 1, 2, 5.0, lambda: None).join("s", set())
+    publisher.join()
+    assert joined.generation == 2 and seen == [2]
+
+
+def test_a_rank_waiting_for_rank_0_to_begin_exits_with_rank_0s_error(tmp_path):
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    rank0 = Peers(pvc, 0, 2, 5.0, lambda: None)
+    rank0.publish(lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
+                                    manifest_sha256=None, settings="s"))
+    threading.Timer(0.3, rank0.finish, ("error", "RankTimeout: waited")).start()
+    with pytest.raises(PeerFailed, match="rank 0 stopped this launch: RankTimeout"):
+        Peers(pvc, 1, 2, 5.0, lambda: None).join("s", set())
 
 
 # --- kills and signals ---------------------------------------------------------------------------

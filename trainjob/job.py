@@ -32,12 +32,12 @@ from transitions import EventData
 
 from . import decisions, layout, machine
 from .checkpoints import CheckpointStore, Loaded
-from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, RankTimeout, Superseded, TryAgainLater,
+from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
 from .eventlog import EventLog
 from .layout import Ref
 from .pvc import Pvc
-from .ranks import Peers, wait_for
+from .ranks import Peers
 from .records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
 from .trainer import State, Trainer, check_loss, check_resumable, specs
 
@@ -432,18 +432,10 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
 def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Peers, store: CheckpointStore,
                        session: Session, rank: int) -> str:
     initial = trainer.initial_state()
-    try:
-        loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                             into=initial) if session.checkpoint else None)
-    except InputError:
-        # Rotated away under a stale session: rejoin the newer one. A launch whose rank 0 was
-        # killed leaves its session behind with no outcome, and a rank started before the next
-        # rank 0 joins it; so wait (bounded) for the next session before calling it damage.
-        try:
-            wait_for(lambda: peers.check_current(), peers.timeout, lambda: "a newer session", peers.poll)
-        except RankTimeout:
-            pass  # none came: the checkpoint the live session names really is damaged
-        raise
+    # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
+    # before this rank's first shard: a checkpoint that fails here really is damaged.
+    loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                         into=initial) if session.checkpoint else None)
     state = _start_state(initial, loaded, session.checkpoint or "")
 
     def save(step: int, state: State, loss: int, force: bool) -> None:

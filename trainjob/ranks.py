@@ -5,6 +5,7 @@ Ranks share nothing but the PVC (a ReadWriteMany volume in Kubernetes). Every wa
 
     session.json                 Session: rank 0's word for this launch (generation, resume point)
     g00000003/join-00001.json    rank 1 joined generation 3
+    g00000003/join-00000.json    rank 0 saw every rank join: generation 3 begins
     g00000003/stop-00001.json    rank 1 must stop (a signal, its own or a peer's): after which step
     g00000003/outcome.json       how rank 0 ended generation 3 (the other ranks exit with it)
 
@@ -12,8 +13,11 @@ The protocol, in short (docs/checkpoints.md has the long form):
 
 1. Rank 0 takes the job lock, decides how this launch begins (the state machine), writes
    ``session.json`` with generation = previous + 1, and waits until every rank has joined.
-2. A rank joins the newest generation that matches its settings and has no outcome yet, loads
-   the checkpoint the session names (verifying it), and trains the same steps as rank 0.
+2. A rank joins the newest generation that matches its settings and has neither begun nor
+   ended, waits for rank 0 to begin it, loads the checkpoint the session names (verifying it),
+   and trains the same steps as rank 0. So a rank that reads a killed launch's session follows
+   the next one rather than training for (or, under torchrun, blocking in a collective with) a
+   launch nobody leads.
 3. At a checkpoint step rank 0 creates the staging directory; every other rank waits for it,
    writes its own shard, then a receipt with the shard's size and sha256. Rank 0 commits when all
    receipts are there. A rank that sees a newer generation drops what it was doing and rejoins.
@@ -132,8 +136,11 @@ class Peers:
     def gen_dir(self, generation: int | None = None) -> Path:
         return self.root / f"g{self.generation if generation is None else generation:08d}"
 
-    def _note_path(self, kind: str, rank: int) -> Path:
-        return self.gen_dir() / f"{kind}-{rank:05d}.json"
+    def _note_path(self, kind: str, rank: int, generation: int | None = None) -> Path:
+        return self.gen_dir(generation) / f"{kind}-{rank:05d}.json"
+
+    def _begun(self, generation: int | None = None) -> bool:
+        return self._note_path("join", 0, generation).exists()
 
     def _write(self, path: Path, record: object) -> None:
         # Never creates directories: rank 0 creates each generation's, so a rank still working
@@ -153,6 +160,7 @@ class Peers:
         last = self.read_session()
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
+        self.step = session.from_step
         try:
             make_dir(self.gen_dir())
         except OSError as exc:
@@ -170,9 +178,13 @@ class Peers:
         return removed
 
     def wait_joined(self) -> None:
+        """Wait until every other rank has joined, then begin the generation (rank 0's own join note)."""
+        if self.solo:
+            return
         missing = lambda: [r for r in range(1, self.world_size) if not self._note_path("join", r).exists()]
         wait_for(lambda: True if not missing() else None, self.timeout,
                  lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
+        self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
         """Wait until every other rank's shard of ``step`` is durable (its receipt exists); read them."""
@@ -197,8 +209,10 @@ class Peers:
             s = self.read_session()
             if s is None or s.generation in skip:
                 return None
-            if self.read_outcome(s.generation) is not None:
-                return None  # ended before this process joined: a previous launch's
+            if self.read_outcome(s.generation) is not None or self._begun(s.generation):
+                # Ended, or begun without this process (rank 0 begins once every rank has
+                # joined, so a previous process of this rank was there): a previous launch's.
+                return None
             if (s.world_size, s.settings) != (self.world_size, settings):
                 seen[:] = [f"the newest session (generation {s.generation}) has other settings: "
                            f"{s.settings} world_size={s.world_size}, this rank: {settings} "
@@ -213,16 +227,30 @@ class Peers:
         while True:
             session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
                                f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})", poll)
-            self.generation, self.stopping_note = session.generation, None
+            self.generation, self.stopping_note, self.step = session.generation, None, session.from_step
             try:
                 self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
-                return session
             except TryAgainLater:
                 if self.gen_dir().is_dir():
                     raise  # the storage failed, not the session
                 # A killed launch's session, which a new rank 0 replaced and removed as stale
                 # between our read and our write: join the new one instead.
                 skip.add(session.generation)
+                continue
+            try:
+                wait_for(self._begun_or_failed, self.timeout,
+                         lambda: f"rank 0 to begin generation {self.generation}", self.poll)
+                return session
+            except Superseded:  # a killed launch's session: its rank 0 will never begin it
+                skip.add(session.generation)
+
+    def _begun_or_failed(self) -> bool | None:
+        if self._begun():
+            return True
+        outcome = self.read_outcome()
+        if outcome is not None and outcome.state == "error":
+            raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
+        return None
 
     def check_current(self) -> None:
         s = self.read_session()
