@@ -134,7 +134,8 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
         time.sleep(0.3)
         fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
         fresh.publish(session)
-        fresh.wait_joined()
+        assert fresh.wait_joined()
+        fresh.begin()
 
     publisher = threading.Thread(target=new_rank_0)
     publisher.start()
@@ -162,7 +163,8 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
     gen1 = pvc.root / "ranks/g00000001"
     if begun:
         (gen1 / "join-00001.json").write_text('{"rank": 1, "step": 0, "signal": ""}\n')
-        killed.wait_joined()
+        assert killed.wait_joined()
+        killed.begin()
     seen: list[int] = []
 
     def new_rank_0() -> None:
@@ -172,7 +174,8 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
         fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
         fresh.publish(session)
         fresh.remove_stale()
-        fresh.wait_joined()
+        assert fresh.wait_joined()
+        fresh.begin()
         seen.append(fresh.generation)
 
     publisher = threading.Thread(target=new_rank_0)
@@ -266,3 +269,41 @@ def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
     assert launcher.wait(30) == 75
     assert not children(launcher.pid) if Path(f"/proc/{launcher.pid}").exists() else True
     assert trainjob("verify", "--pvc", pvc).returncode == 0
+
+
+def wait_for_start(pvc: Path, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not (pvc / "log.jsonl").exists() or not (pvc / "log.jsonl").read_text():
+        assert time.monotonic() < deadline, "the run never logged its start"
+        time.sleep(0.01)
+
+
+def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_finishes(tmp_path, short_reference):
+    """Rank 0 stopped while waiting for a rank that never came: nothing was trained, so it must not
+    sit out --rank-timeout and exit with the log still at job_started; it logs the kill and exits 75."""
+    pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--world-size", "2")
+    rank0 = rank_proc(pvc, 0, *flags, "--rank", "0", "--rank-timeout", "60")
+    wait_for_start(pvc)
+    started = time.monotonic()
+    rank0.send_signal(signal.SIGTERM)
+    assert rank0.wait(30) == 75, rank0.stderr.read()
+    assert time.monotonic() - started < 10  # not the 60 s wait for rank 1
+    assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=0 signal=SIGTERM")
+    late = trainjob("run", "--pvc", pvc, *flags, "--rank", 1, "--rank-timeout", 1)  # the launch has ended
+    assert late.returncode == 75 and "waited 1s for rank 0 to start a launch" in late.stderr
+    assert trainjob("run", "--pvc", pvc, *flags).returncode == 0
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
+
+
+def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(tmp_path):
+    pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--world-size", "3")
+    rank0 = rank_proc(pvc, 0, *flags, "--rank", "0")
+    rank1 = rank_proc(pvc, 1, *flags, "--rank", "1")  # rank 2 never comes
+    wait_for_start(pvc)
+    deadline = time.monotonic() + 20
+    while not (pvc / "ranks/g00000001/join-00001.json").exists():
+        assert time.monotonic() < deadline, "rank 1 never joined"
+        time.sleep(0.01)
+    rank1.send_signal(signal.SIGTERM)  # a stop at a rank waiting for the begin, passed on to rank 0
+    assert [rank0.wait(30), rank1.wait(30)] == [75, 75], [rank0.stderr.read(), rank1.stderr.read()]
+    assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=0 signal=SIGTERM@rank1")

@@ -382,10 +382,15 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             settings=cfg.settings(trainer.data_sha256)))
         peers.remove_stale()
     try:
-        peers.wait_joined()
+        joined = peers.wait_joined()
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
             peers.finish(job.state)
             return job.state
+        if not joined:  # stopped before every rank was here: nothing trained, nothing to save
+            job.kill(at_step=job.from_step, signal=stop.signal or peers.peer_signal())
+            peers.finish(job.state)
+            return job.state
+        peers.begin()
         # ``start`` is the checkpoint's state when resuming from it, else the initial state; a
         # checkpoint found but not resumed (a fresh attempt) must not leak into the new attempt.
         state = start if loaded is job.loaded else trainer.initial_state()
@@ -423,6 +428,8 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
     settings, skip = cfg.settings(trainer.data_sha256), set()
     while True:
         session = peers.join(settings, skip)
+        if not peers.begun():  # rank 0 ended the launch before it began: exit as it did
+            return peers.read_outcome().state  # type: ignore[union-attr]
         try:
             return _follow_generation(cfg, trainer, peers, store, session, rank)
         except Superseded:

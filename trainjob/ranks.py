@@ -139,7 +139,7 @@ class Peers:
     def _note_path(self, kind: str, rank: int, generation: int | None = None) -> Path:
         return self.gen_dir(generation) / f"{kind}-{rank:05d}.json"
 
-    def _begun(self, generation: int | None = None) -> bool:
+    def begun(self, generation: int | None = None) -> bool:
         return self._note_path("join", 0, generation).exists()
 
     def _write(self, path: Path, record: object) -> None:
@@ -177,14 +177,19 @@ class Peers:
                 removed.append(f"ranks/{path.name}")
         return removed
 
-    def wait_joined(self) -> None:
-        """Wait until every other rank has joined, then begin the generation (rank 0's own join note)."""
-        if self.solo:
-            return
+    def wait_joined(self) -> bool:
+        """Wait until every other rank has joined: True; False if a stop came first.
+
+        Nothing has been trained yet, so there is nothing to save and no reason to wait on."""
         missing = lambda: [r for r in range(1, self.world_size) if not self._note_path("join", r).exists()]
-        wait_for(lambda: True if not missing() else None, self.timeout,
-                 lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
-        self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
+        joined = lambda: True if not missing() else False if self.stopping_note is not None else None
+        return self.solo or wait_for(joined, self.timeout,
+                                     lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
+
+    def begin(self) -> None:
+        """Rank 0, once every rank has joined: its own join note lets them start training."""
+        if not self.solo:
+            self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
         """Wait until every other rank's shard of ``step`` is durable (its receipt exists); read them."""
@@ -202,14 +207,15 @@ class Peers:
     # --- ranks >= 1 ------------------------------------------------------------------------------
 
     def join(self, settings: str, skip: set[int]) -> Session:
-        """Wait for the newest generation this rank can join, and join it."""
+        """Wait for the newest generation this rank can join, join it, and wait until rank 0
+        begins it or ends it unbegun (a stop before every rank joined, or nothing to train)."""
         seen: list[str] = []
 
         def joinable() -> Session | None:
             s = self.read_session()
             if s is None or s.generation in skip:
                 return None
-            if self.read_outcome(s.generation) is not None or self._begun(s.generation):
+            if self.read_outcome(s.generation) is not None or self.begun(s.generation):
                 # Ended, or begun without this process (rank 0 begins once every rank has
                 # joined, so a previous process of this rank was there): a previous launch's.
                 return None
@@ -238,19 +244,18 @@ class Peers:
                 skip.add(session.generation)
                 continue
             try:
-                wait_for(self._begun_or_failed, self.timeout,
+                wait_for(self._begun_or_ended, self.timeout,
                          lambda: f"rank 0 to begin generation {self.generation}", self.poll)
                 return session
             except Superseded:  # a killed launch's session: its rank 0 will never begin it
                 skip.add(session.generation)
 
-    def _begun_or_failed(self) -> bool | None:
-        if self._begun():
+    def _begun_or_ended(self) -> bool | None:
+        if self.begun():
             return True
         outcome = self.read_outcome()
-        if outcome is not None and outcome.state == "error":
-            raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
-        return None
+        _raise_if_failed(outcome)
+        return None if outcome is None else True
 
     def check_current(self) -> None:
         s = self.read_session()
@@ -265,8 +270,7 @@ class Peers:
     def wait_outcome(self) -> Outcome:
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,
                            lambda: f"rank 0 to finish generation {self.generation}", self.poll)
-        if outcome.state == "error":
-            raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
+        _raise_if_failed(outcome)
         return outcome
 
     # --- every rank: polls, stops ------------------------------------------------------------------
@@ -315,6 +319,11 @@ class Peers:
     def _all_stop_notes(self) -> list[RankNote] | None:
         notes = [self.pvc.read_record(self._note_path("stop", r), RankNote) for r in range(self.world_size)]
         return None if any(n is None for n in notes) else notes  # type: ignore[return-value]
+
+
+def _raise_if_failed(outcome: Outcome | None) -> None:
+    if outcome is not None and outcome.state == "error":
+        raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
 
 
 # --- the local launcher --------------------------------------------------------------------------
