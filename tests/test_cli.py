@@ -238,3 +238,15 @@ def test_a_pvc_entry_that_is_a_symlink_out_of_the_pvc_is_refused(tmp_path, pvc, 
     result = trainjob("run", "--pvc", pvc)
     assert result.returncode == 2 and "symlink" in result.stderr
     assert list(outside.iterdir()) == [] and snapshot(pvc) == before
+
+
+def test_a_sigterm_after_the_outcome_is_decided_does_not_change_the_exit_code(tmp_path):
+    """Python puts the default SIGTERM action back while it shuts down, and a run that has logged
+    `completed` may be told to stop in that instant: it must still exit with its decided code, not
+    be killed by the signal (143 to Kubernetes, which would relaunch a finished job). The SIGTERM
+    here comes from an exit hook, once main has returned, to a command that never handles it."""
+    script = ("import atexit, os, signal; atexit.register(os.kill, os.getpid(), signal.SIGTERM); "
+              "from trainjob.cli import entry; entry()")
+    result = subprocess.run([sys.executable, "-c", script, "status", str(tmp_path / "missing.jsonl")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result

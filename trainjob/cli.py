@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import traceback
 import unicodedata
@@ -445,5 +446,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERNAL
 
 
+def entry() -> NoReturn:
+    """The process's entry point (the ``trainjob`` script, ``python -m trainjob``).
+
+    Once ``main`` has returned, the outcome is decided (and, for ``run``, logged). Python puts the
+    default signal handlers back while it shuts down, so a SIGTERM arriving then would end the
+    process by the signal (143 to Kubernetes) instead of with the decided code: a run that had
+    logged ``completed`` would look killed, be relaunched, and be refused. So late ones are
+    ignored: for the whole process, as numpy's BLAS threads would take a signal the main thread
+    blocked, and Python leaves an ignored signal ignored at shutdown.
+    """
+    code = main()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
