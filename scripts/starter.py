@@ -5,12 +5,10 @@ clean run still looks perfect. ``TRAINJOB="python scripts/starter.py" bash scrip
 shows that the lab checks catch all three.
 """
 
-import sys
-
 from trainjob import cli, decisions
 
 decisions.should_resume = lambda *_args: False
 decisions.drift_passes = lambda *_args: True
 decisions.within_backoff = lambda *_args: True
 
-sys.exit(cli.main())
+cli.entry()
