@@ -182,7 +182,12 @@ class Peers:
 
         Nothing has been trained yet, so there is nothing to save and no reason to wait on."""
         missing = lambda: [r for r in range(1, self.world_size) if not self._note_path("join", r).exists()]
-        joined = lambda: True if not missing() else False if self.stopping_note is not None else None
+
+        def joined() -> bool | None:
+            if not missing():
+                return True
+            return False if self.stopping_note is not None else None  # poll() notes a stop
+
         return self.solo or wait_for(joined, self.timeout,
                                      lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
 
