@@ -28,6 +28,12 @@ from trainjob.records import Session
 LONG = ("--steps", "20000", "--ckpt-every", "500")
 
 
+def session(generation: int) -> Session:
+    """What rank 0 publishes for a fresh two-rank launch with settings "s"."""
+    return Session(generation=generation, world_size=2, attempt=1, from_step=0, checkpoint=None,
+                   manifest_sha256=None, settings="s")
+
+
 # --- identity ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("rank, world, env, expected", [
@@ -124,8 +130,6 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
     has nowhere to go. It must join generation 2, not exit 75."""
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
-    session = lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
-                                manifest_sha256=None, settings="s")
     stale = Peers(pvc, 0, 2, 5.0, lambda: None)
     stale.publish(session)  # generation 1, as a launch whose rank 0 was then killed left it
     shutil.rmtree(stale.gen_dir())  # ... and as the next rank 0 removed it, after its own publish
@@ -156,8 +160,6 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
     for generation 1 blocks in a collective while the new rank 0 waits for rank 1 to join."""
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
-    session = lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
-                                manifest_sha256=None, settings="s")
     killed = Peers(pvc, 0, 2, 5.0, lambda: None)
     killed.publish(session)  # generation 1; its rank 0 is then killed
     gen1 = pvc.root / "ranks/g00000001"
@@ -189,8 +191,7 @@ def test_a_rank_waiting_for_rank_0_to_begin_exits_with_rank_0s_error(tmp_path):
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
     rank0 = Peers(pvc, 0, 2, 5.0, lambda: None)
-    rank0.publish(lambda g: Session(generation=g, world_size=2, attempt=1, from_step=0, checkpoint=None,
-                                    manifest_sha256=None, settings="s"))
+    rank0.publish(session)
     threading.Timer(0.3, rank0.finish, ("error", "RankTimeout: waited")).start()
     with pytest.raises(PeerFailed, match="rank 0 stopped this launch: RankTimeout"):
         Peers(pvc, 1, 2, 5.0, lambda: None).join("s", set())
@@ -228,11 +229,20 @@ def children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def wait_for_checkpoint(pvc: Path, timeout: float = 20) -> None:
+def wait_until(check, what: str, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
-    while not (pvc / "checkpoint.json").exists():
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.02)
+    while not check():
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.01)
+
+
+def wait_for_checkpoint(pvc: Path) -> None:
+    wait_until((pvc / "checkpoint.json").exists, "a checkpoint")
+
+
+def wait_for_start(pvc: Path) -> None:
+    log = pvc / "log.jsonl"
+    wait_until(lambda: log.exists() and log.read_text() != "", "the run's start")
 
 
 def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tmp_path):
@@ -271,13 +281,6 @@ def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
     assert trainjob("verify", "--pvc", pvc).returncode == 0
 
 
-def wait_for_start(pvc: Path, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not (pvc / "log.jsonl").exists() or not (pvc / "log.jsonl").read_text():
-        assert time.monotonic() < deadline, "the run never logged its start"
-        time.sleep(0.01)
-
-
 def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_finishes(tmp_path, short_reference):
     """Rank 0 stopped while waiting for a rank that never came: nothing was trained, so it must not
     sit out --rank-timeout and exit with the log still at job_started; it logs the kill and exits 75."""
@@ -300,10 +303,7 @@ def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(t
     rank0 = rank_proc(pvc, 0, *flags, "--rank", "0")
     rank1 = rank_proc(pvc, 1, *flags, "--rank", "1")  # rank 2 never comes
     wait_for_start(pvc)
-    deadline = time.monotonic() + 20
-    while not (pvc / "ranks/g00000001/join-00001.json").exists():
-        assert time.monotonic() < deadline, "rank 1 never joined"
-        time.sleep(0.01)
+    wait_until((pvc / "ranks/g00000001/join-00001.json").exists, "rank 1's join")
     rank1.send_signal(signal.SIGTERM)  # a stop at a rank waiting for the begin, passed on to rank 0
     assert [rank0.wait(30), rank1.wait(30)] == [75, 75], [rank0.stderr.read(), rank1.stderr.read()]
     assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=0 signal=SIGTERM@rank1")
