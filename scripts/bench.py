@@ -51,12 +51,13 @@ from pathlib import Path
 
 import numpy as np
 
-from trainjob import layout, shards
-from trainjob.checkpoints import CheckpointStore
-from trainjob.layout import Ref
-from trainjob.pvc import Pvc, atomic_write
+from trainjob.checkpoint import plan as layout
+from trainjob.checkpoint import shards
+from trainjob.checkpoint.store import CheckpointStore
+from trainjob.checkpoint.plan import Ref
+from trainjob.storage.pvc import Pvc, atomic_write
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
-from trainjob.trainer import build
+from trainjob.trainers.protocol import build
 
 HERE = Path(__file__).resolve().parent
 ENGINE_TRAINERS = {"linear": "linear", "big": "bench_trainer:make"}

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainjob import diagram  # noqa: E402
-from trainjob.path import legal_path  # noqa: E402
+from trainjob.views import diagram  # noqa: E402
+from trainjob.views.history import legal_path  # noqa: E402
 
 DIAGRAMS = ROOT / "diagrams"
 DOCS = [ROOT / "README.md", ROOT / "docs" / "diagrams.md"]

@@ -5,7 +5,8 @@ clean run still looks perfect. ``TRAINJOB="python scripts/starter.py" bash scrip
 shows that the lab checks catch all three.
 """
 
-from trainjob import cli, decisions
+from trainjob import cli
+from trainjob.engine import decisions
 
 decisions.should_resume = lambda *_args: False
 decisions.drift_passes = lambda *_args: True

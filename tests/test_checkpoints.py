@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from conftest import events, snapshot, trainjob
-from trainjob import checkpoints, cli
-from trainjob.layout import Ref
-from trainjob.path import replay
-from trainjob.pvc import Pvc
+from trainjob import cli
+from trainjob.checkpoint import store as checkpoints
+from trainjob.checkpoint.plan import Ref
+from trainjob.views.history import replay
+from trainjob.storage.pvc import Pvc
 from trainjob.records import MANIFEST_SCHEMA, Manifest
 
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob import controller
+from trainjob.deploy import policy as controller
 from trainjob.cli import EXIT_FOR_ENDING, SAID_BY_EXIT
-from trainjob.machine import EVENT_FOR_STATE
+from trainjob.engine.machine import EVENT_FOR_STATE
 
 EVENTS = sorted(set(EVENT_FOR_STATE.values()) | {"artifact_written"})
 last_events = st.sampled_from([None, *EVENTS])

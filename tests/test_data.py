@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from trainjob.data import FILES, generate_files, label, lcg_stream, load_dataset
-from trainjob.decisions import loss_milli
+from trainjob.trainers.data import FILES, generate_files, label, lcg_stream, load_dataset
+from trainjob.engine.decisions import loss_milli
 from trainjob.errors import InputError
-from trainjob.model import evaluate, train_one_epoch
+from trainjob.trainers.model import evaluate, train_one_epoch
 
 
 def test_generation_is_byte_identical_every_time():

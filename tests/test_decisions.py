@@ -5,7 +5,7 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.decisions import completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
+from trainjob.engine.decisions import completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
 
 counts = st.integers(min_value=0, max_value=10_000)
 percent = st.integers(min_value=0, max_value=100)

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from conftest import ROOT, trainjob
-from trainjob import diagram
-from trainjob import path as path_module
-from trainjob.machine import FINAL, STATES, TRANSITIONS
+from trainjob.views import diagram
+from trainjob.views import history as path_module
+from trainjob.engine.machine import FINAL, STATES, TRANSITIONS
 
 IN_CI = bool(os.environ.get("CI"))  # CI installs everything: there a missing tool fails, never skips
 HAVE_GRAPHVIZ = importlib.util.find_spec("graphviz") is not None

@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, events, io_calls, killpoint, trainjob
 from trainjob import cli
-from trainjob.digits import DigitsTrainer
+from trainjob.trainers.digits import DigitsTrainer
 
 pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
 

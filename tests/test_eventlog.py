@@ -2,7 +2,7 @@
 
 import json
 
-from trainjob.eventlog import EventLog, read_log
+from trainjob.storage.eventlog import EventLog, read_log
 
 
 def test_append_after_a_torn_line_starts_a_new_line(tmp_path):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from trainjob import k8s
+from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md"

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob import layout
-from trainjob.layout import Ref
+from trainjob.checkpoint import plan as layout
+from trainjob.checkpoint.plan import Ref
 from trainjob.records import Manifest, ShardEntry, TensorSpec
 
 worlds = st.integers(1, layout.MAX_WORLD_SIZE)

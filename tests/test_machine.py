@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transitions import MachineError
 
-from trainjob import machine
+from trainjob.engine import machine
 
 
 class FakeJob:

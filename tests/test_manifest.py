@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import events, snapshot, trainjob
-from trainjob.path import replay
+from trainjob.views.history import replay
 
 
 @pytest.fixture(scope="module")

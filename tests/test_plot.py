@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from conftest import trainjob
-from trainjob.path import legal_path
-from trainjob.plot import Marker, Verdict, story
+from trainjob.views.history import legal_path
+from trainjob.views.plot import Marker, Verdict, story
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None and not os.environ.get("CI"),

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from trainjob import pvc
+from trainjob.storage import pvc
 from trainjob.errors import InputError, PvcBusy, TryAgainLater
-from trainjob.pvc import Pvc, atomic_write, commit_dir, make_dir, write_staged
+from trainjob.storage.pvc import Pvc, atomic_write, commit_dir, make_dir, write_staged
 
 
 def record_fsyncs_and_renames(monkeypatch) -> list[str]:

@@ -21,8 +21,8 @@ import pytest
 
 from conftest import ROOT, events, trainjob
 from trainjob.errors import PeerFailed, UsageError
-from trainjob.pvc import Pvc
-from trainjob.ranks import Peers, RankSpec, resolve_rank
+from trainjob.storage.pvc import Pvc
+from trainjob.ranks.peers import Peers, RankSpec, resolve_rank
 from trainjob.records import Session
 
 LONG = ("--steps", "20000", "--ckpt-every", "500")

@@ -76,7 +76,7 @@ def test_the_checkpoint_pointer_is_strict_too():
 
 def test_every_manifest_dtype_is_one_a_shard_can_be_loaded_as():
     from trainjob.records import DTYPES, TensorSpec, structure
-    from trainjob.shards import np_dtype
+    from trainjob.checkpoint.shards import np_dtype
 
     assert [np_dtype(code).itemsize > 0 for code in DTYPES] == [True] * len(DTYPES)
     with pytest.raises(InputError, match="dtype"):

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from conftest import events, io_calls, killpoint, snapshot, trainjob
-from trainjob.path import replay
+from trainjob.views.history import replay
 
 
 @pytest.fixture(scope="module")

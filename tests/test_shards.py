@@ -11,10 +11,10 @@ import safetensors.numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainjob import shards
-from trainjob.digest import Sha256Pipe
+from trainjob.checkpoint import shards
+from trainjob.storage.digest import Sha256Pipe
 from trainjob.errors import InputError
-from trainjob.pvc import atomic_write, commit_dir
+from trainjob.storage.pvc import atomic_write, commit_dir
 from trainjob.records import TensorSlice
 
 floats = st.floats(allow_nan=False, width=64)

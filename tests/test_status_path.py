@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import events, trainjob
-from trainjob import path as path_module
-from trainjob.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, STATE_FOR_EVENT, TRANSITIONS
-from trainjob.path import replay
+from trainjob.views import history as path_module
+from trainjob.engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, STATE_FOR_EVENT, TRANSITIONS
+from trainjob.views.history import replay
 
 WALKTHROUGH_PATH = [
     ("pending", "started", "job_started"),
@@ -99,7 +99,8 @@ def test_spliced_logs_of_two_jobs_are_rejected_at_the_seam(tmp_path, walkthrough
 # the CLI with a SIGKILL just before or just after its n-th log append.
 KILL_AROUND_APPEND = """
 import os, signal, sys
-from trainjob import cli, eventlog
+from trainjob import cli
+from trainjob.storage import eventlog
 target, when, real, appended = int(sys.argv[1]), sys.argv[2], eventlog.EventLog.append, []
 def append(log, event, detail):
     if len(appended) == target and when == "before":

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from trainjob.cli import EXIT_FOR_ENDING
-from trainjob.controller import SOURCE
-from trainjob.eventlog import read_log
+from trainjob.deploy.policy import SOURCE
+from trainjob.storage.eventlog import read_log
 
 TRAINJOB = [sys.executable, "-m", "trainjob"]
 FAST = ["--backoff-base", "0.01", "--backoff-cap", "0.05"]
@@ -162,11 +162,11 @@ def test_relaunchable_exits_still_stop_at_max_starts(tmp_path):
 HARNESS = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainjob import controller
+    from trainjob.deploy import policy as controller
     from trainjob.cli import SAID_BY_EXIT
-    from trainjob.eventlog import EventLog
-    from trainjob.job import StopFlag
-    from trainjob.supervise import Policy, supervise
+    from trainjob.storage.eventlog import EventLog
+    from trainjob.engine.job import StopFlag
+    from trainjob.deploy.supervise import Policy, supervise
     stop = StopFlag()
     stop.install()
     policy = Policy(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]), backoff_cap=10.0,

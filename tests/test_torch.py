@@ -21,7 +21,7 @@ from conftest import ROOT, trainjob
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
 pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
 
-from trainjob.torch_state import from_arrays, materialize_sgd, to_arrays  # noqa: E402
+from trainjob.trainers.torch_state import from_arrays, materialize_sgd, to_arrays  # noqa: E402
 
 FLAGS = ("--trainer", "torch_digits:make", "--steps", "8", "--ckpt-every", "1", "--keep", "2",
          "--rank-timeout", "20")

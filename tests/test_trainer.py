@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import ROOT, events, trainjob
-from trainjob.progress import Progress, line
+from trainjob.engine.progress import Progress, line
 
 HELPERS = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}
 
@@ -56,10 +56,10 @@ def test_linear_by_name_or_by_path_is_the_default(tmp_path, walkthrough_log):
     assert trainjob("run", "--pvc", pvc, "--trainer", "linear").returncode == 0
     assert events(pvc / "log.jsonl") == events(walkthrough_log)  # same path, losses, hash, verdict
     by_path = tmp_path / "by-path"
-    assert trainjob("run", "--pvc", by_path, "--trainer", "trainjob.linear:make").returncode == 0
+    assert trainjob("run", "--pvc", by_path, "--trainer", "trainjob.trainers.linear:make").returncode == 0
     record = json.loads((by_path / "artifacts/model-v1.json").read_text())
     assert record["arrays"] == json.loads((pvc / "artifacts/model-v1.json").read_text())["arrays"]
-    assert record["trainer"] == "trainjob.linear:make"
+    assert record["trainer"] == "trainjob.trainers.linear:make"
 
 
 # --- progress -------------------------------------------------------------------------------------

@@ -31,20 +31,25 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__, controller, diagram, k8s, plot, trainer
-from .data import DATASETS
+from . import __version__
+from .deploy import policy as controller
+from .views import diagram
+from .deploy import k8s
+from .views import plot
+from .trainers import protocol as trainer
+from .trainers.data import DATASETS
 from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy,
                      RankTimeout, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
-from .eventlog import EventLog
-from .job import RunConfig, StopFlag, follow, run
-from .path import legal_path, replay
-from .progress import Progress
-from .pvc import Pvc, atomic_write, make_dir, refuse_symlink
-from .ranks import launch_local, resolve_rank
-from .reshard import Reshard
-from .status import summarize
-from .supervise import Policy, supervise
-from .verify import verify_pvc
+from .storage.eventlog import EventLog
+from .engine.job import RunConfig, StopFlag, follow, run
+from .views.history import legal_path, replay
+from .engine.progress import Progress
+from .storage.pvc import Pvc, atomic_write, make_dir, refuse_symlink
+from .ranks.peers import launch_local, resolve_rank
+from .engine.reshard import Reshard
+from .views.status import summarize
+from .deploy.supervise import Policy, supervise
+from .views.verify import verify_pvc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 

@@ -20,7 +20,7 @@ from attrs import validators as v
 from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import InputError
-from .machine import INITIAL, STATES
+from .engine.machine import INITIAL, STATES
 
 PERSISTED_STATES = tuple(s for s in STATES if s != INITIAL)  # pending is never written
 

@@ -1,8 +1,8 @@
 """Trainers for the tests of ``--trainer package.module:factory`` (on PYTHONPATH as ``user_trainers``)."""
 
-from trainjob.data import load_dataset
-from trainjob.digits import DigitsTrainer, make
-from trainjob.linear import LinearTrainer
+from trainjob.trainers.data import load_dataset
+from trainjob.trainers.digits import DigitsTrainer, make
+from trainjob.trainers.linear import LinearTrainer
 
 
 class Forgetful(DigitsTrainer):

@@ -23,9 +23,9 @@ from typing import Any
 
 from transitions.extensions import GraphMachine
 
-from .errors import UsageError
-from .machine import FINAL, GUARD_LABELS, INITIAL, STATES
-from .path import RunPath, guards, table_edges
+from ..errors import UsageError
+from ..engine.machine import FINAL, GUARD_LABELS, INITIAL, STATES
+from .history import RunPath, guards, table_edges
 
 TITLE = "trainjob"
 ENGINE = {"mermaid": "mermaid", "dot": "graphviz", "svg": "graphviz", "png": "graphviz"}

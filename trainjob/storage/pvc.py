@@ -34,8 +34,8 @@ from typing import TypeVar
 import attrs
 
 from .digest import Sha256Pipe
-from .errors import InputError, PvcBusy, TryAgainLater
-from .records import CheckpointPointer, RunState, dumps, load
+from ..errors import InputError, PvcBusy, TryAgainLater
+from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
 

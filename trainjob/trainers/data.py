@@ -13,8 +13,8 @@ from pathlib import Path
 
 import attrs
 
-from .errors import InputError
-from .records import LinearModel, Sample, dumps, load
+from ..errors import InputError
+from ..records import LinearModel, Sample, dumps, load
 
 N_TRAIN = 40
 N_HOLDOUT = 20

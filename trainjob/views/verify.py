@@ -14,12 +14,12 @@ from pathlib import Path
 
 import attrs
 
-from . import layout
-from .checkpoints import REJECTED, TMP, TRASH, CheckpointStore
-from .errors import InputError
-from .eventlog import read_log
-from .layout import MANIFEST, Ref
-from .pvc import Pvc
+from ..checkpoint import plan as layout
+from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
+from ..errors import InputError
+from ..storage.eventlog import read_log
+from ..checkpoint.plan import MANIFEST, Ref
+from ..storage.pvc import Pvc
 from .status import detail_fields
 
 

@@ -32,13 +32,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .checkpoints import tensor_specs
-from .errors import InputError, UsageError
-from .records import Score, TensorSpec
+from ..checkpoint.store import tensor_specs
+from ..errors import InputError, UsageError
+from ..records import Score, TensorSpec
 
 State = dict[str, np.ndarray]
 
-BUILTIN = {"linear": "trainjob.linear:make", "digits": "trainjob.digits:make"}
+BUILTIN = {"linear": "trainjob.trainers.linear:make", "digits": "trainjob.trainers.digits:make"}
 METHODS = ("initial_state", "step", "evaluate", "baseline", "export")
 
 

@@ -17,8 +17,8 @@ from collections import Counter
 
 import attrs
 
-from .errors import InputError, UsageError
-from .path import RunPath, Step
+from ..errors import InputError, UsageError
+from .history import RunPath, Step
 from .status import detail_fields
 
 VERDICT = re.compile(r"holdout: (\d+)/(\d+) vs baseline (\d+)/(\d+)(?: \(max drop (\d+)%\))?")

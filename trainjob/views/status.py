@@ -14,9 +14,9 @@ from pathlib import Path
 
 import attrs
 
-from .controller import SOURCE as SUPERVISOR
-from .errors import InputError
-from .eventlog import read_log
+from ..deploy.policy import SOURCE as SUPERVISOR
+from ..errors import InputError
+from ..storage.eventlog import read_log
 
 
 def detail_fields(detail: str) -> dict[str, str]:

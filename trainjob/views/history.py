@@ -61,10 +61,10 @@ from typing import Any
 
 import attrs
 
-from . import decisions
-from .errors import InputError
-from .eventlog import read_log
-from .machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, NOTED_WITHIN, OUT_OF_BAND, TRANSITIONS
+from ..engine import decisions
+from ..errors import InputError
+from ..storage.eventlog import read_log
+from ..engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, NOTED_WITHIN, OUT_OF_BAND, TRANSITIONS
 
 # What the start guards answer for a PVC holding state ``p`` while the log's last event is or is
 # not ``completed``, asked of the pure decisions the guards call. A start guard missing here

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .records import Sample, Score
+from ..records import Sample, Score
 
 
 def _score(weights: Sequence[float], bias: float, x: Sequence[float]) -> float:

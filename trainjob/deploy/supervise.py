@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from . import controller
-from .controller import Ending, Said
-from .errors import InputError, TryAgainLater, UsageError
-from .eventlog import EventLog, read_log
-from .job import StopFlag
+from . import policy as controller
+from .policy import Ending, Said
+from ..errors import InputError, TryAgainLater, UsageError
+from ..storage.eventlog import EventLog, read_log
+from ..engine.job import StopFlag
 
 POLL_S = 0.05  # how often waits look at the stop flag: a signal is acted on within this
 

@@ -15,8 +15,8 @@ import numpy as np
 
 from .data import Dataset, load_dataset
 from .model import evaluate, train_one_epoch
-from .records import Score
-from .trainer import State
+from ..records import Score
+from .protocol import State
 
 
 def params_state(weights: Sequence[float], bias: float) -> State:

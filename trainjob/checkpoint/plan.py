@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from .records import Manifest, TensorSlice, TensorSpec
+from ..records import Manifest, TensorSlice, TensorSpec
 
 MANIFEST = "manifest.json"
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics

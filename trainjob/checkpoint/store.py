@@ -34,11 +34,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from . import layout, shards
-from .errors import InputError, NoSpace, TryAgainLater
-from .layout import MANIFEST, Ref
-from .pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
-from .records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
+from . import plan as layout
+from . import shards
+from ..errors import InputError, NoSpace, TryAgainLater
+from .plan import MANIFEST, Ref
+from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
+from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 
 RECEIPT = ".receipt.json"
 TMP, TRASH, REJECTED = ".tmp-", ".trash-", "rejected-"

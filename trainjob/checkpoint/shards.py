@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .digest import Sha256Pipe
-from .records import TensorSlice
+from ..storage.digest import Sha256Pipe
+from ..records import TensorSlice
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
 _MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header

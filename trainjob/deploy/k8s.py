@@ -19,9 +19,9 @@ from typing import Any
 import attrs
 import yaml
 
-from . import __version__
-from .errors import UsageError
-from .job import RunConfig
+from .. import __version__
+from ..errors import UsageError
+from ..engine.job import RunConfig
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
 CONTAINER = "trainjob"

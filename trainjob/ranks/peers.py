@@ -40,10 +40,10 @@ from typing import TypeVar
 
 import attrs
 
-from .errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError
-from .layout import MAX_WORLD_SIZE
-from .pvc import Pvc, atomic_write, make_dir
-from .records import Outcome, RankNote, Session, dumps
+from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError
+from ..checkpoint.plan import MAX_WORLD_SIZE
+from ..storage.pvc import Pvc, atomic_write, make_dir
+from ..records import Outcome, RankNote, Session, dumps
 
 T = TypeVar("T")
 POLL = 0.01  # first poll interval; doubles up to POLL_MAX

@@ -30,16 +30,18 @@ from typing import Any
 import attrs
 from transitions import EventData
 
-from . import decisions, layout, machine
-from .checkpoints import CheckpointStore, Loaded
-from .errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
+from . import decisions
+from ..checkpoint import plan as layout
+from . import machine
+from ..checkpoint.store import CheckpointStore, Loaded
+from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
-from .eventlog import EventLog
-from .layout import Ref
-from .pvc import Pvc
-from .ranks import Peers
-from .records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
-from .trainer import State, Trainer, check_loss, check_resumable, specs
+from ..storage.eventlog import EventLog
+from ..checkpoint.plan import Ref
+from ..storage.pvc import Pvc
+from ..ranks.peers import Peers
+from ..records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
+from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
 
 
 @attrs.frozen

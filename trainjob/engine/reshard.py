@@ -15,14 +15,16 @@ from collections import ChainMap
 import numpy as np
 from transitions import EventData
 
-from . import layout, machine, shards
-from .checkpoints import CheckpointStore, Verdict
-from .errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
-from .eventlog import EventLog
+from ..checkpoint import plan as layout
+from . import machine
+from ..checkpoint import shards
+from ..checkpoint.store import CheckpointStore, Verdict
+from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
+from ..storage.eventlog import EventLog
 from .job import Notes
-from .layout import Ref
-from .pvc import Pvc
-from .records import MANIFEST_SCHEMA, Manifest
+from ..checkpoint.plan import Ref
+from ..storage.pvc import Pvc
+from ..records import MANIFEST_SCHEMA, Manifest
 
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 

@@ -23,9 +23,9 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .data import read_data_file
-from .errors import InputError, UsageError
-from .records import Score
-from .trainer import State
+from ..errors import InputError, UsageError
+from ..records import Score
+from .protocol import State
 
 FILES = ("train.safetensors", "holdout.safetensors", "baseline.safetensors")
 FEATURES, CLASSES = 64, 10

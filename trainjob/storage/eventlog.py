@@ -20,8 +20,8 @@ from pathlib import Path
 
 import attrs
 
-from .errors import InputError, TryAgainLater
-from .records import Event, converter, load
+from ..errors import InputError, TryAgainLater
+from ..records import Event, converter, load
 from .pvc import FILE_MODE
 
 
