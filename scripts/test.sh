@@ -26,7 +26,7 @@ if ! command -v dot >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" 
 fi
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-# The torchrun test (tests/test_torch.py) needs torch. This exact pin is the CPU wheel CI has on
+# The torchrun test (tests/trainers/test_torch.py) needs torch. This exact pin is the CPU wheel CI has on
 # local disk (any other version downloads gigabytes); where it cannot be installed the test skips
 # with the reason, except under CI=true, where a missing torch fails the run.
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then

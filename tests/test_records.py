@@ -12,7 +12,7 @@ from trainjob.records import Artifact, CheckpointPointer, NamedArray, Score, dum
 
 # The artifact holds the kinds of field the old whole-state checkpoint did (a step, the model's
 # numbers): the converter's strictness is tested on it. The checkpoint itself is now a manifest
-# plus safetensors shards (tests/test_manifest.py); checkpoint.json is a pointer.
+# plus safetensors shards (tests/checkpoint/test_manifest.py); checkpoint.json is a pointer.
 GOOD = {"attempt": 1, "step": 4, "trainer": "linear",
         "arrays": [{"name": "weights", "shape": [3], "values": [1.0, 0.5, -1.0]},
                    {"name": "bias", "shape": [1], "values": [0.0]}],

@@ -10,7 +10,7 @@ Trainer (``--trainer digits``): softmax regression trained by mini-batch SGD wit
 step is one epoch of mini-batches in an order drawn from the step number alone, so a step is a
 pure function of (state, step). The state is the model (``W``, ``b``) AND the momentum buffers
 (``vW``, ``vb``): drop the buffers from a checkpoint and a resumed run computes other weights
-(tests/test_digits.py shows it).
+(tests/trainers/test_digits.py shows it).
 """
 
 from __future__ import annotations

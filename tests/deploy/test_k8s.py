@@ -22,7 +22,7 @@ from packaging.version import Version
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md"
 OLDEST = "1.29"  # first release with podFailurePolicy and podReplacementPolicy both on by default
 SHIPPED = sorted({".".join(v.split(".")[:2]) for v in all_versions()}, key=Version)
 SUPPORTED = [v for v in SHIPPED if Version(v) >= Version(OLDEST)]

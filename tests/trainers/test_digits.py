@@ -77,7 +77,7 @@ def short_run_io_calls(tmp_path_factory, data) -> int:
 
 # SIGKILL just before I/O call N of a clean run, N spread over the whole run: while starting,
 # writing a shard, the manifest, committing, pointing, rotating, publishing (the last calls,
-# after "completed" is logged, are test_crash.py's). Every relaunch must end with the
+# after "completed" is logged, are tests/engine/test_crash.py's). Every relaunch must end with the
 # uninterrupted bytes, so the momentum buffers came back exactly too.
 @pytest.mark.parametrize("fraction", [0.03, 0.15, 0.35, 0.5, 0.66, 0.82, 0.95])
 def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, reference, short_run_io_calls, fraction):
