@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -250,3 +251,21 @@ def test_a_sigterm_after_the_outcome_is_decided_does_not_change_the_exit_code(tm
     result = subprocess.run([sys.executable, "-c", script, "status", str(tmp_path / "missing.jsonl")],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result
+
+
+@pytest.mark.parametrize("command", [["diagram"], ["k8s", "render"], ["status", "LOG"], ["status", "LOG", "--path"]])
+def test_a_closed_stdout_is_one_line_and_exit_2_not_silence_or_70(walkthrough_log, command):
+    # `cmd >&-`: Python starts without sys.stdout, and print() to it silently does nothing.
+    argv = [str(walkthrough_log) if a == "LOG" else a for a in command]
+    result = subprocess.run([sys.executable, "-m", "trainjob", *argv], capture_output=False, text=True,
+                            stderr=subprocess.PIPE, preexec_fn=lambda: os.close(1), timeout=60)
+    assert result.returncode == 2
+    assert result.stderr == f"trainjob {command[0]}: stdout is closed: nothing was written (redirect it to a file)\n"
+
+
+def test_stdout_on_a_full_device_is_storage_trouble_75(tmp_path):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "trainjob", "diagram"], stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=60)
+    assert result.returncode == 75
+    assert result.stderr == "trainjob diagram: stdout: cannot write: No space left on device\n"

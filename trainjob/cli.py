@@ -9,7 +9,11 @@ This is the only place that knows exit codes:
         checkpoint verifies, world-size mismatch)
     75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in
         time: safe to relaunch
-    70  an unexpected internal error (a bug in trainjob, never an honest failure)
+    70  an unexpected internal error (a bug in trainjob, never an honest failure), including an
+        error no exit-code base classifies
+
+Errors map to codes by the one exit-code base each subclasses (``EXIT_FOR_ERROR``; errors.py
+draws the tree). Output that cannot be written (stdout closed with ``>&-``) is an error too.
 
 The same contract read the other ways lives here too: how ``supervise`` reads its child's exit
 code and which code it exits with, and which Job action ``k8s render`` gives each code.
@@ -38,8 +42,7 @@ from .deploy import k8s
 from .views import plot
 from .trainers import protocol as trainer
 from .trainers.data import DATASETS
-from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy,
-                     RankTimeout, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
+from .errors import InputError, Refused, TrainJobError, TryAgainLater, UsageError, os_errors
 from .storage.eventlog import EventLog
 from .engine.job import RunConfig, StopFlag, follow, run
 from .views.history import legal_path, replay
@@ -53,20 +56,13 @@ from .views.verify import verify_pvc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 
-# Errors, most specific first; the first isinstance match wins.
-EXIT_FOR_ERROR: list[tuple[type[TrainJobError], int]] = [
-    (UsageError, EXIT_USAGE),
-    (AlreadyCompleted, EXIT_USAGE),
-    (NoVerifiedCheckpoint, EXIT_USAGE),   # message names `trainjob verify`
-    (WorldSizeMismatch, EXIT_USAGE),      # message names `trainjob reshard`
-    (InputError, EXIT_USAGE),
-    (PvcBusy, EXIT_RELAUNCH),
-    (NoSpace, EXIT_RELAUNCH),
-    (RankTimeout, EXIT_RELAUNCH),
-    (PeerFailed, EXIT_RELAUNCH),
-    (Superseded, EXIT_RELAUNCH),
-    (TryAgainLater, EXIT_RELAUNCH),
-]
+# Errors by the exit-code base they subclass (errors.py draws the tree; each class has exactly
+# one of these bases). A bare TrainJobError is unclassified: a bug, never an honest failure.
+EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
+    Refused: EXIT_USAGE,           # UsageError, InputError and its kin: retrying cannot help
+    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, Superseded
+    TrainJobError: EXIT_INTERNAL,
+}
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
 EXIT_FOR_STATE = {"completed": EXIT_OK, "drift_failed": EXIT_FAILED, "job_failed": EXIT_FAILED,
                   "killed": EXIT_RELAUNCH}
@@ -221,10 +217,8 @@ def _check_log_location(path: Path) -> None:
     if path.is_dir():
         raise InputError(f"{path}: --log must be a file, but this is a directory")
     refuse_symlink(path)
-    try:
+    with os_errors(path.parent, "cannot create the log's directory", InputError):
         make_dir(path.parent)
-    except OSError as exc:
-        raise InputError(f"{path.parent}: cannot create the log's directory: {exc.strerror}") from None
 
 
 def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
@@ -313,17 +307,26 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def exit_code_for(error: type[TrainJobError]) -> int:
+    """The exit code of the first exit-code base in the error's method resolution order."""
+    return next(EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR)
+
+
 def emit(text: str | bytes) -> None:
     """Print to stdout (bytes as they are); a reader that went away (``| head``) must not turn
-    into exit 70."""
-    try:
-        if isinstance(text, bytes):
-            sys.stdout.buffer.write(text)
+    into exit 70. A stdout that was closed (``>&-``: Python then has no ``sys.stdout``) or that
+    cannot be written is an error, as ``ls >&-`` says: the output was asked for and is lost."""
+    if sys.stdout is None:
+        raise UsageError("stdout is closed: nothing was written (redirect it to a file)")
+    with os_errors("stdout", "cannot write", UsageError):
+        try:
+            if isinstance(text, bytes):
+                sys.stdout.buffer.write(text)
+            else:
+                sys.stdout.write(text + "\n")
             sys.stdout.flush()
-        else:
-            print(text, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def one_line(text: str) -> str:
@@ -397,7 +400,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
         raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
                          "--backoff-limit`); drop them after --")
-    print(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)), end="")
+    emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).removesuffix("\n"))  # YAML ends in one
     return EXIT_OK
 
 
@@ -405,10 +408,8 @@ def _write_output(data: bytes, output: Path | None) -> None:
     if output is None:
         emit(data)
         return
-    try:
+    with os_errors(output, "cannot write", InputError):
         output.write_bytes(data)
-    except OSError as exc:
-        raise InputError(f"{output}: cannot write: {exc.strerror}") from None
 
 
 def cmd_diagram(args: argparse.Namespace) -> int:
@@ -444,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except TrainJobError as exc:
         warn(f"trainjob {args.command}: {one_line(str(exc))}")
-        return next(code for kind, code in EXIT_FOR_ERROR if isinstance(exc, kind))
+        return exit_code_for(type(exc))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
         warn(traceback.format_exc().rstrip())
         warn(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it")

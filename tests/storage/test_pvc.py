@@ -8,6 +8,7 @@ import fcntl
 import os
 import stat
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -190,3 +191,15 @@ def test_make_dir_tolerates_a_racer_creating_the_same_directory(tmp_path, monkey
     monkeypatch.setattr(os, "mkdir", racer_first)
     make_dir(tmp_path / "a" / "pvc")
     assert (tmp_path / "a" / "pvc").is_dir()
+
+
+def test_a_failed_cleanup_does_not_hide_the_retryable_write_error(tmp_path, monkeypatch):
+    # ext4 remounted read-only after a disk error: the write fails, and so does removing its tmp.
+    def read_only(*_args, **_kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(pvc.os, "fsync", read_only)
+    monkeypatch.setattr(Path, "unlink", read_only)
+    with pytest.raises(TryAgainLater, match="write failed: Read-only file system") as caught:
+        atomic_write(tmp_path / "state.json", b"{}")
+    assert caught.value.__cause__.errno == errno.EROFS

@@ -36,7 +36,7 @@ import numpy as np
 
 from . import plan as layout
 from . import shards
-from ..errors import InputError, NoSpace, TryAgainLater
+from ..errors import InputError, NoSpace, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
@@ -107,12 +107,11 @@ class CheckpointStore:
     def entries(self) -> list[str]:
         if self.root.is_symlink():
             raise InputError(f"{self.root}: is a symlink; trainjob does not follow links on the PVC")
-        try:
-            return sorted(os.listdir(self.root))
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            raise InputError(f"{self.root}: cannot list: {exc.strerror}") from None
+        with os_errors(self.root, "cannot list", InputError):
+            try:
+                return sorted(os.listdir(self.root))
+            except FileNotFoundError:
+                return []
 
     def committed(self) -> list[Ref]:
         """Every directory named like a checkpoint (its manifest is checked by ``verify``)."""
@@ -205,10 +204,8 @@ class CheckpointStore:
         path = self.staging(ref, generation)
         # No fsync here: the staging directory need not survive a power loss, and commit_dir
         # fsyncs it and its parent before the checkpoint counts.
-        try:
+        with os_errors(path, "cannot create"):
             make_dir(path)
-        except OSError as exc:
-            raise TryAgainLater(f"{path}: cannot create: {exc.strerror}") from None
         return path
 
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
@@ -249,10 +246,8 @@ class CheckpointStore:
 
     def check_space(self, needed: int) -> None:
         """Refuse a save that cannot fit (75), before anything is written or deleted."""
-        try:
+        with os_errors(self.root, "cannot check free space"):
             free = shutil.disk_usage(self.root if self.root.is_dir() else self.pvc.root).free
-        except OSError as exc:
-            raise TryAgainLater(f"{self.root}: cannot check free space: {exc.strerror}") from None
         if free < needed:
             raise NoSpace(f"{self.root}: {free} bytes free, but the next checkpoint needs about {needed} "
                           "(the size of the last one); free some space or lower --keep, then relaunch "
@@ -297,13 +292,12 @@ class CheckpointStore:
         n = 1
         while os.path.lexists(dest):
             dest, n = self.root / f"{REJECTED}{ref.name}.{n}", n + 1
-        try:
-            os.rename(src, dest)
-            fsync_dir(self.root)
-        except FileNotFoundError:
-            return ""  # it was missing to begin with
-        except OSError as exc:
-            raise TryAgainLater(f"{src}: cannot set aside: {exc.strerror}") from None
+        with os_errors(src, "cannot set aside"):
+            try:
+                os.rename(src, dest)
+                fsync_dir(self.root)
+            except FileNotFoundError:
+                return ""  # it was missing to begin with
         return self.rel(dest)
 
     def cleanup(self) -> list[str]:

@@ -40,7 +40,7 @@ from typing import TypeVar
 
 import attrs
 
-from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError
+from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError, os_errors
 from ..checkpoint.plan import MAX_WORLD_SIZE
 from ..storage.pvc import Pvc, atomic_write, make_dir
 from ..records import Outcome, RankNote, Session, dumps
@@ -161,10 +161,8 @@ class Peers:
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
         self.step = session.from_step
-        try:
+        with os_errors(self.gen_dir(), "cannot create", InputError):
             make_dir(self.gen_dir())
-        except OSError as exc:
-            raise InputError(f"{self.gen_dir()}: cannot create: {exc.strerror}") from None
         self._write(self.session_path, session)
         return session
 

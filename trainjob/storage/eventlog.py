@@ -20,7 +20,7 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import InputError, TryAgainLater
+from ..errors import InputError, os_errors
 from ..records import Event, converter, load
 from .pvc import FILE_MODE
 
@@ -39,7 +39,7 @@ class EventLog:
     def append(self, event: str, detail: str) -> Event:
         record = Event(ts=utc_now(), event=event, detail=detail, source=self.source)
         line = json.dumps(converter.unstructure(record), separators=(",", ":")) + "\n"
-        try:
+        with os_errors(self.path, "cannot append to log"):
             fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
             try:
                 if _ends_mid_line(fd):
@@ -48,22 +48,19 @@ class EventLog:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except OSError as exc:
-            raise TryAgainLater(f"{self.path}: cannot append to log: {exc.strerror or exc}") from None
         return record
 
     def last_event(self) -> str | None:
         """Name of the last valid event from this writer's source, reading only the log's tail
         (logs grow without bound). The run never mistakes a supervisor's line for its own."""
-        try:
-            with open(self.path, "rb") as f:
-                size = f.seek(0, os.SEEK_END)
-                f.seek(max(0, size - _TAIL))
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise InputError(f"{self.path}: cannot read log: {exc.strerror}") from None
+        with os_errors(self.path, "cannot read log", InputError):
+            try:
+                with open(self.path, "rb") as f:
+                    size = f.seek(0, os.SEEK_END)
+                    f.seek(max(0, size - _TAIL))
+                    lines = f.read().splitlines()
+            except FileNotFoundError:
+                return None
         for raw in reversed(lines[1:] if size > _TAIL else lines):  # the first may be cut
             try:
                 event = load(raw, Event, where=str(self.path))
@@ -91,14 +88,13 @@ class LogLine:
 
 def read_log(path: Path) -> Iterator[LogLine]:
     """Yield every line of the log; lines that are not valid events carry a problem instead."""
-    try:
-        handle = open(path, "rb")
-    except FileNotFoundError:
-        raise InputError(f"{path}: log not found") from None
-    except IsADirectoryError:
-        raise InputError(f"{path}: is a directory, not a log file") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read log: {exc.strerror}") from None
+    with os_errors(path, "cannot read log", InputError):
+        try:
+            handle = open(path, "rb")
+        except FileNotFoundError as exc:
+            raise InputError(f"{path}: log not found") from exc
+        except IsADirectoryError as exc:
+            raise InputError(f"{path}: is a directory, not a log file") from exc
     with handle:
         for number, raw in enumerate(handle, 1):
             if not raw.strip():

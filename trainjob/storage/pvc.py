@@ -27,14 +27,14 @@ import hashlib
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
 import attrs
 
 from .digest import Sha256Pipe
-from ..errors import InputError, PvcBusy, TryAgainLater
+from ..errors import InputError, PvcBusy, os_errors
 from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
@@ -115,14 +115,22 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Writ
     Storage errors become TryAgainLater: the previous file is untouched, a relaunch is safe.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
-    try:
-        written = _write_fsynced(tmp, data)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise TryAgainLater(f"{path}: write failed: {exc.strerror or exc}") from None
+    with os_errors(path, "write failed"):
+        try:
+            written = _write_fsynced(tmp, data)
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except OSError:
+            _discard(tmp)
+            raise
     return written
+
+
+def _discard(path: Path) -> None:
+    """Remove a partial file, best effort: on a read-only or failing disk the unlink fails too,
+    and that must not hide the error being handled (the next run's cleanup removes it)."""
+    with suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
@@ -133,11 +141,12 @@ def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Writ
     crash mid-write leaves a partial file in a directory nobody reads and cleanup deletes.
     This halves the fsyncs and renames of a checkpoint (docs/benchmarks.md).
     """
-    try:
-        return _write_fsynced(path, data)
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        raise TryAgainLater(f"{path}: write failed: {exc.strerror or exc}") from None
+    with os_errors(path, "write failed"):
+        try:
+            return _write_fsynced(path, data)
+        except OSError:
+            _discard(path)
+            raise
 
 
 def commit_dir(staging: Path, final: Path) -> None:
@@ -151,12 +160,10 @@ def commit_dir(staging: Path, final: Path) -> None:
     """
     if os.path.lexists(final):
         raise InputError(f"{final}: already exists; trainjob never overwrites a committed checkpoint")
-    try:
+    with os_errors(final, "commit failed"):
         fsync_dir(staging)
         os.rename(staging, final)
         fsync_dir(final.parent)
-    except OSError as exc:
-        raise TryAgainLater(f"{final}: commit failed: {exc.strerror or exc}") from None
 
 
 def make_dir(path: Path) -> None:
@@ -193,10 +200,8 @@ class Pvc:
     def create(self) -> None:
         if self.root.exists() and not self.root.is_dir():
             raise InputError(f"{self.root}: --pvc must be a directory, but this is a file")
-        try:
+        with os_errors(self.root, "cannot create PVC directory", InputError):
             make_dir(self.root)
-        except OSError as exc:
-            raise InputError(f"{self.root}: cannot create PVC directory: {exc.strerror}") from None
         # Refuse links before anything is written, not when the run reaches them.
         for entry in (self.state_path, self.attempts_path, self.checkpoint_path, self.artifacts):
             refuse_symlink(entry)
@@ -213,10 +218,8 @@ class Pvc:
         busy = (f"{self.root}: another trainjob run holds this PVC" if rank == 0 else
                 f"{path}: another rank-{rank} process of this job holds this rank's lock")
         refuse_symlink(path)
-        try:
+        with os_errors(path, "cannot open the lock file", InputError):
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        except OSError as exc:
-            raise InputError(f"{path}: cannot open the lock file: {exc.strerror}") from None
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -241,12 +244,11 @@ class Pvc:
 
     def read_bytes(self, path: Path) -> bytes | None:
         refuse_symlink(path)
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+        with os_errors(path, "cannot read", InputError):
+            try:
+                return path.read_bytes()
+            except FileNotFoundError:
+                return None
 
     def read_record(self, path: Path, cls: type[T]) -> T | None:
         raw = self.read_bytes(path)
@@ -295,9 +297,7 @@ class Pvc:
         if existing is not None and existing != data:
             raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
         if existing is None:
-            try:
+            with os_errors(self.artifacts, "cannot create"):
                 make_dir(self.artifacts)
-            except OSError as exc:
-                raise TryAgainLater(f"{self.artifacts}: cannot create: {exc.strerror}") from None
             return atomic_write(path, data).sha256
         return hashlib.sha256(existing).hexdigest()

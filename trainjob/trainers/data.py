@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import InputError
+from ..errors import InputError, os_errors
 from ..records import LinearModel, Sample, dumps, load
 
 N_TRAIN = 40
@@ -63,12 +63,11 @@ class Dataset:
 
 def read_data_file(path: Path, gen_flags: str = "") -> bytes:
     """A data file's bytes; a missing one says which ``trainjob gen`` writes it."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: missing (create it with `trainjob gen {gen_flags}{path.parent}`)") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read: {exc.strerror}") from None
+    with os_errors(path, "cannot read", InputError):
+        try:
+            return path.read_bytes()
+        except FileNotFoundError as exc:
+            raise InputError(f"{path}: missing (create it with `trainjob gen {gen_flags}{path.parent}`)") from exc
 
 
 def _samples(path: Path, raw: bytes) -> tuple[Sample, ...]:
