@@ -48,7 +48,8 @@ from .engine.job import RunConfig, StopFlag, follow, run
 from .views.history import legal_path, replay
 from .engine.progress import Progress
 from .storage.pvc import Pvc, atomic_write, make_dir, refuse_symlink
-from .ranks.peers import launch_local, resolve_rank
+from .ranks.identity import resolve_rank
+from .ranks.launcher import launch_local
 from .engine.reshard import Reshard
 from .views.status import summarize
 from .deploy.supervise import Policy, supervise

@@ -1,4 +1,4 @@
-"""Ranks: identity, the W-rank run against the 1-rank run, locks, bounded waits, kills and signals.
+"""Ranks: the W-rank run against the 1-rank run, locks, bounded waits, kills and signals.
 
 Real processes and real signals throughout: ranks are separate ``trainjob`` processes that
 share nothing but the PVC directory.
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, events, trainjob
-from trainjob.errors import PeerFailed, UsageError
+from trainjob.errors import PeerFailed
 from trainjob.storage.pvc import Pvc
-from trainjob.ranks.peers import Peers, RankSpec, resolve_rank
+from trainjob.ranks.peers import Peers
 from trainjob.records import Session
 
 LONG = ("--steps", "20000", "--ckpt-every", "500")
@@ -32,33 +32,6 @@ def session(generation: int) -> Session:
     """What rank 0 publishes for a fresh two-rank launch with settings "s"."""
     return Session(generation=generation, world_size=2, attempt=1, from_step=0, checkpoint=None,
                    manifest_sha256=None, settings="s")
-
-
-# --- identity ------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("rank, world, env, expected", [
-    (None, None, {}, RankSpec(0, 1)),
-    (None, 4, {}, RankSpec(None, 4)),                                  # launch 4 ranks here
-    (2, 4, {}, RankSpec(2, 4)),
-    (None, None, {"RANK": "3", "WORLD_SIZE": "4"}, RankSpec(3, 4)),    # torchrun
-    (None, 3, {"JOB_COMPLETION_INDEX": "1"}, RankSpec(1, 3)),          # Kubernetes Indexed Job
-    (None, None, {"JOB_COMPLETION_INDEX": "2", "WORLD_SIZE": "3"}, RankSpec(2, 3)),
-    (0, 2, {"RANK": "1", "WORLD_SIZE": "2"}, RankSpec(0, 2)),          # flags win
-])
-def test_rank_identity(rank, world, env, expected):
-    assert resolve_rank(rank, world, env) == expected
-
-
-@pytest.mark.parametrize("rank, world, env, message", [
-    (1, None, {}, "needs a world size"),
-    (None, None, {"JOB_COMPLETION_INDEX": "1"}, "needs a world size"),
-    (2, 2, {}, "rank must be from 0 to"),
-    (None, 0, {}, "--world-size must be from 1"),
-    (None, None, {"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
-])
-def test_bad_rank_identity_is_a_usage_error(rank, world, env, message):
-    with pytest.raises(UsageError, match=message):
-        resolve_rank(rank, world, env)
 
 
 # --- the same job at every world size --------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Ranks: who this process is, how ranks coordinate through the PVC, and the local launcher.
+"""Ranks: how ranks coordinate through the PVC.
 
 Ranks share nothing but the PVC (a ReadWriteMany volume in Kubernetes). Every wait is bounded by
 ``--rank-timeout`` and ends in RankTimeout (exit 75), never a hang. Files, under ``P/ranks/``:
@@ -30,18 +30,12 @@ This module decides nothing about training; ``job.py`` drives it.
 from __future__ import annotations
 
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import attrs
-
-from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, UsageError, os_errors
-from ..checkpoint.plan import MAX_WORLD_SIZE
+from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, os_errors
 from ..storage.pvc import Pvc, atomic_write, make_dir
 from ..records import Outcome, RankNote, Session, dumps
 
@@ -49,48 +43,6 @@ T = TypeVar("T")
 POLL = 0.01  # first poll interval; doubles up to POLL_MAX
 POLL_MAX = 0.1
 
-
-# --- who am I ----------------------------------------------------------------------------------
-
-@attrs.frozen
-class RankSpec:
-    """``rank`` None: no rank was given, so a world of W > 1 is launched locally by this process."""
-
-    rank: int | None
-    world_size: int
-
-
-def _env_int(env: Mapping[str, str], name: str) -> int | None:
-    if name not in env:
-        return None
-    try:
-        return int(env[name])
-    except ValueError:
-        raise UsageError(f"environment variable {name} must be an integer, got {env[name]!r}") from None
-
-
-def resolve_rank(rank: int | None, world_size: int | None, env: Mapping[str, str]) -> RankSpec:
-    """Rank identity from flags, else torchrun's RANK/WORLD_SIZE, else a Kubernetes Indexed Job.
-
-    Flags win over the environment; a rank without a world size is a usage error.
-    """
-    env_world = _env_int(env, "WORLD_SIZE")
-    if rank is None:
-        rank = _env_int(env, "RANK")
-        if rank is None:
-            rank = _env_int(env, "JOB_COMPLETION_INDEX")
-    world = world_size if world_size is not None else env_world
-    if world is None:
-        if rank not in (None, 0):
-            raise UsageError(f"rank {rank} needs a world size: pass --world-size (or set WORLD_SIZE)")
-        world = 1
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size must be from 1 to {MAX_WORLD_SIZE}, got {world}")
-    if rank is not None and not 0 <= rank < world:
-        raise UsageError(f"rank must be from 0 to world size - 1 ({world - 1}), got {rank}")
-    if rank is None and world == 1:
-        rank = 0
-    return RankSpec(rank=rank, world_size=world)
 
 
 # --- waiting, bounded ----------------------------------------------------------------------------
@@ -327,57 +279,3 @@ class Peers:
 def _raise_if_failed(outcome: Outcome | None) -> None:
     if outcome is not None and outcome.state == "error":
         raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
-
-
-# --- the local launcher --------------------------------------------------------------------------
-
-def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[int], published: Collection[int],
-                 grace: float = 10.0, stop_grace: float = 2.0) -> tuple[str | None, list[int]]:
-    """Start ``world_size`` rank processes running ``trainjob <argv> --rank r`` and supervise them.
-
-    Returns (the signal the launcher received or None, every rank's exit status; negative is
-    killed by that signal). Exit codes are cli.py's: ``finished`` are the codes a rank other
-    than 0 exits with when the job has ended; any other end while rank 0 runs means the job
-    cannot go on, so the others are stopped (SIGTERM, then SIGKILL after ``stop_grace`` s: they
-    cannot agree on a last checkpoint without the dead rank, so there is little to wait for).
-    ``published`` are rank 0's codes after which the others have an outcome to follow: they get
-    ``grace`` s to do so; after any other code they are stopped at once.
-    SIGTERM/SIGINT to the launcher are forwarded to every rank.
-    """
-    procs = [subprocess.Popen([sys.executable, "-m", "trainjob", *argv, "--rank", str(r),
-                               "--world-size", str(world_size)]) for r in range(world_size)]
-    received: list[str] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        received.append(signal.Signals(signum).name)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, forward)
-
-    def stop_all(deadline: float) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-    while True:
-        codes = [p.poll() for p in procs]
-        if codes[0] is not None:  # rank 0 ended the job; give the others time to follow its outcome
-            deadline = time.monotonic() + (grace if codes[0] in published else 0)
-            while any(c is None for c in (p.poll() for p in procs)) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            stop_all(time.monotonic() + 1.0)
-            break
-        if any(c is not None and c not in finished for c in codes[1:]):
-            stop_all(time.monotonic() + stop_grace)  # a rank died: the job cannot go on without it
-            break
-        time.sleep(0.02)
-    return (received[0] if received else None), [p.returncode for p in procs]
