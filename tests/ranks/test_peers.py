@@ -22,7 +22,8 @@ import pytest
 from conftest import ROOT, events, trainjob
 from trainjob.errors import PeerFailed
 from trainjob.storage.pvc import Pvc
-from trainjob.ranks.peers import Peers
+from trainjob.ranks.coordination import Coordinator, Follower
+from trainjob.ranks.peers import PvcCoordinator, PvcFollower
 from trainjob.records import Session
 
 LONG = ("--steps", "20000", "--ckpt-every", "500")
@@ -103,20 +104,20 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
     has nowhere to go. It must join generation 2, not exit 75."""
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
-    stale = Peers(pvc, 0, 2, 5.0, lambda: None)
+    stale = PvcCoordinator(pvc, 2, 5.0, lambda: None)
     stale.publish(session)  # generation 1, as a launch whose rank 0 was then killed left it
     shutil.rmtree(stale.gen_dir())  # ... and as the next rank 0 removed it, after its own publish
 
     def new_rank_0() -> None:
         time.sleep(0.3)
-        fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
+        fresh = PvcCoordinator(pvc, 2, 5.0, lambda: None)
         fresh.publish(session)
         assert fresh.wait_joined()
         fresh.begin()
 
     publisher = threading.Thread(target=new_rank_0)
     publisher.start()
-    rank1 = Peers(pvc, 1, 2, 5.0, lambda: None)
+    rank1 = PvcFollower(pvc, 1, 2, 5.0, lambda: None)
     joined = rank1.join("s", set())
     publisher.join()
     assert joined.generation == 2
@@ -133,7 +134,7 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
     for generation 1 blocks in a collective while the new rank 0 waits for rank 1 to join."""
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
-    killed = Peers(pvc, 0, 2, 5.0, lambda: None)
+    killed = PvcCoordinator(pvc, 2, 5.0, lambda: None)
     killed.publish(session)  # generation 1; its rank 0 is then killed
     gen1 = pvc.root / "ranks/g00000001"
     if begun:
@@ -146,16 +147,15 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
         deadline = time.monotonic() + 0.5  # long enough for rank 1 to read generation 1's session
         while not (gen1 / "join-00001.json").exists() or begun and time.monotonic() < deadline:
             time.sleep(0.01)
-        fresh = Peers(pvc, 0, 2, 5.0, lambda: None)
+        fresh = PvcCoordinator(pvc, 2, 5.0, lambda: None)
         fresh.publish(session)
-        fresh.remove_stale()
         assert fresh.wait_joined()
         fresh.begin()
         seen.append(fresh.generation)
 
     publisher = threading.Thread(target=new_rank_0)
     publisher.start()
-    joined = Peers(pvc, 1, 2, 5.0, lambda: None).join("s", set())
+    joined = PvcFollower(pvc, 1, 2, 5.0, lambda: None).join("s", set())
     publisher.join()
     assert joined.generation == 2 and seen == [2]
 
@@ -163,11 +163,11 @@ def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one
 def test_a_rank_waiting_for_rank_0_to_begin_exits_with_rank_0s_error(tmp_path):
     pvc = Pvc(tmp_path / "pvc")
     pvc.create()
-    rank0 = Peers(pvc, 0, 2, 5.0, lambda: None)
+    rank0 = PvcCoordinator(pvc, 2, 5.0, lambda: None)
     rank0.publish(session)
     threading.Timer(0.3, rank0.finish, ("error", "RankTimeout: waited")).start()
     with pytest.raises(PeerFailed, match="rank 0 stopped this launch: RankTimeout"):
-        Peers(pvc, 1, 2, 5.0, lambda: None).join("s", set())
+        PvcFollower(pvc, 1, 2, 5.0, lambda: None).join("s", set())
 
 
 # --- kills and signals ---------------------------------------------------------------------------

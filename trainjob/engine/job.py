@@ -39,7 +39,8 @@ from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Supers
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
-from ..ranks.peers import Peers
+from ..ranks.coordination import Coordination, Coordinator, Follower
+from ..ranks.peers import PvcCoordinator, PvcFollower
 from ..records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
 from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
 
@@ -121,7 +122,7 @@ class Job(Notes):
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Peers,
+    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Coordinator,
                  initial: State | None = None) -> None:
         super().__init__(pvc, log)
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
@@ -315,7 +316,7 @@ End = Callable[[str, int, State], str]
 Progress = Callable[[int, int], None]
 
 
-def train(cfg: RunConfig, trainer: Trainer, peers: Peers, step: int, state: State, save: Save, end: End,
+def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, state: State, save: Save, end: End,
           progress: Progress | None = None) -> str:
     """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
@@ -369,7 +370,7 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
     if cfg.force_weights is not None and not callable(force):
         raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
                          "(a teaching hook of the linear trainer)")
-    peers = Peers(pvc, 0, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
+    peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
     initial = trainer.initial_state()
     job = Job(cfg, pvc, log, trainer.data_sha256, peers, initial)
     # Before any write: a checkpoint holding other arrays than this trainer's is refused.
@@ -382,7 +383,6 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             checkpoint=loaded.ref.name if loaded else None,
             manifest_sha256=loaded.manifest_sha256 if loaded else None,
             settings=cfg.settings(trainer.data_sha256)))
-        peers.remove_stale()
     try:
         joined = peers.wait_joined()
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
@@ -425,7 +425,7 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
 
     Returns the state rank 0 ended the launch in; this rank's exit code follows it.
     """
-    peers = Peers(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
+    peers = PvcFollower(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
     store = CheckpointStore(pvc)
     settings, skip = cfg.settings(trainer.data_sha256), set()
     while True:
@@ -438,7 +438,7 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
             skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
 
 
-def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Peers, store: CheckpointStore,
+def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: CheckpointStore,
                        session: Session, rank: int) -> str:
     initial = trainer.initial_state()
     # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)

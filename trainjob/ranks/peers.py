@@ -1,4 +1,4 @@
-"""Ranks: how ranks coordinate through the PVC.
+"""Ranks: how ranks coordinate through the PVC: ``coordination.py``'s interface, on files.
 
 Ranks share nothing but the PVC (a ReadWriteMany volume in Kubernetes). Every wait is bounded by
 ``--rank-timeout`` and ends in RankTimeout (exit 75), never a hang. Files, under ``P/ranks/``:
@@ -24,7 +24,8 @@ The protocol, in short (docs/checkpoints.md has the long form):
 4. A stop (SIGTERM at any rank) is agreed, not imposed: each rank notes the step it has reached,
    and all train on to the largest noted step, save it, and stop there.
 
-This module decides nothing about training; ``job.py`` drives it.
+``PvcCoordinator`` is rank 0's side, ``PvcFollower`` every other rank's, ``PvcPeers`` what both
+do. This module decides nothing about training; ``job.py`` drives it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from ..records import Outcome, RankNote, Session, dumps
 T = TypeVar("T")
 POLL = 0.01  # first poll interval; doubles up to POLL_MAX
 POLL_MAX = 0.1
-
 
 
 # --- waiting, bounded ----------------------------------------------------------------------------
@@ -67,10 +67,13 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: Callable[[], s
         delay = min(delay * 2, POLL_MAX)
 
 
-# --- the shared files ----------------------------------------------------------------------------
+# --- every rank ------------------------------------------------------------------------------------
 
-class Peers:
-    """This rank's view of the others, through ``P/ranks/``. With one rank every call is trivial."""
+class PvcPeers:
+    """(all ranks) This rank's view of the others through ``P/ranks/``: ``Coordination`` on a PVC.
+
+    With one rank every call is trivial. Rank 0 uses ``PvcCoordinator``, the others ``PvcFollower``.
+    """
 
     def __init__(self, pvc: Pvc, rank: int, world_size: int, timeout: float, stop_signal: Callable[[], str | None]):
         self.pvc, self.rank, self.world_size, self.timeout = pvc, rank, world_size, timeout
@@ -91,9 +94,6 @@ class Peers:
     def _note_path(self, kind: str, rank: int, generation: int | None = None) -> Path:
         return self.gen_dir(generation) / f"{kind}-{rank:05d}.json"
 
-    def begun(self, generation: int | None = None) -> bool:
-        return self._note_path("join", 0, generation).exists()
-
     def _write(self, path: Path, record: object) -> None:
         # Never creates directories: rank 0 creates each generation's, so a rank still working
         # for a generation rank 0 has removed fails here instead of leaving litter behind.
@@ -102,13 +102,55 @@ class Peers:
     def read_session(self) -> Session | None:
         return self.pvc.read_record(self.session_path, Session)
 
-    def read_outcome(self, generation: int | None = None) -> Outcome | None:
-        return self.pvc.read_record(self.gen_dir(generation) / "outcome.json", Outcome)
+    def poll(self) -> None:
+        """(all ranks) Run during every wait: pass on a stop."""
+        if self.stopping_note is None and (self.stop_signal() or self.peer_stopping()):
+            self.note_stop()
 
-    # --- rank 0 ----------------------------------------------------------------------------------
+    def peer_stopping(self) -> bool:
+        return not self.solo and any(p.name.startswith("stop-") for p in self._listdir())
+
+    def _listdir(self) -> list[Path]:
+        try:
+            return list(self.gen_dir().iterdir())
+        except FileNotFoundError:
+            return []
+
+    def note_stop(self) -> None:
+        self.stopping_note = RankNote(rank=self.rank, step=self.step, signal=self.stop_signal() or "")
+        if not self.solo:
+            self._write(self._note_path("stop", self.rank), self.stopping_note)
+
+    def stop_wanted(self) -> bool:
+        """(all ranks, after each step) Did a signal reach this rank, or did any rank note a stop?"""
+        return self.stopping_note is not None or bool(self.stop_signal()) or self.peer_stopping()
+
+    def agree_stop(self) -> int:
+        """(all ranks, once a stop is wanted) The step every rank stops after: the largest step any
+        rank had reached when it noted the stop."""
+        if self.stopping_note is None:
+            self.note_stop()
+        if self.solo:
+            return self.step
+        notes = wait_for(self._all_stop_notes, self.timeout, lambda: "every rank to note the stop", self.poll)
+        return max(n.step for n in notes)
+
+    def _all_stop_notes(self) -> list[RankNote] | None:
+        notes = [self.pvc.read_record(self._note_path("stop", r), RankNote) for r in range(self.world_size)]
+        return None if any(n is None for n in notes) else notes  # type: ignore[return-value]
+
+
+# --- rank 0 ----------------------------------------------------------------------------------------
+
+class PvcCoordinator(PvcPeers):
+    """(rank 0) Leads each launch: publishes it, begins it once every rank joined, commits what
+    they wrote, and ends it with an outcome the others follow. ``Coordinator`` on a PVC."""
+
+    def __init__(self, pvc: Pvc, world_size: int, timeout: float, stop_signal: Callable[[], str | None]):
+        super().__init__(pvc, 0, world_size, timeout, stop_signal)
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
-        """Start a new generation (rank 0, under the job lock); older ones become stale."""
+        """(rank 0, under the job lock, first) Start a new generation; older ones are removed."""
         last = self.read_session()
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
@@ -116,19 +158,18 @@ class Peers:
         with os_errors(self.gen_dir(), "cannot create", InputError):
             make_dir(self.gen_dir())
         self._write(self.session_path, session)
+        self._remove_stale()
         return session
 
-    def remove_stale(self) -> list[str]:
-        """Generation directories other than the current one (rank 0, after publishing)."""
-        removed = []
+    def _remove_stale(self) -> None:
+        """Generation directories other than the current one: a killed launch's, nobody's now."""
         for path in sorted(self.root.glob("g*")) if self.root.is_dir() else []:
             if path.name != self.gen_dir().name and path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
-                removed.append(f"ranks/{path.name}")
-        return removed
 
     def wait_joined(self) -> bool:
-        """Wait until every other rank has joined: True; False if a stop came first.
+        """(rank 0, after publish) Wait until every other rank has joined: True; False if a stop
+        came first.
 
         Nothing has been trained yet, so there is nothing to save and no reason to wait on."""
         missing = lambda: [r for r in range(1, self.world_size) if not self._note_path("join", r).exists()]
@@ -142,28 +183,54 @@ class Peers:
                                      lambda: f"ranks {missing()} to join generation {self.generation}", self.poll)
 
     def begin(self) -> None:
-        """Rank 0, once every rank has joined: its own join note lets them start training."""
+        """(rank 0, once every rank has joined) Its own join note lets them start training."""
         if not self.solo:
             self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
-        """Wait until every other rank's shard of ``step`` is durable (its receipt exists); read them."""
+        """(rank 0, at each checkpoint, after its own shard) Wait until every other rank's shard
+        of ``step`` is durable (``ready``: its receipt exists); ``read`` them."""
         others = range(1, self.world_size)
         missing = lambda: [r for r in others if not ready(r)]
         wait_for(lambda: True if not missing() else None, self.timeout,
                  lambda: f"ranks {missing()} to write their shards of step {step}", self.poll)
         return [read(r) for r in others]
 
+    def peer_signal(self) -> str | None:
+        """(rank 0, when a stop ends the launch) Which rank's signal started a stop this rank did
+        not receive itself (for the log)."""
+        for r in range(self.world_size):
+            note = self.pvc.read_record(self._note_path("stop", r), RankNote)
+            if note is not None and note.signal:
+                return f"{note.signal}@rank{r}"
+        return None
+
     def finish(self, state: str, message: str = "") -> None:
+        """(rank 0, last) How this launch ended (the machine's state, or "error"): the others exit
+        with it."""
         if not self.solo and self.generation:
             self._write(self.gen_dir() / "outcome.json", Outcome(generation=self.generation, state=state,
                                                                  message=message))
 
-    # --- ranks >= 1 ------------------------------------------------------------------------------
+
+# --- ranks >= 1 ------------------------------------------------------------------------------------
+
+class PvcFollower(PvcPeers):
+    """(ranks >= 1) Follows the launch rank 0 leads: joins it, writes its shards into rank 0's
+    staging directories, and ends as rank 0 says. ``Follower`` on a PVC."""
+
+    def begun(self, generation: int | None = None) -> bool:
+        """(ranks >= 1, after join) Did rank 0 begin the launch? If not, it ended it unbegun."""
+        return self._note_path("join", 0, generation).exists()
+
+    def read_outcome(self, generation: int | None = None) -> Outcome | None:
+        """(ranks >= 1) How rank 0 ended the launch; None while it runs."""
+        return self.pvc.read_record(self.gen_dir(generation) / "outcome.json", Outcome)
 
     def join(self, settings: str, skip: set[int]) -> Session:
-        """Wait for the newest generation this rank can join, join it, and wait until rank 0
-        begins it or ends it unbegun (a stop before every rank joined, or nothing to train)."""
+        """(ranks >= 1, first) Wait for the newest generation this rank can join, join it, and wait
+        until rank 0 begins it or ends it unbegun (a stop before every rank joined, or nothing to
+        train)."""
         seen: list[str] = []
 
         def joinable() -> Session | None:
@@ -205,6 +272,7 @@ class Peers:
             except Superseded:  # a killed launch's session: its rank 0 will never begin it
                 skip.add(session.generation)
 
+
     def _begun_or_ended(self) -> bool | None:
         if self.begun():
             return True
@@ -212,68 +280,30 @@ class Peers:
         _raise_if_failed(outcome)
         return None if outcome is None else True
 
+    def poll(self) -> None:
+        """(ranks >= 1) Run during every wait: follow newer generations, and pass on a stop."""
+        self.check_current()
+        super().poll()
+
     def check_current(self) -> None:
+        """(ranks >= 1, during every wait and when a write fails) Superseded if rank 0 started a
+        newer generation: this rank drops what it was doing and rejoins."""
         s = self.read_session()
         if s is None or s.generation != self.generation:
             raise Superseded(f"generation {self.generation} was superseded")
 
     def wait_staging(self, staging: Path, step: int) -> None:
-        """Rank 0 creates each checkpoint's staging directory; the others write into it."""
+        """(ranks >= 1, at each checkpoint, before writing a shard) Rank 0 creates each
+        checkpoint's staging directory; the others write into it."""
         wait_for(lambda: True if staging.is_dir() else None, self.timeout,
                  lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
 
     def wait_outcome(self) -> Outcome:
+        """(ranks >= 1, last) How rank 0 ended the launch; PeerFailed if it failed."""
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,
                            lambda: f"rank 0 to finish generation {self.generation}", self.poll)
         _raise_if_failed(outcome)
         return outcome
-
-    # --- every rank: polls, stops ------------------------------------------------------------------
-
-    def poll(self) -> None:
-        """Run during every wait: follow newer generations, and pass on a stop."""
-        if not self.solo and self.rank != 0:
-            self.check_current()
-        if self.stopping_note is None and (self.stop_signal() or self.peer_stopping()):
-            self.note_stop()
-
-    def peer_stopping(self) -> bool:
-        return not self.solo and any(p.name.startswith("stop-") for p in self._listdir())
-
-    def _listdir(self) -> list[Path]:
-        try:
-            return list(self.gen_dir().iterdir())
-        except FileNotFoundError:
-            return []
-
-    def note_stop(self) -> None:
-        self.stopping_note = RankNote(rank=self.rank, step=self.step, signal=self.stop_signal() or "")
-        if not self.solo:
-            self._write(self._note_path("stop", self.rank), self.stopping_note)
-
-    def stop_wanted(self) -> bool:
-        return self.stopping_note is not None or bool(self.stop_signal()) or self.peer_stopping()
-
-    def agree_stop(self) -> int:
-        """The step every rank stops after: the largest step any rank had reached when it noted the stop."""
-        if self.stopping_note is None:
-            self.note_stop()
-        if self.solo:
-            return self.step
-        notes = wait_for(self._all_stop_notes, self.timeout, lambda: "every rank to note the stop", self.poll)
-        return max(n.step for n in notes)
-
-    def peer_signal(self) -> str | None:
-        """Which rank's signal started a stop this rank did not receive itself (for the log)."""
-        for r in range(self.world_size):
-            note = self.pvc.read_record(self._note_path("stop", r), RankNote)
-            if note is not None and note.signal:
-                return f"{note.signal}@rank{r}"
-        return None
-
-    def _all_stop_notes(self) -> list[RankNote] | None:
-        notes = [self.pvc.read_record(self._note_path("stop", r), RankNote) for r in range(self.world_size)]
-        return None if any(n is None for n in notes) else notes  # type: ignore[return-value]
 
 
 def _raise_if_failed(outcome: Outcome | None) -> None:

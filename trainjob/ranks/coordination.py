@@ -1,0 +1,100 @@
+"""Ranks: the coordination interface, what the engine asks of the other ranks, by role.
+
+Three Protocols, no implementation: ``Coordination`` is what every rank does, ``Coordinator``
+adds what only rank 0 does, ``Follower`` what only the other ranks do. ``peers.py`` implements
+them through files on the PVC; another transport (torch's store, issue 16) implements the same
+methods, and ``engine/job.py`` drives either without knowing which. Each method's docstring says
+who calls it and when, in the order a launch meets them:
+
+    rank 0 (Coordinator)                 ranks >= 1 (Follower)
+    publish(session)                     join(settings)        -> the session to follow
+    wait_joined()                                                 (waits for begin, or the end)
+    begin()
+    ... every rank trains, checking stop_wanted() / agree_stop() after each step ...
+    gather(receipts) per checkpoint      wait_staging(), write a shard and its receipt
+    finish(state)                        wait_outcome()        -> rank 0's state
+
+Must not: decide anything about training or write a checkpoint; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
+
+from ..records import Outcome, Session
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class Coordination(Protocol):
+    """(all ranks) What every rank does: keep its place, and agree on a stop with the others."""
+
+    generation: int  # the launch this rank takes part in; 0 before it has one
+    step: int  # the last step this rank completed: the train loop updates it after every step
+
+    @property
+    def solo(self) -> bool:
+        """True with a world of one rank, where every call is trivial."""
+
+    def stop_wanted(self) -> bool:
+        """(all ranks) After each step: did a signal reach this rank, or did any rank note a stop?"""
+
+    def agree_stop(self) -> int:
+        """(all ranks) Once a stop is wanted: the step every rank stops after, the largest step
+        any rank had reached when it noted the stop. Each rank trains on to it and saves it."""
+
+
+@runtime_checkable
+class Coordinator(Coordination, Protocol):
+    """(rank 0) What only rank 0 does: it leads each launch (a generation) from start to end."""
+
+    def publish(self, session_for: Callable[[int], Session]) -> Session:
+        """(rank 0, under the job lock, once per launch, before any other call) Start a new
+        generation with the session ``session_for(generation)``; older generations are dropped."""
+
+    def wait_joined(self) -> bool:
+        """(rank 0, after publish) Wait until every other rank has joined: True; False if a stop
+        came first."""
+
+    def begin(self) -> None:
+        """(rank 0, once every rank joined and there is something to train) Let the others start."""
+
+    def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
+        """(rank 0, at each checkpoint, after writing its own shard) Wait until ``ready(r)`` for
+        every other rank ``r`` (its shard of ``step`` is durable), then return ``read(r)`` for each."""
+
+    def peer_signal(self) -> str | None:
+        """(rank 0, when a stop ends the launch) Which rank's signal started it, for the log."""
+
+    def finish(self, state: str, message: str = "") -> None:
+        """(rank 0, last) End the launch with the machine's final ``state`` (or ``"error"`` and a
+        message); the other ranks exit as it says."""
+
+
+@runtime_checkable
+class Follower(Coordination, Protocol):
+    """(ranks >= 1) What only the other ranks do: follow the launch rank 0 leads."""
+
+    def join(self, settings: str, skip: set[int]) -> Session:
+        """(ranks >= 1, first) Join the newest launch with these ``settings`` (none in ``skip``)
+        and wait until rank 0 begins it or ends it unbegun; return its session."""
+
+    def begun(self) -> bool:
+        """(ranks >= 1, after join) Did rank 0 begin the joined launch? If not, it ended it
+        unbegun, and ``read_outcome`` says how."""
+
+    def read_outcome(self) -> Outcome | None:
+        """(ranks >= 1) How rank 0 ended the joined launch; None while it runs."""
+
+    def wait_staging(self, staging: Path, step: int) -> None:
+        """(ranks >= 1, at each checkpoint, before writing a shard) Wait for rank 0's staging
+        directory of ``step``."""
+
+    def check_current(self) -> None:
+        """(ranks >= 1, when a write fails) Raise Superseded if rank 0 started a newer launch."""
+
+    def wait_outcome(self) -> Outcome:
+        """(ranks >= 1, last) Wait for how rank 0 ended the launch; PeerFailed if it failed."""
