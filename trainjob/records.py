@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any, TypeVar
 
 import attrs
@@ -27,6 +28,15 @@ PERSISTED_STATES = tuple(s for s in STATES if s != INITIAL)  # pending is never 
 N_FEATURES = 3
 
 T = TypeVar("T")
+
+# Formats that records and the modules beside them check, each written once here.
+SHA256_HEX = r"[0-9a-f]{64}"  # a sha256 as trainjob writes it: 64 lowercase hex digits
+# A file name that stays inside its directory: no separator, and no first dot (so never "." or "..").
+PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
+
+
+def is_sha256_hex(value: object) -> bool:
+    return isinstance(value, str) and re.fullmatch(SHA256_HEX, value) is not None
 
 
 def _finite(_inst: object, attr: attrs.Attribute, value: float) -> None:
@@ -76,17 +86,17 @@ class CheckpointPointer:
     world_size: int = attrs.field(validator=v.ge(1))
     loss_milli: int = attrs.field(validator=v.ge(0))
     dir: str = attrs.field(validator=v.matches_re(r"checkpoints/[A-Za-z0-9._-]+"))
-    manifest_sha256: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{64}"))
+    manifest_sha256: str = attrs.field(validator=v.matches_re(SHA256_HEX))
 
 
 # --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
 
 MANIFEST_SCHEMA = 1
-# The safetensors dtypes trainjob can load into numpy (numpy has no bfloat16, so no BF16: a
-# manifest claiming it is an input error, not a crash at load time).
-DTYPES = ("F64", "F32", "F16", "I64", "I32", "I16", "I8", "U8", "BOOL")
-_PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
-_SHA256 = r"[0-9a-f]{64}"
+# The safetensors dtypes trainjob can load into numpy, each with its numpy dtype (little-endian,
+# as safetensors stores them). numpy has no bfloat16, so no BF16: a manifest claiming it is an
+# input error, not a crash at load time.
+DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+          "I8": "i1", "U8": "u1", "BOOL": "?"}
 
 
 def _shape() -> Any:
@@ -99,7 +109,7 @@ def _shape() -> Any:
 class TensorSpec:
     """A whole tensor of the training state; shards split it along its first axis."""
 
-    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    name: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
     dtype: str = attrs.field(validator=v.in_(DTYPES))
     shape: tuple[int, ...] = _shape()
 
@@ -108,24 +118,29 @@ class TensorSpec:
 class TensorSlice:
     """Rows ``start .. start + shape[0]`` of the tensor ``name``, as stored in one shard file."""
 
-    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    name: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
     dtype: str = attrs.field(validator=v.in_(DTYPES))
     shape: tuple[int, ...] = _shape()
     start: int = attrs.field(validator=v.ge(0))
+
+    @property
+    def rows(self) -> slice:
+        """Where this slice sits along the whole tensor's first axis."""
+        return slice(self.start, self.start + self.shape[0])
 
 
 @attrs.frozen
 class ShardEntry:
     """One shard file: who wrote it, its exact size and sha256 (hashed while written), its contents.
 
-    ``file`` is a plain name: the regex below is the first line of defence, ``layout.plain_name``
-    the second (it also refuses ``.``/``..``), and the loader opens it with O_NOFOLLOW.
+    ``file`` is a plain name (``PLAIN_NAME``, never ``.`` or ``..``), checked here and again by
+    ``plan.plain_name`` before use, and the loader opens it with O_NOFOLLOW.
     """
 
     rank: int = attrs.field(validator=v.ge(0))
-    file: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    file: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
     size: int = attrs.field(validator=v.ge(0))
-    sha256: str = attrs.field(validator=v.matches_re(_SHA256))
+    sha256: str = attrs.field(validator=v.matches_re(SHA256_HEX))
     holds: tuple[TensorSlice, ...] = attrs.field(converter=tuple)
 
 
@@ -145,7 +160,7 @@ class Manifest:
     tensors: tuple[TensorSpec, ...] = attrs.field(converter=tuple)
     shards: tuple[ShardEntry, ...] = attrs.field(converter=tuple)
     resharded_from: str | None = attrs.field(default=None,
-                                              validator=v.optional(v.matches_re(_SHA256)))
+                                              validator=v.optional(v.matches_re(SHA256_HEX)))
 
 
 @attrs.frozen
@@ -196,7 +211,7 @@ class RunState:
     state: str = attrs.field(validator=v.in_(PERSISTED_STATES))
     attempt: int = attrs.field(validator=v.ge(1))
     lr: float = attrs.field(validator=_finite)
-    data_sha256: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{64}"))
+    data_sha256: str = attrs.field(validator=v.matches_re(SHA256_HEX))
 
 
 @attrs.frozen
@@ -218,7 +233,7 @@ def _values_fill_shape(inst: NamedArray, _attr: attrs.Attribute, value: tuple[fl
 class NamedArray:
     """One published array: its shape and its values in C order (floats, exact in JSON)."""
 
-    name: str = attrs.field(validator=v.matches_re(_PLAIN_NAME))
+    name: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
     shape: tuple[int, ...] = _shape()
     values: tuple[float, ...] = attrs.field(converter=tuple, validator=[_finite_items, _values_fill_shape])
 

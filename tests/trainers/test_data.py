@@ -1,10 +1,11 @@
 """The embedded lab data and the toy model reproduce the lab's numbers exactly."""
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
-from trainjob.trainers.data import FILES, generate_files, label, lcg_stream, load_dataset
+from trainjob.trainers.data import FILES, files_sha256, generate_files, label, lcg_stream, load_dataset
 from trainjob.engine.decisions import loss_milli
 from trainjob.errors import InputError
 from trainjob.trainers.model import evaluate, train_one_epoch
@@ -68,3 +69,11 @@ def test_missing_file_says_how_to_create_it(tmp_path: Path):
     with pytest.raises(InputError, match="trainjob gen"):
         load_dataset(tmp_path)
     assert set(FILES) == {"train.jsonl", "holdout.jsonl", "baseline.json"}
+
+
+def test_a_data_sets_hash_is_the_sha256_of_its_files_sha256s_in_order():
+    """state.json pins an attempt's data by this hash: a new definition would refuse every resume."""
+    raw = generate_files()
+    expected = hashlib.sha256(b"".join(hashlib.sha256(raw[name]).digest() for name in FILES)).hexdigest()
+    assert load_dataset(None).sha256 == files_sha256(raw, FILES) == expected
+    assert files_sha256(raw, FILES[::-1]) != expected

@@ -18,12 +18,11 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ..records import Manifest, TensorSlice, TensorSpec
+from ..records import PLAIN_NAME, Manifest, TensorSlice, TensorSpec
 
 MANIFEST = "manifest.json"
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
 _NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
-_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -51,7 +50,7 @@ class Ref:
 
 def plain_name(name: str) -> bool:
     """A file name that stays inside its directory: no separator, no ``..``, not absolute."""
-    return bool(_PLAIN.fullmatch(name))  # the first character is never a dot: no "." or ".."
+    return re.fullmatch(PLAIN_NAME, name) is not None
 
 
 def shard_file(rank: int, world_size: int) -> str:
@@ -97,16 +96,16 @@ def plan_reshard(source: Manifest, world_size: int) -> list[tuple[Piece, ...]]:
     for dest_slices in plan_shards(source.tensors, world_size):
         pieces = []
         for dest in dest_slices:
-            d_start, d_stop = dest.start, dest.start + dest.shape[0]
+            d = dest.rows
             for shard in source.shards:
                 for src in shard.holds:
                     if src.name != dest.name:
                         continue
-                    s_start, s_stop = src.start, src.start + src.shape[0]
-                    lo, hi = max(d_start, s_start), min(d_stop, s_stop)
+                    s = src.rows
+                    lo, hi = max(d.start, s.start), min(d.stop, s.stop)
                     if lo < hi:
-                        pieces.append(Piece(tensor=dest.name, src_rank=shard.rank, src_row=lo - s_start,
-                                            dest_row=lo - d_start, rows=hi - lo))
+                        pieces.append(Piece(tensor=dest.name, src_rank=shard.rank, src_row=lo - s.start,
+                                            dest_row=lo - d.start, rows=hi - lo))
         plan.append(tuple(pieces))
     return plan
 

@@ -24,18 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from ..storage.digest import Sha256Pipe
-from ..records import TensorSlice
+from ..records import DTYPES, TensorSlice
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
 _MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header
-_NP_DTYPE = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-             "I8": "i1", "U8": "u1", "BOOL": "?"}
-_CODE = {np.dtype(v): k for k, v in _NP_DTYPE.items()}
+_CODE = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
 def np_dtype(code: str) -> np.dtype:
     """The numpy dtype of a safetensors dtype code (little-endian)."""
-    return np.dtype(_NP_DTYPE[code])
+    return np.dtype(DTYPES[code])
 
 
 def dtype_code(array: np.ndarray) -> str:
@@ -51,7 +49,7 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     Layout as the reference implementation writes it: tensors in name order (all of one dtype in
     trainjob's shards), offsets back to back, header JSON padded with spaces to 8 bytes.
     """
-    arrays = {name: np.ascontiguousarray(a, dtype=np.dtype(_NP_DTYPE[dtype_code(a)]))
+    arrays = {name: np.ascontiguousarray(a, dtype=np.dtype(DTYPES[dtype_code(a)]))
               for name, a in sorted(tensors.items())}
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0

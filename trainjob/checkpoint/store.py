@@ -153,7 +153,7 @@ class CheckpointStore:
         def check(shard: ShardEntry) -> str | None:
             if into is None:
                 return shards.hash_file(directory / shard.file, shard.size, shard.sha256)
-            rows = {h.name: into[h.name][h.start:h.start + h.shape[0]] for h in shard.holds}
+            rows = {h.name: into[h.name][h.rows] for h in shard.holds}
             return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256)
 
         if len(manifest.shards) == 1:
@@ -213,7 +213,7 @@ class CheckpointStore:
         """Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
         holds = layout.plan_shards(tensor_specs(tensors), world_size)[rank]
         return self.write_slices(staging, rank, world_size, step, holds,
-                                 {h.name: tensors[h.name][h.start:h.start + h.shape[0]] for h in holds})
+                                 {h.name: tensors[h.name][h.rows] for h in holds})
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray]) -> ShardEntry:

@@ -77,7 +77,7 @@ class Reshard(Notes):
         src, n = self.manifest, self.target.world_size
         assert self.source_tensors is not None
         # Each source rank's rows, as views of the verified state (held once, 1x).
-        parts = {s.rank: {h.name: self.source_tensors[h.name][h.start:h.start + h.shape[0]] for h in s.holds}
+        parts = {s.rank: {h.name: self.source_tensors[h.name][h.rows] for h in s.holds}
                  for s in src.shards}
         staging = self.store.create_staging(self.target, STAGING_GENERATION)
         entries = []

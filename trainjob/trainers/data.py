@@ -8,7 +8,7 @@ with a SHA-256 over the files, so a resumed attempt can prove it trains on the s
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -70,6 +70,11 @@ def read_data_file(path: Path, gen_flags: str = "") -> bytes:
             raise InputError(f"{path}: missing (create it with `trainjob gen {gen_flags}{path.parent}`)") from exc
 
 
+def files_sha256(raw: Mapping[str, bytes], names: Sequence[str]) -> str:
+    """A data set's hash (a trainer's ``data_sha256``): the sha256 of its files' sha256s, in order."""
+    return hashlib.sha256(b"".join(hashlib.sha256(raw[name]).digest() for name in names)).hexdigest()
+
+
 def _samples(path: Path, raw: bytes) -> tuple[Sample, ...]:
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
@@ -88,14 +93,11 @@ def load_dataset(directory: Path | None) -> Dataset:
         raise InputError(f"{directory}: data directory not found (create it with `trainjob gen {directory}`)")
     else:
         raw = {name: read_data_file(directory / name) for name in FILES}
-    digest = hashlib.sha256()
-    for name in FILES:
-        digest.update(hashlib.sha256(raw[name]).digest())
     return Dataset(
         train=_samples(directory / "train.jsonl", raw["train.jsonl"]),
         holdout=_samples(directory / "holdout.jsonl", raw["holdout.jsonl"]),
         baseline=load(raw["baseline.json"], LinearModel, where=str(directory / "baseline.json")),
-        sha256=digest.hexdigest(),
+        sha256=files_sha256(raw, FILES),
     )
 
 

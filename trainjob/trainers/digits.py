@@ -15,14 +15,13 @@ pure function of (state, step). The state is the model (``W``, ``b``) AND the mo
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from .data import read_data_file
+from .data import files_sha256, read_data_file
 from ..errors import InputError, UsageError
 from ..records import Score
 from .protocol import State
@@ -112,7 +111,7 @@ class DigitsTrainer:
         self.base = _arrays(directory / FILES[2], raw[FILES[2]], {"W": ("float64", CLASSES), "b": ("float64", None)})
         if self.base["W"].shape != (FEATURES, CLASSES) or self.base["b"].shape != (CLASSES,):
             raise InputError(f"{directory / FILES[2]}: expected W[64, 10] and b[10]")
-        self.data_sha256 = hashlib.sha256(b"".join(hashlib.sha256(raw[n]).digest() for n in FILES)).hexdigest()
+        self.data_sha256 = files_sha256(raw, FILES)
 
     def initial_state(self) -> State:
         return {"W": np.zeros((FEATURES, CLASSES)), "b": np.zeros(CLASSES),

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..checkpoint.store import tensor_specs
 from ..errors import InputError, UsageError
-from ..records import Score, TensorSpec
+from ..records import Score, TensorSpec, is_sha256_hex
 
 State = dict[str, np.ndarray]
 
@@ -90,8 +90,7 @@ def build(spec: str, data: Path | None, lr: float) -> Trainer:
         pass  # no signature to inspect (a builtin): let the call say
     trainer = factory(data, lr)
     missing = [m for m in METHODS if not callable(getattr(trainer, m, None))]
-    sha = getattr(trainer, "data_sha256", None)
-    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+    if not is_sha256_hex(getattr(trainer, "data_sha256", None)):
         missing.append("data_sha256 (64 hex digits)")
     if missing:
         raise UsageError(f"--trainer {spec!r}: {type(trainer).__name__} does not fit the Trainer protocol; "
