@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import string
+
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from transitions import MachineError
 
 from trainjob.engine import machine
+from trainjob.records import Score
 
 
 class FakeJob:
@@ -47,6 +52,50 @@ def test_every_state_but_pending_announces_an_event_with_a_detail_format():
     for state in machine.STATES[1:]:
         assert machine.EVENT_FOR_STATE[state] in machine.DETAIL
     assert set(machine.ANNOUNCED_WITHIN) <= set(machine.DETAIL)
+
+
+WHOLE = st.integers(min_value=0, max_value=10**12)
+TEXT = st.from_regex(r"[A-Za-z0-9_./,@:=-]{1,40}", fullmatch=True)  # paths, reasons, signals@ranks
+
+
+@given(data=st.data())
+def test_every_detail_parses_back_to_the_facts_it_was_formatted_from(data):
+    """One template per shape both writes a detail and reads it back, so the views read what the
+    machine wrote: a field type or a literal changed on one side only cannot exist."""
+    for event, templates in machine.DETAIL.items():
+        for template in templates:
+            expected = {name: data.draw(WHOLE if spec == "int" else TEXT)
+                        for _, name, spec, _ in string.Formatter().parse(template) if name is not None}
+            facts: dict = {"unrelated": "facts are ignored"}
+            scores: dict = {}
+            for name, value in expected.items():
+                root, _, attr = name.partition(".")
+                if attr:  # holdout.correct: an attribute of a Score
+                    scores.setdefault(root, {})[attr] = value
+                else:
+                    facts[name] = value
+            facts.update({root: Score(**fields) for root, fields in scores.items()})
+            detail = machine.format_detail(event, facts)
+            assert machine.parse_detail(event, detail) == expected, (event, detail)
+
+
+@pytest.mark.parametrize("event, detail", [
+    ("checkpointed", "step=4 loss=0.241"),           # a field renamed
+    ("checkpointed", "step=-4 loss_milli=241"),      # not a whole number
+    ("checkpointed", "STEP=4 LOSS_MILLI=241"),       # another case
+    ("checkpointed", "step=4 loss_milli=241 x=1"),   # more than the machine writes
+    ("job_started", "x=1"),
+    ("teleported", "step=4"),                        # no such event
+])
+def test_a_detail_the_machine_would_not_write_parses_to_nothing(event, detail):
+    assert machine.parse_detail(event, detail) is None
+
+
+def test_the_optional_signal_of_a_kill_is_written_only_when_there_was_one():
+    assert machine.format_detail("killed", {"at_step": 0, "signal": None}) == "at_step=0"
+    assert machine.format_detail("killed", {"at_step": 4, "signal": "SIGTERM"}) == "at_step=4 signal=SIGTERM"
+    assert machine.parse_detail("killed", "at_step=4 signal=SIGTERM@rank1") == {"at_step": 4,
+                                                                               "signal": "SIGTERM@rank1"}
 
 
 def test_walkthrough_first_process_kill_at_step_4():

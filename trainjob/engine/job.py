@@ -113,7 +113,7 @@ class Notes:
 
     def announce_notes(self, _ev: EventData) -> None:
         for event, facts in self.notes:
-            self.log.append(event, machine.DETAIL[event](facts))
+            self.log.append(event, machine.format_detail(event, facts))
         self.notes.clear()
 
 
@@ -302,7 +302,7 @@ class Job(Notes):
         return ChainMap(ev.kwargs, own)
 
     def _append(self, event: str, ev: EventData) -> None:
-        self.log.append(event, machine.DETAIL[event](self._facts(ev)))
+        self.log.append(event, machine.format_detail(event, self._facts(ev)))
 
     def announce_artifact(self, ev: EventData) -> None:
         self._append("artifact_written", ev)

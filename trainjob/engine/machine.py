@@ -12,6 +12,10 @@ Some events are announced *within* a transition, before its state's event: the r
 ``ANNOUNCED_WITHIN`` (the artifact's hash) and the optional ``NOTED_WITHIN`` (cleanup of what
 killed writers left, checkpoints rejected by verification). Nothing is logged beside this table.
 
+Each event's detail is written once, as a template in ``DETAIL``: ``format_detail`` fills it
+when the machine announces, and ``parse_detail`` reads it back for the views (status, verify,
+plot), so what the log says and what its readers expect cannot drift apart.
+
 Callback order, and why: ``before`` callbacks persist to the PVC *before* the state changes, so
 a failed write leaves the machine where it was and nothing is announced; the machine-wide
 ``after_state_change`` then appends the log event. The log never claims what is not on disk.
@@ -19,9 +23,11 @@ a failed write leaves the machine where it was and nothing is announced; the mac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import string
+from collections.abc import Mapping
 from typing import Any
 
+import parse
 from transitions import Machine
 from transitions.core import State
 
@@ -88,23 +94,58 @@ NOTED_WITHIN: dict[str, tuple[str, ...]] = {
 # `trainjob reshard` may run between any two processes, so its event may appear there in a log.
 OUT_OF_BAND = ("resharded",)
 
-Facts = Mapping[str, Any]
-DETAIL: dict[str, Callable[[Facts], str]] = {
-    "job_started": "steps={steps} attempt={attempt}".format_map,
-    "resumed": "from_step={from_step}".format_map,
-    "job_failed": "attempts={attempts} backoffLimit={backoff_limit}".format_map,
-    "checkpointed": "step={step} loss_milli={loss_milli}".format_map,
-    "killed": lambda f: f"at_step={f['at_step']}" + (f" signal={f['signal']}" if f.get("signal") else ""),
-    "artifact_written": "sha256={sha256} path={path}".format_map,
-    "completed": "holdout: {holdout} vs baseline {baseline}".format_map,
-    "drift_failed": (
-        "holdout: {holdout} vs baseline {baseline} (max drop {max_drop}%); refusing artifact".format_map
-    ),
-    "cleaned_up": "removed={removed} paths={paths}".format_map,
-    "checkpoint_rejected": "path={path} moved_to={moved_to} reason={reason}".format_map,
-    "resharded": ("step={step} from_world_size={from_world_size} world_size={world_size} "
-                  "path={path} source_manifest_sha256={source_manifest_sha256}").format_map,
+# Each event's detail, as templates that both format it and parse it back: ``{name:int}`` is a
+# whole number (digits only), ``{name}`` any text, ``{holdout.correct:int}`` an attribute of a
+# fact (a ``Score``). An event whose detail has an optional part has one template per shape, the
+# fullest first: formatting takes the first whose facts are all given (else the last), parsing
+# the first that fits.
+_VERDICT = ("holdout: {holdout.correct:int}/{holdout.total:int} "
+            "vs baseline {baseline.correct:int}/{baseline.total:int}")
+DETAIL: dict[str, tuple[str, ...]] = {
+    "job_started": ("steps={steps:int} attempt={attempt:int}",),
+    "resumed": ("from_step={from_step:int}",),
+    "job_failed": ("attempts={attempts:int} backoffLimit={backoff_limit:int}",),
+    "checkpointed": ("step={step:int} loss_milli={loss_milli:int}",),
+    "killed": ("at_step={at_step:int} signal={signal}", "at_step={at_step:int}"),
+    "artifact_written": ("sha256={sha256} path={path}",),
+    "completed": (_VERDICT,),
+    "drift_failed": (_VERDICT + " (max drop {max_drop:int}%); refusing artifact",),
+    "cleaned_up": ("removed={removed:int} paths={paths}",),
+    "checkpoint_rejected": ("path={path} moved_to={moved_to} reason={reason}",),
+    "resharded": ("step={step:int} from_world_size={from_world_size:int} world_size={world_size:int} "
+                  "path={path} source_manifest_sha256={source_manifest_sha256}",),
 }
+
+
+@parse.with_pattern(r"\d+")
+def _whole(text: str) -> int:
+    return int(text)
+
+
+# For str.format the types go (they are parse's); a field name keeps its attribute path.
+_FORMATS = {t: "".join(literal + (f"{{{name}}}" if name is not None else "")
+                       for literal, name, _, _ in string.Formatter().parse(t))
+            for templates in DETAIL.values() for t in templates}
+_PARSERS = {t: parse.compile(t, extra_types={"int": _whole}, case_sensitive=True)
+            for templates in DETAIL.values() for t in templates}
+
+
+def format_detail(event: str, facts: Mapping[str, Any]) -> str:
+    """The detail the machine logs for ``event``, from ``facts`` (which may hold more)."""
+    *fuller, last = DETAIL[event]
+    given = lambda t: all(facts.get(name.split(".")[0]) not in (None, "")
+                          for _, name, _, _ in string.Formatter().parse(t) if name is not None)
+    return _FORMATS[next((t for t in fuller if given(t)), last)].format_map(facts)
+
+
+def parse_detail(event: str, detail: str) -> dict[str, Any] | None:
+    """The facts a logged ``detail`` of ``event`` holds (``{"step": 4, "loss_milli": 241}``, a
+    score as ``holdout.correct``...), or None for an unknown event or a detail not in its format."""
+    for template in DETAIL.get(event, ()):
+        found = _PARSERS[template].parse(detail)
+        if found is not None:
+            return dict(found.named)
+    return None
 
 
 def build(model: object) -> Machine:

@@ -99,4 +99,5 @@ class Reshard(Notes):
         facts = ChainMap(dict(step=self.source.step, from_world_size=self.source.world_size,
                               world_size=self.target.world_size, path=f"checkpoints/{self.target.name}",
                               source_manifest_sha256=self.source_sha))
-        self.log.append(machine.EVENT_FOR_STATE[self.state], machine.DETAIL[self.state](facts))
+        event = machine.EVENT_FOR_STATE[self.state]
+        self.log.append(event, machine.format_detail(event, facts))

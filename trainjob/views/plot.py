@@ -12,16 +12,14 @@ Must not: import matplotlib before it is asked to draw (it is the optional ``plo
 from __future__ import annotations
 
 import io
-import re
 from collections import Counter
 
 import attrs
 
+from ..engine.machine import parse_detail
 from ..errors import InputError, UsageError
 from .history import RunPath, Step
-from .status import detail_fields
 
-VERDICT = re.compile(r"holdout: (\d+)/(\d+) vs baseline (\d+)/(\d+)(?: \(max drop (\d+)%\))?")
 STEP_FIELDS = ("step", "at_step", "from_step")
 # How the usual events are marked; any other event gets the last style.
 MARK = {"killed": ("X", "red"), "resumed": (">", "green"), "job_started": ("o", "gray"),
@@ -66,27 +64,28 @@ class Story:
 
 
 def _number(run: RunPath, step: Step, key: str) -> int:
-    value = detail_fields(step.detail).get(key, "")
-    if not value.isdigit():
+    value = (parse_detail(step.event, step.detail) or {}).get(key)
+    if value is None:
         raise InputError(f"{run.log}:{step.line}: {step.event} detail has no {key}=<number>: {step.detail!r}")
-    return int(value)
+    return value
 
 
 def story(run: RunPath) -> Story:
     """What the plot shows, read from a legal path. A log that starts mid-attempt has attempt None."""
     told, attempt, step = Story(), None, 0
     for s in run.steps:
-        fields = detail_fields(s.detail)
+        fields = parse_detail(s.event, s.detail) or {}
         if s.event == "job_started":
             attempt, step = _number(run, s, "attempt"), 0
-        step = next((int(fields[k]) for k in STEP_FIELDS if fields.get(k, "").isdigit()), step)
+        step = next((fields[k] for k in STEP_FIELDS if k in fields), step)
         if s.event == "checkpointed":
             told.losses.setdefault(attempt, []).append((step, _number(run, s, "loss_milli")))
             continue
         told.markers.append(Marker(s.line, s.event, attempt, step))
-        if match := VERDICT.search(s.detail):
-            counts = [int(g) if g is not None else None for g in match.groups()]
-            told.verdicts.append(Verdict(attempt, s.event, *counts))  # type: ignore[arg-type]
+        if "holdout.correct" in fields:  # completed or drift_failed: the gate's verdict
+            told.verdicts.append(Verdict(attempt, s.event, fields["holdout.correct"], fields["holdout.total"],
+                                         fields["baseline.correct"], fields["baseline.total"],
+                                         fields.get("max_drop")))
     return told
 
 

@@ -15,13 +15,9 @@ from pathlib import Path
 import attrs
 
 from ..deploy.policy import SOURCE as SUPERVISOR
+from ..engine.machine import parse_detail
 from ..errors import InputError
 from ..storage.eventlog import read_log
-
-
-def detail_fields(detail: str) -> dict[str, str]:
-    """``"step=4 loss_milli=241"`` -> ``{"step": "4", "loss_milli": "241"}``."""
-    return dict(token.split("=", 1) for token in detail.split() if "=" in token)
 
 
 @attrs.define
@@ -47,9 +43,9 @@ def summarize(path: Path) -> Status:
             status.supervisor = f"{ev.event} | {ev.detail}"
             continue
         status.last_event = ev.event
-        fields = detail_fields(ev.detail)
-        if ev.event == "job_started" and fields.get("attempt", "").isdigit():
-            status.attempts = max(status.attempts, int(fields["attempt"]))
+        fields = parse_detail(ev.event, ev.detail) or {}
+        if ev.event == "job_started" and "attempt" in fields:
+            status.attempts = max(status.attempts, fields["attempt"])
         elif ev.event == "artifact_written" and "path" in fields:
             status.artifact = fields["path"]
         elif ev.event == "completed":

@@ -16,11 +16,11 @@ import attrs
 
 from ..checkpoint import plan as layout
 from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
+from ..engine.machine import parse_detail
 from ..errors import InputError
 from ..storage.eventlog import read_log
 from ..checkpoint.plan import MANIFEST, Ref
 from ..storage.pvc import Pvc
-from .status import detail_fields
 
 
 @attrs.frozen
@@ -92,8 +92,8 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
     if log_path.is_file():
         for line in read_log(log_path):
             if line.event is not None and line.event.event == "artifact_written":
-                fields = detail_fields(line.event.detail)
-                if "path" in fields and "sha256" in fields:
+                fields = parse_detail("artifact_written", line.event.detail)
+                if fields is not None:
                     logged[fields["path"]] = fields["sha256"]
     on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
     for rel in sorted(set(logged) | set(on_disk)):
