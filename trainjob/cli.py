@@ -52,7 +52,7 @@ from .ranks.identity import resolve_rank
 from .ranks.launcher import launch_local
 from .engine.reshard import Reshard
 from .views.status import summarize
-from .deploy.supervise import Policy, supervise
+from .deploy.supervise import SuperviseSettings, supervise
 from .views.verify import verify_pvc
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
@@ -380,13 +380,13 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     max_starts = args.max_starts
     if max_starts is None:
         max_starts = controller.default_max_starts(run_args.backoff_limit)
-    policy = Policy(max_starts=max_starts, backoff_base=args.backoff_base, backoff_cap=args.backoff_cap,
-                    grace=args.grace)
-    policy.check()
+    settings = SuperviseSettings(max_starts=max_starts, backoff_base=args.backoff_base,
+                                 backoff_cap=args.backoff_cap, grace=args.grace)
+    settings.check()
     stop = StopFlag()
     stop.install()
     log = EventLog(_log_path(run_args), source=controller.SOURCE)
-    end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, policy, SAID_BY_EXIT.get, stop)
+    end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, settings, SAID_BY_EXIT.get, stop)
     return EXIT_FOR_ENDING[end]
 
 

@@ -166,13 +166,13 @@ HARNESS = textwrap.dedent("""
     from trainjob.cli import SAID_BY_EXIT
     from trainjob.storage.eventlog import EventLog
     from trainjob.engine.job import StopFlag
-    from trainjob.deploy.supervise import Policy, supervise
+    from trainjob.deploy.supervise import SuperviseSettings, supervise
     stop = StopFlag()
     stop.install()
-    policy = Policy(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]), backoff_cap=10.0,
-                    grace=float(sys.argv[4]))
+    settings = SuperviseSettings(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]),
+                                 backoff_cap=10.0, grace=float(sys.argv[4]))
     log = EventLog(Path(sys.argv[1]), source=controller.SOURCE)
-    print(supervise([sys.executable, "-c", sys.argv[5]], log, policy, SAID_BY_EXIT.get, stop))
+    print(supervise([sys.executable, "-c", sys.argv[5]], log, settings, SAID_BY_EXIT.get, stop))
 """)
 
 

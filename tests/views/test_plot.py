@@ -12,7 +12,7 @@ import pytest
 
 from conftest import trainjob
 from trainjob.views.history import legal_path
-from trainjob.views.plot import Marker, Verdict, story
+from trainjob.views.plot import Marker, GateVerdict, story
 
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None and not os.environ.get("CI"),
@@ -25,7 +25,7 @@ def test_walkthrough_story_keeps_losing_loss_across_the_kill(walkthrough_log):
     assert [(m.event, m.attempt, m.step) for m in told.markers] == [
         ("job_started", 1, 0), ("killed", 1, 4), ("resumed", 1, 4),
         ("artifact_written", 1, 10), ("completed", 1, 10)]
-    assert told.verdicts == [Verdict(1, "completed", 20, 20, 20, 20, None)]
+    assert told.verdicts == [GateVerdict(1, "completed", 20, 20, 20, 20, None)]
     assert told.verdicts[0].threshold(max_drop=None) is None  # completed does not log max_drop
     assert told.verdicts[0].threshold(max_drop=20) == 16
 
@@ -35,8 +35,8 @@ def test_drift_failures_and_the_refusal_are_each_an_attempt(pvc):
         trainjob("run", "--pvc", pvc, "--backoff-limit", 1, "--force-weights", "0,0,0")
     told = story(legal_path(pvc / "log.jsonl"))
     assert set(told.losses) == {1, 2}
-    assert told.verdicts == [Verdict(1, "drift_failed", 14, 20, 20, 20, 20),
-                             Verdict(2, "drift_failed", 14, 20, 20, 20, 20)]
+    assert told.verdicts == [GateVerdict(1, "drift_failed", 14, 20, 20, 20, 20),
+                             GateVerdict(2, "drift_failed", 14, 20, 20, 20, 20)]
     assert told.verdicts[0].threshold(max_drop=None) == 16  # logged by drift_failed itself
     assert told.markers[-1] == Marker(line=15, event="job_failed", attempt=2, step=10)
 

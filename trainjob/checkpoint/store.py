@@ -67,7 +67,7 @@ def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray])
 
 
 @attrs.frozen
-class Verdict:
+class Verification:
     """What ``verify`` found: ``reason`` is None when the checkpoint is sound. ``tensors`` is the
     whole state when it was asked for (``load=True``) and everything verified, else None."""
 
@@ -165,7 +165,7 @@ class CheckpointStore:
         return f"{self.rel(directory)}: {'; '.join(bad)}" if bad else None
 
     def verify(self, ref: Ref, expect_sha256: str | None = None, load: bool = False,
-               into: Mapping[str, np.ndarray] | None = None) -> Verdict:
+               into: Mapping[str, np.ndarray] | None = None) -> Verification:
         """Check the manifest, names, sizes and sha256 of every byte; with ``load``, also read the
         state (in the same pass) and check each shard's header against the manifest.
 
@@ -176,15 +176,15 @@ class CheckpointStore:
         try:
             manifest, sha = self.read_manifest(ref)
         except InputError as exc:
-            return Verdict(None, None, str(exc))
+            return Verification(None, None, str(exc))
         if expect_sha256 is not None and sha != expect_sha256:
-            return Verdict(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
+            return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                           f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
         reason = self.check_files(ref, manifest, full)
-        return Verdict(manifest, sha, reason, full if reason is None else None)
+        return Verification(manifest, sha, reason, full if reason is None else None)
 
-    def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verdict | None = None,
+    def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verification | None = None,
              into: Mapping[str, np.ndarray] | None = None) -> Loaded:
         """Verify and read in one pass (unless ``verdict`` already holds the state), into ``into``'s
         arrays where they fit (see ``verify``); InputError when it does not verify. No tensor is

@@ -3,7 +3,7 @@
 This module owns the process side only: starting the child, forwarding SIGTERM/SIGINT to it,
 the grace period, the back-off sleep, and writing the supervisor's lines to the log. Every
 judgment (what a start amounted to, whether to start again, how long to wait) is a pure function
-in ``controller.py``; exit codes are ``cli.py``'s. It never touches the PVC: the child owns that,
+in ``policy.py``; exit codes are ``cli.py``'s. It never touches the PVC: the child owns that,
 behind its lock. It reads only the child's exit code and the child's log.
 
 Log lines (``source: "supervisor"``, in the run's own log, one per decision):
@@ -35,7 +35,10 @@ POLL_S = 0.05  # how often waits look at the stop flag: a signal is acted on wit
 
 
 @attrs.frozen
-class Policy:
+class SuperviseSettings:
+    """The supervisor's flags: how many starts, the back-off, the grace after a forwarded SIGTERM.
+    The decisions made with them are ``policy.py``'s."""
+
     max_starts: int
     backoff_base: float = 10.0
     backoff_cap: float = 600.0
@@ -56,7 +59,7 @@ class Policy:
             raise UsageError(f"--grace must be a positive finite number of seconds, got {self.grace}")
 
 
-def supervise(command: Sequence[str], log: EventLog, policy: Policy, said: Callable[[int], Said],
+def supervise(command: Sequence[str], log: EventLog, settings: SuperviseSettings, said: Callable[[int], Said],
               stop: StopFlag) -> Ending:
     """Start ``command`` until a start ends the job, the starts run out, or a signal arrives.
 
@@ -71,21 +74,21 @@ def supervise(command: Sequence[str], log: EventLog, policy: Policy, said: Calla
             return "killed"
         child = subprocess.Popen(command)
         starts += 1
-        code = _wait(child, stop, policy.grace)
+        code = _wait(child, stop, settings.grace)
         events, mark = _events_since(log, mark)
         end = controller.ending(said(code), events[-1] if events else None)
         facts = dict(start=starts, exit=code, ending=end)
         if stop.signal:
             continue
-        if not controller.should_relaunch(end, starts, policy.max_starts):
+        if not controller.should_relaunch(end, starts, settings.max_starts):
             reason = "max_starts" if end in controller.RELAUNCHABLE else "final"
             _record(log, "stop", **facts, reason=reason, outcome=end)
             return end
         progressed = controller.made_progress(events)
         streak = controller.next_streak(streak, progressed)
-        delay = controller.backoff_delay(streak, policy.backoff_base, policy.backoff_cap)
+        delay = controller.backoff_delay(streak, settings.backoff_base, settings.backoff_cap)
         _record(log, "relaunch", **facts, progress="yes" if progressed else "no", delay_s=delay,
-                max_starts=policy.max_starts)
+                max_starts=settings.max_starts)
         _sleep(delay, stop)
 
 

@@ -98,9 +98,10 @@ class StopFlag:
         self.signal = signal.Signals(signum).name
 
 
-class Notes:
-    """What every model of the machine does at its first transition: clean up after killed
-    writers, and announce the optional notes (``machine.NOTED_WITHIN``) before its own event."""
+class MachineModel:
+    """The base of the machine's models (``Job``, ``Reshard``): what every one does at its first
+    transition: clean up after killed writers, and announce the optional notes
+    (``machine.NOTED_WITHIN``) before its own event."""
 
     def __init__(self, pvc: Pvc, log: EventLog) -> None:
         self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
@@ -117,7 +118,7 @@ class Notes:
         self.notes.clear()
 
 
-class Job(Notes):
+class Job(MachineModel):
     """The state machine's model for rank 0 (the coordinator) of one launch."""
 
     state: str  # set by transitions.Machine
@@ -136,8 +137,8 @@ class Job(Notes):
                 "use a fresh --pvc for a new job"
             )
         self.pointer = pvc.read_checkpoint()
-        self.attempts = pvc.read_attempts()
-        self.attempt = max(self.attempts, 1)
+        self.attempts_started = pvc.read_attempts()  # the PVC's counter: attempts begun so far
+        self.attempt = max(self.attempts_started, 1)  # the one this process runs; set by the start
         self.from_step = 0
         self.persisted_state: str | None = self.last.state if self.last else None
         self.artifact: dict[str, Any] = {}
@@ -195,7 +196,7 @@ class Job(Notes):
         )
 
     def within_backoff(self, _ev: EventData) -> bool:
-        return decisions.within_backoff(self.attempts, self.cfg.backoff_limit)
+        return decisions.within_backoff(self.attempts_started, self.cfg.backoff_limit)
 
     def should_checkpoint(self, ev: EventData) -> bool:
         return ev.kwargs.get("force", False) or decisions.should_checkpoint(
@@ -222,9 +223,9 @@ class Job(Notes):
         if self.last is not None:
             self.attempt = self.last.attempt
             # The counter is bumped right after state.json, so it may lag by one, never more.
-            if self.attempts not in (self.attempt - 1, self.attempt):
+            if self.attempts_started not in (self.attempt - 1, self.attempt):
                 raise InputError(
-                    f"{self.pvc.attempts_path}: says {self.attempts} attempts but state.json says attempt "
+                    f"{self.pvc.attempts_path}: says {self.attempts_started} attempts but state.json says attempt "
                     f"{self.attempt} is in flight; one of them was edited, fix it by hand"
                 )
             if (self.last.lr, self.last.data_sha256) != (self.cfg.lr, self.data_sha256):
@@ -246,11 +247,11 @@ class Job(Notes):
             if pointer != self.pointer:  # killed between commit and pointer, or fell back
                 self.pvc.write_checkpoint(pointer)
         self._write_state("resumed")
-        if self.attempts < self.attempt:  # died between writing state.json and attempts
+        if self.attempts_started < self.attempt:  # died between writing state.json and attempts
             self.pvc.write_attempts(self.attempt)
 
     def persist_start(self, _ev: EventData) -> None:
-        self.attempt = self.attempts + 1
+        self.attempt = self.attempts_started + 1
         # state.json first: if we die before the counter is bumped, the relaunch still sees an
         # attempt in flight and resumes it, instead of burning a second attempt number.
         self._write_state("started")
@@ -296,7 +297,7 @@ class Job(Notes):
     # --- announcements: run after the state changed ---------------------------------------------
 
     def _facts(self, ev: EventData) -> ChainMap[str, Any]:
-        own = dict(steps=self.cfg.steps, attempt=self.attempt, attempts=self.attempts,
+        own = dict(steps=self.cfg.steps, attempt=self.attempt, attempts=self.attempts_started,
                    backoff_limit=self.cfg.backoff_limit, from_step=self.from_step,
                    max_drop=self.cfg.max_drop, **self.artifact)
         return ChainMap(ev.kwargs, own)

@@ -18,10 +18,10 @@ from transitions import EventData
 from ..checkpoint import plan as layout
 from . import machine
 from ..checkpoint import shards
-from ..checkpoint.store import CheckpointStore, Verdict
+from ..checkpoint.store import CheckpointStore, Verification
 from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from ..storage.eventlog import EventLog
-from .job import Notes
+from .job import MachineModel
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..records import MANIFEST_SCHEMA, Manifest
@@ -29,7 +29,7 @@ from ..records import MANIFEST_SCHEMA, Manifest
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
 
-def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tuple[Ref, Verdict]:
+def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tuple[Ref, Verification]:
     """The newest checkpoint (at ``step``, if given) that verifies; at equal steps, one of another
     world size than ``world_size`` (the one of the same size is the target, already there)."""
     refs = [r for r in store.committed() if step is None or r.step == step]
@@ -46,7 +46,7 @@ def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tu
                                f"run `trainjob verify --pvc {store.pvc.root}` to inspect them")
 
 
-class Reshard(Notes):
+class Reshard(MachineModel):
     """The machine's model for one ``trainjob reshard`` process."""
 
     state: str  # set by transitions.Machine

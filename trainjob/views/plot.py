@@ -39,7 +39,7 @@ class Marker:
 
 
 @attrs.frozen
-class Verdict:
+class GateVerdict:
     """The gate's answer for one attempt: holdout and baseline counts, and the allowed drop."""
 
     attempt: int | None
@@ -60,7 +60,7 @@ class Verdict:
 class Story:
     losses: dict[int | None, list[tuple[int, int]]] = attrs.Factory(dict)  # attempt -> (step, loss_milli)
     markers: list[Marker] = attrs.Factory(list)
-    verdicts: list[Verdict] = attrs.Factory(list)
+    verdicts: list[GateVerdict] = attrs.Factory(list)
 
 
 def _number(run: RunPath, step: Step, key: str) -> int:
@@ -83,7 +83,7 @@ def story(run: RunPath) -> Story:
             continue
         told.markers.append(Marker(s.line, s.event, attempt, step))
         if "holdout.correct" in fields:  # completed or drift_failed: the gate's verdict
-            told.verdicts.append(Verdict(attempt, s.event, fields["holdout.correct"], fields["holdout.total"],
+            told.verdicts.append(GateVerdict(attempt, s.event, fields["holdout.correct"], fields["holdout.total"],
                                          fields["baseline.correct"], fields["baseline.total"],
                                          fields.get("max_drop")))
     return told
