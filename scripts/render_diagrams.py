@@ -6,12 +6,15 @@ to trainjob/machine.py (tests/views/test_diagram.py fails while a committed pict
 diagrams/machine.{mmd,dot,svg}  the machine, as the table defines it
 diagrams/walkthrough.{dot,svg}  the seed's walkthrough (kill at step 4, resume, complete), drawn
                                 from the log of a fresh real run
+diagrams/walkthrough.html       the same log as `trainjob replay` steps through it, on machine.svg,
+                                its timestamps fixed so the page is the same every time
 The mermaid source is also copied between the ``BEGIN/END machine.mmd`` markers of each doc that
 embeds it (README.md, docs/diagrams.md). SVG needs Graphviz's ``dot``.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -21,11 +24,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainjob.views import diagram  # noqa: E402
+from trainjob.views import diagram, replay_page  # noqa: E402
 from trainjob.views.history import legal_path  # noqa: E402
 
 DIAGRAMS = ROOT / "diagrams"
 DOCS = [ROOT / "README.md", ROOT / "docs" / "diagrams.md"]
+# The walkthrough page's timestamps (a real run's change every second): the README's.
+STEADY_TS = "2026-11-30T10:03:24Z"
 EMBEDDED = re.compile(r"(<!-- BEGIN machine\.mmd[^>]*-->\n```mermaid\n)(.*?)(```\n<!-- END machine\.mmd -->)", re.S)
 
 
@@ -62,13 +67,23 @@ def render_all(walkthrough_log: Path, names: list[str]) -> dict[str, bytes]:
     return drawn
 
 
+def replay_walkthrough(walkthrough_log: Path, machine_svg: bytes, workdir: Path) -> bytes:
+    """diagrams/walkthrough.html: the walkthrough's replay page, the same bytes for every run."""
+    steady = workdir / "walkthrough.jsonl"
+    steady.write_text("".join(json.dumps({**json.loads(line), "ts": STEADY_TS}, separators=(",", ":")) + "\n"
+                              for line in walkthrough_log.read_text().splitlines()))
+    return replay_page.build(legal_path(steady), machine_svg)
+
+
 def embed(doc: str, mermaid: str) -> str:
     return EMBEDDED.sub(lambda m: m.group(1) + mermaid + m.group(3), doc)
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        drawn = render_all(run_walkthrough(Path(tmp)), list(PICTURES))
+        log = run_walkthrough(Path(tmp))
+        drawn = render_all(log, list(PICTURES))
+        drawn["walkthrough.html"] = replay_walkthrough(log, drawn["machine.svg"], Path(tmp))
     DIAGRAMS.mkdir(exist_ok=True)
     for name, data in drawn.items():
         (DIAGRAMS / name).write_bytes(data)

@@ -11,15 +11,20 @@ if ! command -v fiu-run >/dev/null && command -v apt-get >/dev/null && [ "$(id -
         || echo "note: could not install fiu-utils; the I/O-fault section will be skipped"
 fi
 
-# The SVG/PNG diagram tests need Graphviz's `dot`. Install it where we may (CI runs as root with
-# apt); elsewhere those tests skip, except under CI=true, where a missing `dot` fails them.
-if ! command -v dot >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    echo "test.sh: installing Graphviz (dot) for the diagram tests" >&2
+# The SVG/PNG diagram tests need Graphviz's `dot`, and the replay page's test a headless Chromium
+# with its driver (Debian's chromium, chromium-driver). Install them where we may (CI runs as root
+# with apt); elsewhere those tests skip, except under CI=true, where a missing one fails them.
+missing=()
+command -v dot >/dev/null || missing+=(graphviz)
+[ -x /usr/bin/chromium ] || missing+=(chromium)
+[ -x /usr/bin/chromedriver ] || missing+=(chromium-driver)
+if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing ${missing[*]} for the diagram and replay tests" >&2
     apt_log=$(mktemp)
     if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-           apt-get install -y -qq --no-install-recommends graphviz; } >"$apt_log" 2>&1; then
+           apt-get install -y -qq --no-install-recommends "${missing[@]}"; } >"$apt_log" 2>&1; then
         cat "$apt_log" >&2
-        echo "test.sh: could not install graphviz${CI:+ (CI needs it)}" >&2
+        echo "test.sh: could not install ${missing[*]}${CI:+ (CI needs them)}" >&2
         [ -z "${CI:-}" ] || exit 1
     fi
     rm -f "$apt_log"

@@ -3,7 +3,8 @@
 This is the only place that knows exit codes:
 
     0   completed (``verify``: everything verifies; ``reshard``: the new checkpoint is committed)
-    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path);
+    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path,
+        replay, which still writes its page);
         ``verify``: something that matters does not verify
     2   usage or input error (bad flag, missing or invalid file, already-completed PVC, no
         checkpoint verifies, world-size mismatch)
@@ -39,7 +40,7 @@ from . import __version__
 from .deploy import policy as controller
 from .views import diagram
 from .deploy import k8s
-from .views import plot
+from .views import plot, replay_page
 from .trainers import protocol as trainer
 from .trainers.data import DATASETS
 from .errors import InputError, Refused, TrainJobError, TryAgainLater, UsageError, os_errors
@@ -193,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     p.add_argument("--max-drop", type=int, help="draw the gate's pass line for completed attempts "
                    "(their log line does not record the allowed drop)")
+
+    rp = sub.add_parser("replay", help="one HTML page that steps through a log on the machine (needs Graphviz's dot)")
+    rp.add_argument("log", type=Path)
+    rp.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
     return parser
 
 
@@ -434,8 +439,18 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_replay(args: argparse.Namespace) -> int:
+    found = replay(args.log)
+    _write_output(replay_page.build(found, diagram.render("svg")), args.output)
+    if found.illegal is not None:  # the page shows it, marked; the exit code says it, as status --path does
+        warn(f"trainjob replay: {args.log} {found.illegal}")
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
-            "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard}
+            "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
+            "replay": cmd_replay}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

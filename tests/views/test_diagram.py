@@ -173,6 +173,15 @@ def test_committed_diagrams_match_the_table(walkthrough_log):
             f"diagrams/{name} is stale: run .venv/bin/python scripts/render_diagrams.py"
 
 
+def test_committed_replay_page_is_the_walkthrough_on_the_committed_machine(tmp_path, walkthrough_log):
+    page = render_script().replay_walkthrough(walkthrough_log, (ROOT / "diagrams" / "machine.svg").read_bytes(),
+                                              tmp_path)
+    assert (ROOT / "diagrams" / "walkthrough.html").read_bytes() == page, \
+        "diagrams/walkthrough.html is stale: run .venv/bin/python scripts/render_diagrams.py"
+    for doc in ("README.md", "docs/diagrams.md"):
+        assert "diagrams/walkthrough.html)" in (ROOT / doc).read_text(), f"{doc} must link the replay page"
+
+
 @pytest.mark.parametrize("name", ["machine", "walkthrough"])
 def test_committed_svg_was_drawn_from_the_committed_dot(name):
     dot = (ROOT / "diagrams" / f"{name}.dot").read_bytes()

@@ -163,6 +163,17 @@ def test_torn_line_is_reported_and_the_path_goes_on(tmp_path, walkthrough_log):
     assert "line   6  pending -> resumed" in result.stdout
 
 
+@pytest.mark.parametrize("names, dest", [
+    (["job_started", "killed", "cleaned_up", "cleaned_up", "checkpoint_rejected", "resumed"], "resumed"),
+    (["job_started", "killed", "cleaned_up", "resharded"], "resharded"),
+    (["job_started", "checkpointed", "drift_failed", "cleaned_up", "job_started"], "started"),
+])
+def test_notes_name_the_transition_the_next_event_of_their_process_took(tmp_path, names, dest):
+    lines = trainjob("status", write_log(tmp_path, *names), "--path").stdout.splitlines()
+    notes = [PATH_LINE.fullmatch(line).group(2, 3) for line in lines if "cleaned_up" in line or "rejected" in line]
+    assert notes and set(notes) == {("pending", dest)}
+
+
 @pytest.mark.parametrize("args, message", [
     (["--path", "--json"], "not allowed with argument"),
     (["--path"], "not found"),

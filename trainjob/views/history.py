@@ -271,6 +271,17 @@ class _Cursor:
         return step
 
 
+@attrs.frozen
+class Skipped:
+    """A line that is not an event (torn by a crash, edited by hand): reported, never a step."""
+
+    line: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.problem}"
+
+
 @attrs.define
 class RunPath:
     """A log's path: its steps, the lines that were not events, and the first illegal step."""
@@ -278,7 +289,7 @@ class RunPath:
     log: Path
     steps: list[Step] = attrs.Factory(list)
     asides: list[Aside] = attrs.Factory(list)
-    skipped: list[str] = attrs.Factory(list)
+    skipped: list[Skipped] = attrs.Factory(list)
     illegal: IllegalStep | None = None
 
     def lines(self) -> list[str]:
@@ -301,12 +312,21 @@ class RunPath:
         return self.steps[-1].event if self.steps else None
 
 
+def _settle_notes(steps: list[Step], dest: str) -> None:
+    """A note stands for every transition it may belong to until the next event of its process
+    tells them apart; once one has, the notes just before it name that transition."""
+    at = len(steps)
+    while at and steps[at - 1].source == INITIAL and steps[at - 1].event in NOTED_WITHIN:
+        at -= 1
+        steps[at] = attrs.evolve(steps[at], dest=dest)
+
+
 def replay(log: Path) -> RunPath:
     """Replay ``log`` against the table, stopping at the first illegal step."""
     found, cursor = RunPath(log), _Cursor()
     for line in read_log(log):
         if line.event is None:
-            found.skipped.append(f"line {line.number}: {line.problem}")
+            found.skipped.append(Skipped(line.number, line.problem))
             continue
         if line.event.source is not None:
             found.asides.append(Aside(line.number, line.event.source, line.event.event, line.event.detail))
@@ -315,6 +335,8 @@ def replay(log: Path) -> RunPath:
         if step is None:
             found.illegal = IllegalStep(line.number, cursor.where(), line.event.event, cursor.expected())
             return found
+        if step.source == INITIAL and step.event not in NOTED_WITHIN:
+            _settle_notes(found.steps, step.dest)
         found.steps.append(step)
     if not found.steps:
         raise InputError(f"{log}: holds no events from trainjob run")
