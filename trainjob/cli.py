@@ -55,6 +55,7 @@ from .engine.reshard import Reshard
 from .views.status import summarize
 from .deploy.supervise import SuperviseSettings, supervise
 from .views.verify import verify_pvc
+from .states import State
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 
@@ -66,8 +67,8 @@ EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
     TrainJobError: EXIT_INTERNAL,
 }
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
-EXIT_FOR_STATE = {"completed": EXIT_OK, "drift_failed": EXIT_FAILED, "job_failed": EXIT_FAILED,
-                  "killed": EXIT_RELAUNCH}
+EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, State.job_failed: EXIT_FAILED,
+                  State.killed: EXIT_RELAUNCH}
 DEFAULT_LOG = "log.jsonl"
 
 # `supervise` reads its child's exit code through this table; any other code (70, a signal, an

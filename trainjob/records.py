@@ -21,9 +21,9 @@ from attrs import validators as v
 from cattrs.gen import make_dict_unstructure_fn
 
 from .errors import InputError
-from .engine.machine import INITIAL, STATES
+from .states import State
 
-PERSISTED_STATES = tuple(s for s in STATES if s != INITIAL)  # pending is never written
+PERSISTED_STATES = tuple(s.value for s in State if s != State.pending)  # pending is never written
 
 N_FEATURES = 3
 

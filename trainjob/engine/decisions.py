@@ -6,8 +6,10 @@ them pure is what lets a reader check every decision the job makes without a dis
 
 from __future__ import annotations
 
+from ..states import State
+
 # States after which an attempt is over: the next start is a fresh attempt (or a refusal).
-ATTEMPT_ENDED = frozenset({"completed", "drift_failed", "job_failed"})
+ATTEMPT_ENDED = frozenset({State.completed, State.drift_failed, State.job_failed})
 
 
 def should_resume(last_state: str | None, checkpoint_step: int | None, steps: int) -> bool:
@@ -24,7 +26,7 @@ def should_resume(last_state: str | None, checkpoint_step: int | None, steps: in
 
 def completion_unannounced(last_state: str | None, log_says_completed: bool) -> bool:
     """Did the previous process commit "completed" but die before logging it?"""
-    return last_state == "completed" and not log_says_completed
+    return last_state == State.completed and not log_says_completed
 
 
 def within_backoff(attempts: int, limit: int) -> bool:

@@ -42,6 +42,7 @@ from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordination, Coordinator, Follower
 from ..ranks.peers import PvcCoordinator, PvcFollower
 from ..records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
+from ..states import State as JobState  # State alone is the trainer's arrays here
 from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
 
 
@@ -129,7 +130,7 @@ class Job(MachineModel):
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
         self.initial = initial  # the trainer's initial state: a resume reads the checkpoint into it
         self.last = pvc.read_state()
-        completed = self.last is not None and self.last.state == "completed"
+        completed = self.last is not None and self.last.state == JobState.completed
         self.completion_announced = completed and log.last_event() == "completed"
         if self.completion_announced:
             raise AlreadyCompleted(
@@ -246,7 +247,7 @@ class Job(MachineModel):
             pointer = self.store.pointer(loaded.manifest, loaded.ref, loaded.manifest_sha256)
             if pointer != self.pointer:  # killed between commit and pointer, or fell back
                 self.pvc.write_checkpoint(pointer)
-        self._write_state("resumed")
+        self._write_state(JobState.resumed)
         if self.attempts_started < self.attempt:  # died between writing state.json and attempts
             self.pvc.write_attempts(self.attempt)
 
@@ -254,7 +255,7 @@ class Job(MachineModel):
         self.attempt = self.attempts_started + 1
         # state.json first: if we die before the counter is bumped, the relaunch still sees an
         # attempt in flight and resumes it, instead of burning a second attempt number.
-        self._write_state("started")
+        self._write_state(JobState.started)
         self.pvc.write_attempts(self.attempt)
 
     def persist_checkpoint(self, ev: EventData) -> None:
@@ -273,7 +274,7 @@ class Job(MachineModel):
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
         self.last_size = sum(e.size for e in entries)
         self.store.rotate(self.cfg.keep, world, protect=ref)
-        self._write_state("checkpointed")
+        self._write_state(JobState.checkpointed)
 
     def recall_artifact(self, _ev: EventData) -> None:
         """Re-read the artifact the killed predecessor published, to announce it truthfully."""
@@ -377,7 +378,7 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
     # Before any write: a checkpoint holding other arrays than this trainer's is refused.
     start = _start_state(initial, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
     job.start()
-    loaded = job.loaded if job.state == "resumed" else None
+    loaded = job.loaded if job.state == JobState.resumed else None
     if not peers.solo:
         peers.publish(lambda g: Session(
             generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,

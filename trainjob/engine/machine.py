@@ -29,40 +29,42 @@ from typing import Any
 
 import parse
 from transitions import Machine
-from transitions.core import State
+from transitions import State as MachineState
 
-INITIAL = "pending"
+from ..states import State
+
+INITIAL = State.pending
 # Where an attempt can be while it trains; a kill can land in any of them.
-TRAINING = ["started", "resumed", "checkpointed"]
-FINAL = ["killed", "drift_failed", "job_failed", "completed", "resharded"]
+TRAINING = [State.started, State.resumed, State.checkpointed]
+FINAL = [State.killed, State.drift_failed, State.job_failed, State.completed, State.resharded]
 STATES = [INITIAL, *TRAINING, *FINAL]
 
 TRANSITIONS: list[dict[str, Any]] = [
     # A process begins, first clearing what killed writers left. Its predecessor may have been
     # killed after committing "completed" but before logging it: finish that announcement
     # (transitions takes the first edge whose guards pass, so this one must come first).
-    dict(trigger="start", source=INITIAL, dest="completed", conditions="completion_unannounced",
+    dict(trigger="start", source=INITIAL, dest=State.completed, conditions="completion_unannounced",
          before=["persist_cleanup", "recall_artifact"], after=["announce_notes", "announce_artifact"]),
     # Otherwise: continue the cut-short attempt (from the newest checkpoint that verifies),
     # start a fresh one, or give up.
-    dict(trigger="start", source=INITIAL, dest="resumed", conditions="should_resume",
+    dict(trigger="start", source=INITIAL, dest=State.resumed, conditions="should_resume",
          before=["persist_cleanup", "persist_resume"], after="announce_notes"),
-    dict(trigger="start", source=INITIAL, dest="started", conditions="within_backoff", unless="should_resume",
+    dict(trigger="start", source=INITIAL, dest=State.started, conditions="within_backoff", unless="should_resume",
          before=["persist_cleanup", "persist_start"], after="announce_notes"),
-    dict(trigger="start", source=INITIAL, dest="job_failed", unless=["should_resume", "within_backoff"],
+    dict(trigger="start", source=INITIAL, dest=State.job_failed, unless=["should_resume", "within_backoff"],
          before=["persist_cleanup", "persist_state"], after="announce_notes"),
     # Training: after each step, a checkpoint when due; a kill between any two steps.
-    dict(trigger="checkpoint", source=TRAINING, dest="checkpointed",
+    dict(trigger="checkpoint", source=TRAINING, dest=State.checkpointed,
          conditions="should_checkpoint", before="persist_checkpoint"),
-    dict(trigger="kill", source=TRAINING, dest="killed", before="persist_state"),
+    dict(trigger="kill", source=TRAINING, dest=State.killed, before="persist_state"),
     # The gate: publish only a model that holds up against the baseline.
-    dict(trigger="gate", source=["resumed", "checkpointed"], dest="completed",
+    dict(trigger="gate", source=[State.resumed, State.checkpointed], dest=State.completed,
          conditions="drift_passes", before=["persist_artifact", "persist_state"],
          after="announce_artifact"),
-    dict(trigger="gate", source=["resumed", "checkpointed"], dest="drift_failed",
+    dict(trigger="gate", source=[State.resumed, State.checkpointed], dest=State.drift_failed,
          unless="drift_passes", before="persist_state"),
     # `trainjob reshard`: rewrite a checkpoint for another world size, then stop.
-    dict(trigger="reshard", source=INITIAL, dest="resharded",
+    dict(trigger="reshard", source=INITIAL, dest=State.resharded,
          before=["persist_cleanup", "persist_reshard"], after="announce_notes"),
 ]
 
@@ -77,22 +79,22 @@ GUARD_LABELS = {
 }
 
 # The log event announced on entering each state, and how its detail reads.
-EVENT_FOR_STATE = {state: state for state in STATES if state != INITIAL}
-EVENT_FOR_STATE["started"] = "job_started"
+EVENT_FOR_STATE = {state: state.value for state in STATES if state != INITIAL}
+EVENT_FOR_STATE[State.started] = "job_started"
 STATE_FOR_EVENT = {event: state for state, event in EVENT_FOR_STATE.items()}
 # Logged inside a transition rather than as one, before the event of the state entered.
 # Required, once: artifact_written comes just before completed.
-ANNOUNCED_WITHIN = {"artifact_written": "completed"}
+ANNOUNCED_WITHIN = {"artifact_written": State.completed}
 # Optional notes a process's first transition may log first, in this order, each zero or more
 # times: event -> the states that transition may enter. (What killed writers left and was
 # cleaned up; each checkpoint that failed verification and was set aside.)
 NOTED_WITHIN: dict[str, tuple[str, ...]] = {
-    "cleaned_up": ("completed", "resumed", "started", "job_failed", "resharded"),
-    "checkpoint_rejected": ("resumed",),
+    "cleaned_up": (State.completed, State.resumed, State.started, State.job_failed, State.resharded),
+    "checkpoint_rejected": (State.resumed,),
 }
 # States a process of its own reaches that leave the run's persisted state as it was: a
 # `trainjob reshard` may run between any two processes, so its event may appear there in a log.
-OUT_OF_BAND = ("resharded",)
+OUT_OF_BAND = (State.resharded,)
 
 # Each event's detail, as templates that both format it and parse it back: ``{name:int}`` is a
 # whole number (digits only), ``{name}`` any text, ``{holdout.correct:int}`` an attribute of a
@@ -156,7 +158,7 @@ def build(model: object) -> Machine:
     """
     return Machine(
         model=model,
-        states=[State(s, final=s in FINAL) for s in STATES],
+        states=[MachineState(s, final=s in FINAL) for s in STATES],
         transitions=TRANSITIONS,
         initial=INITIAL,
         auto_transitions=False,

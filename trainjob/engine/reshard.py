@@ -25,6 +25,7 @@ from .job import MachineModel
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..records import MANIFEST_SCHEMA, Manifest
+from ..states import State
 
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
@@ -54,7 +55,7 @@ class Reshard(MachineModel):
     def __init__(self, pvc: Pvc, log: EventLog, world_size: int, step: int | None) -> None:
         super().__init__(pvc, log)
         last = pvc.read_state()
-        if last is not None and last.state == "completed":
+        if last is not None and last.state == State.completed:
             raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
         self.source, verdict = pick_source(self.store, step, world_size)
         assert verdict.manifest is not None and verdict.sha256 is not None

@@ -64,6 +64,7 @@ import attrs
 from ..engine import decisions
 from ..errors import InputError
 from ..storage.eventlog import read_log
+from ..states import State
 from ..engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, NOTED_WITHIN, OUT_OF_BAND, TRANSITIONS
 
 # What the start guards answer for a PVC holding state ``p`` while the log's last event is or is
@@ -78,7 +79,7 @@ START_GUARDS: dict[str, Callable[[str, bool], bool]] = {
 
 def _refused(persisted: str, log_says_completed: bool) -> bool:
     """``job.Job`` starts no process (AlreadyCompleted) once the log announced the completion."""
-    return persisted == "completed" and log_says_completed
+    return persisted == State.completed and log_says_completed
 
 
 Edge = tuple[str, str]
@@ -216,7 +217,7 @@ def _candidates(at: str | None, within: tuple[Edge, ...] | None, last_event: str
     else:
         same = [(at, dest) for dest in _successors(at)]
         persisted = [at, *_successors(at)]
-    log_says_completed = last_event == EVENT_FOR_STATE["completed"]
+    log_says_completed = last_event == EVENT_FOR_STATE[State.completed]
     entries = _entries_after(persisted, log_says_completed)
     aside = [] if log_says_completed else [dest for dest in _successors(INITIAL) if dest in OUT_OF_BAND]
     return tuple(dict.fromkeys([*same, *((INITIAL, entry) for entry in [*entries, *aside])]))
