@@ -24,24 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from ..storage.digest import Sha256Pipe
-from ..records import DTYPES, TensorSlice
+from ..records import TensorSlice
+from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
 _MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header
-_CODE = {np.dtype(v): k for k, v in DTYPES.items()}
-
-
-def np_dtype(code: str) -> np.dtype:
-    """The numpy dtype of a safetensors dtype code (little-endian)."""
-    return np.dtype(DTYPES[code])
-
-
-def dtype_code(array: np.ndarray) -> str:
-    try:
-        return _CODE[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
-    except KeyError:
-        raise ValueError(f"dtype {array.dtype} cannot be stored in a shard") from None
-
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:
     """The safetensors bytes of ``tensors``, as a stream of chunks that views the arrays.
@@ -49,7 +36,7 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     Layout as the reference implementation writes it: tensors in name order (all of one dtype in
     trainjob's shards), offsets back to back, header JSON padded with spaces to 8 bytes.
     """
-    arrays = {name: np.ascontiguousarray(a, dtype=np.dtype(DTYPES[dtype_code(a)]))
+    arrays = {name: np.ascontiguousarray(a, dtype=np_dtype(dtype_code(a)))
               for name, a in sorted(tensors.items())}
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0

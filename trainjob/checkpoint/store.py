@@ -40,13 +40,10 @@ from ..errors import InputError, NoSpace, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
+from ..tensors import np_dtype, tensor_specs
 
 RECEIPT = ".receipt.json"
 TMP, TRASH, REJECTED = ".tmp-", ".trash-", "rejected-"
-
-
-def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
-    return tuple(TensorSpec(name=n, dtype=shards.dtype_code(a), shape=a.shape) for n, a in sorted(tensors.items()))
 
 
 def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -58,7 +55,7 @@ def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray])
     """
     chosen: dict[str, np.ndarray] = {}
     for t in specs:
-        a, dtype = into.get(t.name), shards.np_dtype(t.dtype)
+        a, dtype = into.get(t.name), np_dtype(t.dtype)
         fits = (isinstance(a, np.ndarray) and a.shape == tuple(t.shape) and a.dtype == dtype
                 and a.flags.c_contiguous and a.flags.writeable
                 and not any(np.may_share_memory(a, b) for b in chosen.values()))

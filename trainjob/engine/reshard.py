@@ -17,7 +17,6 @@ from transitions import EventData
 
 from ..checkpoint import plan as layout
 from . import machine
-from ..checkpoint import shards
 from ..checkpoint.store import CheckpointStore, Verification
 from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from ..storage.eventlog import EventLog
@@ -26,6 +25,7 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..records import MANIFEST_SCHEMA, Manifest
 from ..states import State
+from ..tensors import np_dtype
 
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
@@ -84,7 +84,7 @@ class Reshard(MachineModel):
         entries = []
         dest_layout = layout.plan_shards(src.tensors, n)
         for rank, pieces in enumerate(layout.plan_reshard(src, n)):
-            mine = {h.name: np.empty(h.shape, dtype=shards.np_dtype(h.dtype)) for h in dest_layout[rank]}
+            mine = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
                 mine[p.tensor][p.dest_row:p.dest_row + p.rows] = parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
             entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine))

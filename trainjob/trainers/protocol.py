@@ -32,9 +32,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..checkpoint.store import tensor_specs
 from ..errors import InputError, UsageError
 from ..records import Score, TensorSpec, is_sha256_hex
+from ..tensors import tensor_specs
 
 State = dict[str, np.ndarray]
 

@@ -1,0 +1,33 @@
+"""A training state's tensors as trainjob stores them: dtype codes and specs, at the foundation.
+
+The numpy dtype of each safetensors dtype code (from ``records.DTYPES``, the one table) and back,
+and the ``TensorSpec``s that describe a state. Both the trainer checks (``trainers/protocol.py``)
+and the shard format (``checkpoint/shards.py``) need them, and trainers may not import the
+checkpoint part, so they live here, below both. No I/O: this module only names and describes arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .records import DTYPES, TensorSpec
+
+_CODE = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+def np_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code (little-endian)."""
+    return np.dtype(DTYPES[code])
+
+
+def dtype_code(array: np.ndarray) -> str:
+    try:
+        return _CODE[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+    except KeyError:
+        raise ValueError(f"dtype {array.dtype} cannot be stored in a shard") from None
+
+
+def tensor_specs(tensors: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
+    return tuple(TensorSpec(name=n, dtype=dtype_code(a), shape=a.shape) for n, a in sorted(tensors.items()))
