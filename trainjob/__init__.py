@@ -5,4 +5,4 @@ The public surface is small: the CLI (``trainjob.cli.main``, run as a process by
 (``trainjob.decisions``) and the error tree.
 """
 
-__version__ = "0.1.0"
+from .defaults import VERSION as __version__

@@ -36,7 +36,7 @@ from typing import NoReturn
 
 import attrs
 
-from . import __version__
+from .defaults import VERSION
 from .deploy import policy as controller
 from .views import diagram
 from .deploy import k8s
@@ -105,7 +105,7 @@ def _weights(text: str) -> tuple[float, float, float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainjob", description="A training job that refuses silent success.")
-    parser.add_argument("--version", action="version", version=f"trainjob {__version__}")
+    parser.add_argument("--version", action="version", version=f"trainjob {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("gen", help="write a data set (train, holdout, baseline): the lab's, or digits")

@@ -19,9 +19,8 @@ from typing import Any
 import attrs
 import yaml
 
-from .. import __version__
+from ..defaults import BACKOFF_LIMIT, VERSION
 from ..errors import UsageError
-from ..engine.job import RunConfig
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
 CONTAINER = "trainjob"
@@ -41,10 +40,10 @@ class Target:
     """What to render: the ``k8s render`` flags, with the run's arguments already checked."""
 
     name: str = "trainjob"
-    image: str = f"trainjob:{__version__}"
+    image: str = f"trainjob:{VERSION}"
     storage: str = "1Gi"
     world_size: int = 1
-    backoff_limit: int = RunConfig().backoff_limit  # the run's own --backoff-limit
+    backoff_limit: int = BACKOFF_LIMIT  # the run's own --backoff-limit
     grace: int = 60
     deadline: int = 3600
     run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc and --backoff-limit

@@ -34,6 +34,7 @@ from . import decisions
 from ..checkpoint import plan as layout
 from . import machine
 from ..checkpoint.store import CheckpointStore, Loaded
+from ..defaults import BACKOFF_LIMIT
 from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
 from ..storage.eventlog import EventLog
@@ -52,7 +53,7 @@ class RunConfig:
     ckpt_every: int = 2
     lr: float = 0.05
     max_drop: int = 20
-    backoff_limit: int = 2
+    backoff_limit: int = BACKOFF_LIMIT
     die_at: int | None = None
     force_weights: tuple[float, float, float] | None = None
     keep: int = 3

@@ -1,0 +1,15 @@
+"""Values more than one part needs and none owns, written once at the foundation.
+
+``VERSION`` is the installed trainjob's version, read from the package metadata, so it is written
+in one place only (pyproject.toml); ``trainjob --version``, ``trainjob.__version__`` and the image
+``k8s render`` names by default all show it. ``BACKOFF_LIMIT`` is ``trainjob run``'s default retry
+budget, which ``k8s render`` sizes the Job's ``backoffLimit`` from: here, deploy reads it without
+importing the engine (and numpy and transitions with it). This module imports nothing of trainjob.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+VERSION = version("trainjob")
+BACKOFF_LIMIT = 2
