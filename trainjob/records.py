@@ -270,6 +270,10 @@ class Event:
     source: str | None = None
 
 
+# The ``source`` of the lines ``trainjob supervise`` writes: ``status`` tells them from the run's.
+SUPERVISOR = "supervisor"
+
+
 # --- the converter -----------------------------------------------------------------------------
 
 converter = cattrs.Converter(forbid_extra_keys=True)

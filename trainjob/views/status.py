@@ -14,9 +14,9 @@ from pathlib import Path
 
 import attrs
 
-from ..deploy.policy import SOURCE as SUPERVISOR
 from ..engine.machine import parse_detail
 from ..errors import InputError
+from ..records import SUPERVISOR
 from ..storage.eventlog import read_log
 
 
