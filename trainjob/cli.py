@@ -42,7 +42,7 @@ from .views import diagram
 from .deploy import k8s
 from .views import plot, replay_page
 from .trainers import protocol as trainer
-from .trainers.data import DATASETS
+from .trainers.datasets import DATASETS
 from .errors import InputError, Refused, TrainJobError, TryAgainLater, UsageError, os_errors
 from .storage.eventlog import EventLog
 from .engine.job import RunConfig, StopFlag, follow, run

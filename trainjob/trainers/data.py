@@ -8,7 +8,7 @@ with a SHA-256 over the files, so a resumed attempt can prove it trains on the s
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -99,24 +99,3 @@ def load_dataset(directory: Path | None) -> Dataset:
         baseline=load(raw["baseline.json"], LinearModel, where=str(directory / "baseline.json")),
         sha256=files_sha256(raw, FILES),
     )
-
-
-def _digits_files() -> dict[str, bytes]:
-    from .digits import generate_files as digits_files  # imported late: only gen needs scikit-learn
-
-    return digits_files()
-
-
-@attrs.frozen
-class Source:
-    """A data set ``trainjob gen --dataset NAME`` writes: its files' bytes, and one line saying what."""
-
-    generate: Callable[[], dict[str, bytes]]
-    summary: str
-
-
-DATASETS = {
-    "lab": Source(generate_files, f"train.jsonl ({N_TRAIN}), holdout.jsonl ({N_HOLDOUT}), baseline.json"),
-    "digits": Source(_digits_files, "train.safetensors (1437), holdout.safetensors (360), "
-                                    "baseline.safetensors (a reference model)"),
-}
