@@ -4,7 +4,7 @@
     python scripts/bench.py [--size 1GiB] [--world-size 1,2,4] [--repeat 5] [--json OUT] [--plot [PNG]]
 
 The state is synthetic: float32 matrices split across W ranks by trainjob's own rule
-(``layout.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
+(``plan.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
 peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
 ``trainjob run`` makes (``CheckpointStore.create_staging/write_slices/write_receipt/commit`` for a
 save, ``CheckpointStore.load`` for a resume), the engine overhead through the real CLI.
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainjob.checkpoint import plan as layout
+from trainjob.checkpoint import plan
 from trainjob.checkpoint import shards
 from trainjob.checkpoint.store import CheckpointStore
 from trainjob.checkpoint.plan import Ref
@@ -101,7 +101,7 @@ def state_bytes(spec: tuple[TensorSpec, ...]) -> int:
 
 def rank_state(spec: tuple[TensorSpec, ...], rank: int, world: int) -> tuple[tuple, dict[str, np.ndarray]]:
     """This rank's slices, filled (so every page is resident before the clock starts)."""
-    holds = layout.plan_shards(spec, world)[rank]
+    holds = plan.plan_shards(spec, world)[rank]
     mine = {}
     for i, h in enumerate(holds):
         a = np.empty(h.shape, dtype=np.float32)
@@ -208,12 +208,12 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
                         pipe.send_bytes(view)
                 else:
                     for conn, r in zip(pipe, range(1, world)):
-                        for h in layout.plan_shards(spec, world)[r]:
+                        for h in plan.plan_shards(spec, world)[r]:
                             dest = memoryview(full[h.name][h.start:h.start + h.shape[0]].reshape(-1)).cast("B")
                             got = 0
                             while got < len(dest):
                                 got += conn.recv_bytes_into(dest[got:])
-                    save_trainjob(root_path, 0, 1, layout.plan_shards(spec, 1)[0], full, spec, step)
+                    save_trainjob(root_path, 0, 1, plan.plan_shards(spec, 1)[0], full, spec, step)
             else:
                 save_peer(kind, root_path, rank, mine)
             t1 = time.perf_counter()

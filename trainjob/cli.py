@@ -41,7 +41,7 @@ from .deploy import policy as controller
 from .views import diagram
 from .deploy import k8s
 from .views import plot, replay_page
-from .trainers import protocol as trainer
+from .trainers import protocol
 from .trainers.datasets import DATASETS
 from .errors import InputError, Refused, TrainJobError, TryAgainLater, UsageError, os_errors
 from .storage.eventlog import EventLog
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pvc", type=Path, required=True, help="durable directory for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
-                   help=f"the model: {', '.join(trainer.BUILTIN)} (default %(default)s), or package.module:factory "
+                   help=f"the model: {', '.join(protocol.BUILTIN)} (default %(default)s), or package.module:factory "
                         "(docs/trainers.md)")
     r.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps)
@@ -260,7 +260,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         return launch(spec.world_size, args.argv)
     stop = StopFlag()
     stop.install()
-    model = trainer.build(args.trainer, args.data, cfg.lr)
+    model = protocol.build(args.trainer, args.data, cfg.lr)
     pvc = Pvc(args.pvc)
     pvc.create()
     log_path = _log_path(args)

@@ -7,16 +7,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.checkpoint import plan as layout
+from trainjob.checkpoint import plan
 from trainjob.checkpoint.plan import Ref
 from trainjob.records import Manifest, ShardEntry, TensorSpec
 
-worlds = st.integers(1, layout.MAX_WORLD_SIZE)
+worlds = st.integers(1, plan.MAX_WORLD_SIZE)
 
 
 @given(st.integers(0, 1000), worlds)
 def test_split_covers_every_row_once_in_order_and_balanced(rows, world):
-    ranges = layout.split_rows(rows, world)
+    ranges = plan.split_rows(rows, world)
     assert len(ranges) == world and ranges[0][0] == 0 and ranges[-1][1] == rows
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, no gap, no overlap
     sizes = [stop - start for start, stop in ranges]
@@ -25,15 +25,15 @@ def test_split_covers_every_row_once_in_order_and_balanced(rows, world):
 
 def test_the_built_in_model_split_is_the_documented_one():
     spec = [TensorSpec(name="params", dtype="F64", shape=(4,))]  # [w0, w1, w2, bias]
-    assert [[(s.start, s.shape) for s in r] for r in layout.plan_shards(spec, 2)] == [[(0, (2,))], [(2, (2,))]]
-    assert [r[0].start for r in layout.plan_shards(spec, 4)] == [0, 1, 2, 3]
-    assert [r[0].shape for r in layout.plan_shards(spec, 5)] == [(0,), (1,), (1,), (1,), (1,)]
+    assert [[(s.start, s.shape) for s in r] for r in plan.plan_shards(spec, 2)] == [[(0, (2,))], [(2, (2,))]]
+    assert [r[0].start for r in plan.plan_shards(spec, 4)] == [0, 1, 2, 3]
+    assert [r[0].shape for r in plan.plan_shards(spec, 5)] == [(0,), (1,), (1,), (1,), (1,)]
 
 
 def manifest_for(tensors: dict[str, np.ndarray], world: int) -> Manifest:
     specs = [TensorSpec(name=n, dtype="F64", shape=a.shape) for n, a in sorted(tensors.items())]
-    shards = [ShardEntry(rank=r, file=layout.shard_file(r, world), size=0, sha256="0" * 64, holds=holds)
-              for r, holds in enumerate(layout.plan_shards(specs, world))]
+    shards = [ShardEntry(rank=r, file=plan.shard_file(r, world), size=0, sha256="0" * 64, holds=holds)
+              for r, holds in enumerate(plan.plan_shards(specs, world))]
     return Manifest(schema=1, step=1, attempt=1, world_size=world, loss_milli=0, tensors=specs, shards=shards)
 
 
@@ -44,14 +44,14 @@ def test_reshard_plan_moves_every_value_to_where_a_native_save_would_put_it(rows
     src = manifest_for(tensors, src_world)
     src_parts = {s.rank: {h.name: tensors[h.name][h.start:h.start + h.shape[0]] for h in s.holds}
                  for s in src.shards}
-    dest_layout = layout.plan_shards(src.tensors, dest_world)
-    for rank, pieces in enumerate(layout.plan_reshard(src, dest_world)):
+    dest_layout = plan.plan_shards(src.tensors, dest_world)
+    for rank, pieces in enumerate(plan.plan_reshard(src, dest_world)):
         built = {h.name: np.full(h.shape, np.nan) for h in dest_layout[rank]}
         for p in pieces:
             built[p.tensor][p.dest_row:p.dest_row + p.rows] = src_parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
         for h in dest_layout[rank]:  # every row filled, with exactly the value a native save holds
             assert np.array_equal(built[h.name], tensors[h.name][h.start:h.start + h.shape[0]])
-    assert layout.manifest_problems(manifest_for(tensors, dest_world)) == []
+    assert plan.manifest_problems(manifest_for(tensors, dest_world)) == []
 
 
 refs = st.builds(Ref, attempt=st.integers(1, 3), step=st.integers(0, 12), world_size=st.integers(1, 4))
@@ -65,7 +65,7 @@ def test_pick_resume_is_the_newest_sound_step_and_never_falls_back_past_a_mismat
         tried.append(ref)
         return "bad" if ref in bad else None
 
-    pick = layout.pick_resume(sorted(all_refs), attempt, world, verify)
+    pick = plan.pick_resume(sorted(all_refs), attempt, world, verify)
     sound = [r for r in all_refs if r.attempt == attempt and r not in bad]
     newest = max((r.step for r in sound), default=None)
     assert [r for r, _ in pick.rejected] == [r for r in tried if r in bad]
@@ -80,7 +80,7 @@ def test_pick_resume_is_the_newest_sound_step_and_never_falls_back_past_a_mismat
 
 def test_pick_resume_falls_back_past_a_corrupt_newest_and_reports_it():
     r2, r4 = Ref(1, 2, 1), Ref(1, 4, 1)
-    pick = layout.pick_resume([r2, r4], 1, 1, lambda r: "flipped byte" if r == r4 else None)
+    pick = plan.pick_resume([r2, r4], 1, 1, lambda r: "flipped byte" if r == r4 else None)
     assert pick.chosen == r2 and pick.rejected == ((r4, "flipped byte"),)
 
 
@@ -88,27 +88,27 @@ def test_pick_resume_falls_back_past_a_corrupt_newest_and_reports_it():
 def test_rotation_keeps_the_k_newest_and_never_the_protected_one(all_refs, keep, world, data):
     all_refs = sorted(all_refs)
     protect = data.draw(st.sampled_from(all_refs)) if all_refs else None
-    doomed = layout.to_rotate(all_refs, keep, world, protect)
+    doomed = plan.to_rotate(all_refs, keep, world, protect)
     kept = [r for r in all_refs if r not in doomed]
     assert protect is None or protect in kept
     assert len(kept) <= keep + 1 and len(kept) >= min(keep, len(all_refs))
-    assert layout.newest_first(all_refs, world)[:keep] == layout.newest_first(kept, world)[:keep]
+    assert plan.newest_first(all_refs, world)[:keep] == plan.newest_first(kept, world)[:keep]
     with pytest.raises(ValueError):
-        layout.to_rotate(all_refs, 0, world, protect)
+        plan.to_rotate(all_refs, 0, world, protect)
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs", "a/b", ".", "..", ".hidden", "", "a\0b", "a b"])
 def test_file_names_that_could_leave_the_directory_are_not_plain(name):
-    assert not layout.plain_name(name)
+    assert not plan.plain_name(name)
 
 
 def test_names_round_trip_and_manifest_must_agree_with_its_directory():
     ref = Ref(attempt=2, step=4, world_size=3)
     assert Ref.parse(ref.name) == ref and Ref.parse("step-4") is None
     m = manifest_for({"params": np.zeros(4)}, 3)
-    assert layout.manifest_problems(m, Ref(attempt=1, step=1, world_size=3).name) == []
-    assert "disagrees" in layout.manifest_problems(m, ref.name)[0]
+    assert plan.manifest_problems(m, Ref(attempt=1, step=1, world_size=3).name) == []
+    assert "disagrees" in plan.manifest_problems(m, ref.name)[0]
     swapped = m.shards[1].__class__(rank=1, file=m.shards[1].file, size=0, sha256="0" * 64, holds=m.shards[2].holds)
     bad = Manifest(schema=1, step=1, attempt=1, world_size=3, loss_milli=0, tensors=m.tensors,
                    shards=(m.shards[0], swapped, m.shards[2]))
-    assert any("documented slice" in p for p in layout.manifest_problems(bad))
+    assert any("documented slice" in p for p in plan.manifest_problems(bad))

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import ROOT, trainjob
 from trainjob.views import diagram
-from trainjob.views import history as path_module
+from trainjob.views import history
 from trainjob.engine.machine import FINAL, STATES, TRANSITIONS
 
 IN_CI = bool(os.environ.get("CI"))  # CI installs everything: there a missing tool fails, never skips
@@ -83,7 +83,7 @@ def test_dot_draws_terminal_states_double_top_to_bottom_in_run_order():
 
 def test_a_changed_table_changes_the_picture(monkeypatch):
     before = diagram.render("mermaid")
-    monkeypatch.setattr(path_module, "TRANSITIONS",
+    monkeypatch.setattr(history, "TRANSITIONS",
                         [*TRANSITIONS, dict(trigger="retry", source="drift_failed", dest="pending")])
     after = diagram.render("mermaid").decode()
     assert after != before.decode() and "drift_failed --> pending: retry" in after

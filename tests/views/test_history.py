@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import events, trainjob
-from trainjob.views import history as path_module
+from trainjob.views import history
 from trainjob.engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, STATE_FOR_EVENT, TRANSITIONS
 from trainjob.views.history import replay
 
@@ -43,9 +43,9 @@ def write_log(where: Path, *names: str) -> Path:
 @pytest.fixture
 def fresh_table_cache():
     """Legality is cached per position; a test that edits the table must not leak its answers."""
-    path_module._candidates.cache_clear()
+    history._candidates.cache_clear()
     yield
-    path_module._candidates.cache_clear()
+    history._candidates.cache_clear()
 
 
 # --- real runs through the CLI ------------------------------------------------------------------
@@ -250,7 +250,7 @@ def test_next_event_is_legal_exactly_when_the_table_or_a_new_process_allows_it(t
 def test_legality_is_derived_from_the_table(tmp_path, monkeypatch, fresh_table_cache):
     log = write_log(tmp_path, "job_started", "artifact_written", "completed")
     assert replay(log).illegal.line == 2
-    monkeypatch.setattr(path_module, "TRANSITIONS",
+    monkeypatch.setattr(history, "TRANSITIONS",
                         [*TRANSITIONS, dict(trigger="gate", source="started", dest="completed")])
-    path_module._candidates.cache_clear()
+    history._candidates.cache_clear()
     assert replay(log).illegal is None

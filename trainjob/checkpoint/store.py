@@ -15,7 +15,7 @@ Layout under ``P/checkpoints/`` (names are fixed width, so they sort by step):
                                          kept for inspection, never loaded, never deleted by trainjob
 
 This module does the I/O; every choice (what to resume from, what to delete, whether a manifest
-is consistent) is asked of the pure functions in ``layout.py``. Writes go through
+is consistent) is asked of the pure functions in ``plan.py``. Writes go through
 ``pvc.write_staged`` (shards and the manifest, inside a staging directory), ``pvc.atomic_write``
 (receipts) and ``pvc.commit_dir`` only.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from . import plan as layout
+from . import plan
 from . import shards
 from ..errors import InputError, NoSpace, os_errors
 from .plan import MANIFEST, Ref
@@ -129,7 +129,7 @@ class CheckpointStore:
         if raw is None:
             raise InputError(f"{self.rel(path)}: missing: the checkpoint was never committed")
         manifest = load(raw, Manifest, where=self.rel(path))
-        problems = layout.manifest_problems(manifest, ref.name)
+        problems = plan.manifest_problems(manifest, ref.name)
         if problems:
             raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
         return manifest, hashlib.sha256(raw).hexdigest()
@@ -208,14 +208,14 @@ class CheckpointStore:
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
                     tensors: Mapping[str, np.ndarray]) -> ShardEntry:
         """Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
-        holds = layout.plan_shards(tensor_specs(tensors), world_size)[rank]
+        holds = plan.plan_shards(tensor_specs(tensors), world_size)[rank]
         return self.write_slices(staging, rank, world_size, step, holds,
                                  {h.name: tensors[h.name][h.rows] for h in holds})
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray]) -> ShardEntry:
         """Write rank ``rank``'s shard holding ``mine`` (described by ``holds``) into ``staging``."""
-        name = layout.shard_file(rank, world_size)
+        name = plan.shard_file(rank, world_size)
         meta = {"rank": str(rank), "world_size": str(world_size), "step": str(step)}
         written = write_staged(staging / name, shards.encode(mine, meta))
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
@@ -224,12 +224,12 @@ class CheckpointStore:
         atomic_write(staging / (entry.file + RECEIPT), (dumps(entry) + "\n").encode())
 
     def receipt_path(self, staging: Path, rank: int, world_size: int) -> Path:
-        return staging / (layout.shard_file(rank, world_size) + RECEIPT)
+        return staging / (plan.shard_file(rank, world_size) + RECEIPT)
 
     def read_receipt(self, staging: Path, rank: int, world_size: int) -> ShardEntry:
         path = self.receipt_path(staging, rank, world_size)
         entry = self.pvc.read_record(path, ShardEntry)
-        if entry is None or entry.rank != rank or entry.file != layout.shard_file(rank, world_size):
+        if entry is None or entry.rank != rank or entry.file != plan.shard_file(rank, world_size):
             raise InputError(f"{path}: missing or not rank {rank}'s receipt")
         return entry
 
@@ -277,7 +277,7 @@ class CheckpointStore:
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
         removed = []
-        for ref in layout.to_rotate(self.committed(), keep, world_size, protect):
+        for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
             if self._remove(self.path(ref)):
                 removed.append(ref.name)
         return removed

@@ -31,7 +31,7 @@ import attrs
 from transitions import EventData
 
 from . import decisions
-from ..checkpoint import plan as layout
+from ..checkpoint import plan
 from . import machine
 from ..checkpoint.store import CheckpointStore, Loaded
 from ..defaults import BACKOFF_LIMIT
@@ -163,7 +163,7 @@ class Job(MachineModel):
                                               into=self.initial)
             return verdicts[ref].reason
 
-        pick = layout.pick_resume(refs, attempt, self.cfg.world_size, verify)
+        pick = plan.pick_resume(refs, attempt, self.cfg.world_size, verify)
         rejected = list(pick.rejected)
         if named is not None and named not in refs:  # the newest commit vanished: damage, not "no checkpoint"
             rejected.insert(0, (named, f"{pointer.dir}: missing, but checkpoint.json names it"))

@@ -2,7 +2,7 @@
 
 The machine's ``reshard`` edge, with its own small model: pick the source (the newest checkpoint
 that verifies, or the newest at ``--step``), verify it, then build the new checkpoint shard by
-shard from the pure plan in ``layout.plan_reshard`` and commit it like any other: staged in a
+shard from the pure plan in ``plan.plan_reshard`` and commit it like any other: staged in a
 tmp directory, manifest last, one rename. The source is left alone (rotation removes it later),
 so a kill at any instant leaves the PVC as it was, plus at most a staging directory that the
 next start deletes. Takes the job lock: never runs beside a ``run``.
@@ -15,7 +15,7 @@ from collections import ChainMap
 import numpy as np
 from transitions import EventData
 
-from ..checkpoint import plan as layout
+from ..checkpoint import plan
 from . import machine
 from ..checkpoint.store import CheckpointStore, Verification
 from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
@@ -82,8 +82,8 @@ class Reshard(MachineModel):
                  for s in src.shards}
         staging = self.store.create_staging(self.target, STAGING_GENERATION)
         entries = []
-        dest_layout = layout.plan_shards(src.tensors, n)
-        for rank, pieces in enumerate(layout.plan_reshard(src, n)):
+        dest_layout = plan.plan_shards(src.tensors, n)
+        for rank, pieces in enumerate(plan.plan_reshard(src, n)):
             mine = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
                 mine[p.tensor][p.dest_row:p.dest_row + p.rows] = parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]

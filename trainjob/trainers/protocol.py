@@ -14,7 +14,7 @@ The state is a ``dict[str, np.ndarray]``: every array the next step depends on, 
 the result. Everything the engine checkpoints is in it; the scalars it keeps itself are the step
 and the loss, so a step must be a pure function of ``(state, step)`` (derive shuffles from the step
 number, never from a generator that lives outside the state). A trainer's own scalars go in as
-arrays of shape ``(1,)``. Each array is split across ranks along its first axis (layout.py).
+arrays of shape ``(1,)``. Each array is split across ranks along its first axis (checkpoint/plan.py).
 
 Optional capability: ``force_weights(state, values) -> state`` (the linear trainer's teaching hook
 behind ``--force-weights``). Trainers without it refuse that flag.

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import attrs
 
-from ..checkpoint import plan as layout
+from ..checkpoint import plan
 from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
 from ..engine.machine import parse_detail
 from ..errors import InputError
@@ -49,7 +49,7 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
     named = pointer.dir.removeprefix("checkpoints/") if pointer else None
 
     committed = store.committed()
-    newest = layout.newest_first(committed, pointer.world_size if pointer else 0)[:1]
+    newest = plan.newest_first(committed, pointer.world_size if pointer else 0)[:1]
     for name in store.entries():
         rel = f"checkpoints/{name}"
         ref = Ref.parse(name)
@@ -98,7 +98,7 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
     on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
     for rel in sorted(set(logged) | set(on_disk)):
         try:
-            raw = pvc.read_bytes(pvc.root / rel) if layout.plain_name(rel.removeprefix("artifacts/")) else None
+            raw = pvc.read_bytes(pvc.root / rel) if plan.plain_name(rel.removeprefix("artifacts/")) else None
         except InputError as exc:  # a symlink, unreadable: never followed, reported
             items.append(Item("artifact", rel, "corrupt", str(exc)))
             ok = False
