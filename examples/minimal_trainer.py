@@ -7,7 +7,7 @@ import hashlib
 
 import numpy as np
 
-from trainjob.records import Score
+from trainjob import Score
 
 
 class Minimal:

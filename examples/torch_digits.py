@@ -21,9 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from trainjob import PeerFailed, Score
 from trainjob.trainers.digits import BATCH, CLASSES, FEATURES, SEED, DigitsTrainer, make as digits_data
-from trainjob.errors import PeerFailed
-from trainjob.records import Score
 from trainjob.trainers.torch_state import from_arrays, materialize_sgd, to_arrays
 
 HIDDEN, MOMENTUM = 32, 0.9

@@ -1,0 +1,48 @@
+"""The public surface: ``trainjob.__all__`` is pinned, every name in it resolves, the version is
+the package metadata's, and the examples and docs import only what is public."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+import trainjob
+from trainjob import errors
+from trainjob.errors import TrainJobError
+
+ROOT = Path(__file__).resolve().parent.parent
+# Adding a name is a promise to keep it: add it here too. Removing one breaks users.
+PUBLIC = [
+    "__version__",
+    "Factory", "Score", "State", "Trainer",
+    "AlreadyCompleted", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy", "RankTimeout",
+    "Refused", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
+]
+# Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
+PUBLIC_MODULES = {"trainjob", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}
+
+
+def test_all_is_pinned():
+    assert sorted(trainjob.__all__) == sorted(PUBLIC)
+
+
+def test_every_public_name_resolves():
+    assert [name for name in trainjob.__all__ if not hasattr(trainjob, name)] == []
+
+
+def test_every_error_trainjob_raises_is_public():
+    tree = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, TrainJobError)}
+    assert tree - set(trainjob.__all__) == set()
+
+
+def test_the_version_is_written_once_in_the_package_metadata():
+    assert trainjob.__version__ == importlib.metadata.version("trainjob")
+    assert not re.search(r"^__version__\s*=", (ROOT / "trainjob/__init__.py").read_text(), re.M)
+
+
+def test_examples_readme_and_docs_import_only_the_public_surface():
+    texts = [*ROOT.glob("examples/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")]
+    imported = {(p.name, m) for p in texts
+                for m in re.findall(r"^\s*(?:from|import)\s+(trainjob[\w.]*)", p.read_text(), re.M)}
+    assert {(name, m) for name, m in imported if m not in PUBLIC_MODULES} == set()
