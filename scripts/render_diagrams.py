@@ -1,5 +1,5 @@
 """Regenerate the committed pictures in diagrams/ from the transition table; run after any change
-to trainjob/machine.py (tests/views/test_diagram.py fails while a committed picture is stale):
+to trainjob/engine/machine.py (tests/views/test_diagram.py fails while a committed picture is stale):
 
     .venv/bin/python scripts/render_diagrams.py
 

@@ -5,7 +5,7 @@ strict: unknown keys, wrong types (``true`` for an int, ``"1"`` for a float), no
 and out-of-range values are rejected with a message naming the field. JSON encoding is canonical
 (sorted keys, fixed separators) so the same record always yields the same bytes.
 
-This module does no I/O; ``pvc.py`` and ``data.py`` read and write the bytes.
+This module does no I/O; ``storage/pvc.py`` and ``trainers/data.py`` read and write the bytes.
 """
 
 from __future__ import annotations

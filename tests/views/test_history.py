@@ -219,7 +219,7 @@ def test_paths_that_unlogged_kills_make_possible_are_legal(tmp_path, names):
     assert replay(write_log(tmp_path, *names)).illegal is None
 
 
-# Who may begin after each state, per path.py's docstring (persist-before-announce included).
+# Who may begin after each state, per history.py's docstring (persist-before-announce included).
 NEW_PROCESS_MAY_LOG = {  # `trainjob reshard` (resharded) may run between any two processes
     "started": {"resumed", "resharded"}, "killed": {"resumed", "resharded"},
     "resumed": {"resumed", "job_started", "job_failed", "artifact_written", "resharded"},

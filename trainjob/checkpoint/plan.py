@@ -3,7 +3,7 @@ checkpoint to resume from, which to delete, and whether a manifest is self-consi
 
 No I/O, no clock, no globals: every function takes plain values (names, manifests, a verify
 callback) and returns plain values, so each policy is tested in isolation, with hypothesis.
-``checkpoints.py`` does the I/O and asks these functions what to do.
+``store.py`` does the I/O and asks these functions what to do.
 
 The split rule (documented in docs/checkpoints.md): every tensor is split along its first axis
 into ``world_size`` contiguous ranges, rank ``r`` owning rows ``[r*n//W, (r+1)*n//W)``. For the

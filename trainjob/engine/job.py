@@ -9,7 +9,7 @@ and writes its own shard of each checkpoint. Both share ``train``, the step loop
 ``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
 The engine never writes a file or a log line itself.
 
-The model is a ``Trainer`` (trainer.py): the engine asks it for an initial state, a step, and
+The model is a ``Trainer`` (trainers/protocol.py): the engine asks it for an initial state, a step, and
 two scores, and knows nothing else about it. The state is a dict of named arrays (model and
 optimizer); the engine checkpoints all of it and keeps only the step and the loss itself.
 

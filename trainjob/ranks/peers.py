@@ -25,7 +25,7 @@ The protocol, in short (docs/checkpoints.md has the long form):
    and all train on to the largest noted step, save it, and stop there.
 
 ``PvcCoordinator`` is rank 0's side, ``PvcFollower`` every other rank's, ``PvcPeers`` what both
-do. This module decides nothing about training; ``job.py`` drives it.
+do. This module decides nothing about training; ``engine/job.py`` drives it.
 """
 
 from __future__ import annotations

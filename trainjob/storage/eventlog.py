@@ -7,7 +7,7 @@ line, so one torn line never swallows the event after it. JSON encoding escapes 
 control characters in a detail: no detail can forge a second line.
 
 The reader streams: memory stays flat however long the log grows. It knows nothing about
-which sequences are legal; ``machine.py`` owns that.
+which sequences are legal; ``engine/machine.py`` owns that.
 """
 
 from __future__ import annotations

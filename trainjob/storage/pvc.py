@@ -7,8 +7,8 @@ Layout of a PVC directory (all paths relative to it):
     state.json                 RunState: the machine's last state and the attempt number
     attempts                   the attempt counter as a plain integer (the lab's contract)
     checkpoint.json            pointer to the newest committed checkpoint (``.step`` and more)
-    checkpoints/               one directory per committed checkpoint (see checkpoints.py)
-    ranks/                     how ranks coordinate through the PVC (see ranks.py)
+    checkpoints/               one directory per committed checkpoint (see checkpoint/store.py)
+    ranks/                     how ranks coordinate through the PVC (see ranks/peers.py)
     artifacts/model-vN.json    the model published by attempt N
     log.jsonl                  the decision log, unless ``--log`` points elsewhere
 
@@ -260,7 +260,7 @@ class Pvc:
         return self.read_record(self.state_path, RunState)
 
     def read_checkpoint(self) -> CheckpointPointer | None:
-        """The pointer ``checkpoint.json``; the checkpoint itself is read by checkpoints.py."""
+        """The pointer ``checkpoint.json``; the checkpoint itself is read by checkpoint/store.py."""
         return self.read_record(self.checkpoint_path, CheckpointPointer)
 
     def read_attempts(self) -> int:

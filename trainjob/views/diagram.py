@@ -1,7 +1,7 @@
 """Pictures of the state machine, drawn by ``transitions``' GraphMachine from the one table.
 
 Owns: turning ``machine.TRANSITIONS`` (with ``machine.GUARD_LABELS``) into mermaid or DOT source
-and, through Graphviz's ``dot``, SVG or PNG; and drawing a run's path (from ``path.py``) on the
+and, through Graphviz's ``dot``, SVG or PNG; and drawing a run's path (from ``history.py``) on the
 same picture: visited states and edges highlighted, each edge's count, the last state marked.
 
 Must not: keep its own copy of states, edges or labels (a picture that can disagree with the code
