@@ -54,3 +54,24 @@ def walkthrough_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert trainjob("run", "--pvc", pvc, "--die-at", 4, "--steps", 10).returncode == 75
     assert trainjob("run", "--pvc", pvc).returncode == 0
     return pvc / "log.jsonl"
+
+
+# Session fixtures that start processes: they run before any function-scoped guard can see them.
+PROCESS_FIXTURES = {"walkthrough_log"}
+
+
+@pytest.fixture(autouse=True)
+def _a_process_test_says_so(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that starts a process (the CLI, torchrun, a killpoint, Graphviz's dot), itself or
+    through a fixture, carries the ``process`` marker, so ``pytest -m "not process"`` is truly the
+    in-process half: one without the marker fails, saying so."""
+    if request.node.get_closest_marker("process") is not None:
+        return
+    message = f"{request.node.nodeid} starts a process: mark it @pytest.mark.process"
+    if PROCESS_FIXTURES & set(request.fixturenames):
+        pytest.fail(message)
+
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError(message)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)

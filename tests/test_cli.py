@@ -32,6 +32,7 @@ def hide_hash(pairs):
     return [(e, re.sub(r"sha256=[0-9a-f]{64}", "sha256=<hex>", d)) for e, d in pairs]
 
 
+@pytest.mark.process
 def test_walkthrough_event_for_event(pvc):
     assert trainjob("run", "--pvc", pvc, "--die-at", 4, "--steps", 10).returncode == 75
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 4
@@ -45,6 +46,7 @@ def test_walkthrough_event_for_event(pvc):
         "lines: 10", "last_event: completed", "attempts: 1", "artifact: artifacts/model-v1.json", "drift: pass"]
 
 
+@pytest.mark.process
 def test_logged_sha256_is_the_hash_of_the_artifact_bytes(pvc):
     assert trainjob("run", "--pvc", pvc).returncode == 0
     detail = dict(events(pvc / "log.jsonl"))["artifact_written"]
@@ -52,6 +54,7 @@ def test_logged_sha256_is_the_hash_of_the_artifact_bytes(pvc):
     assert digest == hashlib.sha256((pvc / "artifacts/model-v1.json").read_bytes()).hexdigest()
 
 
+@pytest.mark.process
 def test_forced_zero_weights_fail_the_gate_honestly(pvc):
     result = trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0")
     assert result.returncode == 1
@@ -62,6 +65,7 @@ def test_forced_zero_weights_fail_the_gate_honestly(pvc):
     assert status.returncode == 1 and "drift: fail" in status.stdout and "artifact: none" in status.stdout
 
 
+@pytest.mark.process
 def test_backoff_limit_stops_the_loop(pvc):
     codes = [trainjob("run", "--pvc", pvc, "--backoff-limit", 1, "--force-weights", "0,0,0").returncode
              for _ in range(3)]
@@ -72,12 +76,14 @@ def test_backoff_limit_stops_the_loop(pvc):
     assert (pvc / "attempts").read_text().strip() == "2"
 
 
+@pytest.mark.process
 def test_die_at_a_step_without_checkpoint_repeats_that_step(pvc):
     assert trainjob("run", "--pvc", pvc, "--die-at", 3).returncode == 75
     assert trainjob("run", "--pvc", pvc).returncode == 0
     assert ("resumed", "from_step=2") in events(pvc / "log.jsonl")
 
 
+@pytest.mark.process
 def test_data_directory_from_gen_gives_the_same_artifact(tmp_path):
     assert trainjob("gen", tmp_path / "data").stdout.startswith("wrote train.jsonl (40), holdout.jsonl (20)")
     assert trainjob("run", "--pvc", tmp_path / "a", "--data", tmp_path / "data").returncode == 0
@@ -85,6 +91,7 @@ def test_data_directory_from_gen_gives_the_same_artifact(tmp_path):
     assert snapshot(tmp_path / "a" / "artifacts") == snapshot(tmp_path / "b" / "artifacts")
 
 
+@pytest.mark.process
 def test_log_flag_puts_the_log_elsewhere(tmp_path, pvc):
     assert trainjob("run", "--pvc", pvc, "--log", tmp_path / "logs/run.jsonl").returncode == 0
     assert events(tmp_path / "logs/run.jsonl")[-1][0] == "completed"
@@ -104,6 +111,7 @@ def test_log_flag_puts_the_log_elsewhere(tmp_path, pvc):
         (["--steps", "ten"], "invalid int"),
     ],
 )
+@pytest.mark.process
 def test_bad_flags_exit_2_with_one_line(pvc, flags, message):
     result = trainjob("run", "--pvc", pvc, *flags)
     assert result.returncode == 2
@@ -111,16 +119,19 @@ def test_bad_flags_exit_2_with_one_line(pvc, flags, message):
     assert not pvc.exists()  # nothing written for a run that could never work
 
 
+@pytest.mark.process
 def test_status_of_missing_log_is_exit_2_not_1(tmp_path):
     result = trainjob("status", tmp_path / "nope.jsonl")
     assert result.returncode == 2 and "not found" in result.stderr
 
 
+@pytest.mark.process
 def test_status_of_killed_run_is_75(pvc):
     trainjob("run", "--pvc", pvc, "--die-at", 2)
     assert trainjob("status", pvc / "log.jsonl").returncode == 75
 
 
+@pytest.mark.process
 def test_status_json(pvc):
     trainjob("run", "--pvc", pvc)
     result = trainjob("status", pvc / "log.jsonl", "--json")
@@ -129,6 +140,7 @@ def test_status_json(pvc):
                                           "supervisor": None}
 
 
+@pytest.mark.process
 def test_pvc_that_is_a_file_exits_2(tmp_path):
     (tmp_path / "f").write_text("mine")
     result = trainjob("run", "--pvc", tmp_path / "f")
@@ -147,6 +159,7 @@ def test_pvc_that_is_a_file_exits_2(tmp_path):
         ("state.json", '{"state": "checkpoint3d", "attempt": 1, "lr": 0.05, "data_sha256": "' + "0" * 64 + '"}'),
     ],
 )
+@pytest.mark.process
 def test_corrupt_pvc_file_exits_2_and_is_left_untouched(pvc, name, content):
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
     (pvc / name).write_text(content)
@@ -157,6 +170,7 @@ def test_corrupt_pvc_file_exits_2_and_is_left_untouched(pvc, name, content):
     assert snapshot(pvc) == before
 
 
+@pytest.mark.process
 def test_bad_data_exits_2_naming_file_and_line(tmp_path, pvc):
     trainjob("gen", tmp_path / "data")
     with open(tmp_path / "data/train.jsonl", "a") as f:
@@ -165,6 +179,7 @@ def test_bad_data_exits_2_naming_file_and_line(tmp_path, pvc):
     assert result.returncode == 2 and "train.jsonl:41" in result.stderr
 
 
+@pytest.mark.process
 def test_gen_refuses_to_overwrite_different_data(tmp_path):
     trainjob("gen", tmp_path / "data")
     (tmp_path / "data/baseline.json").write_text('{"weights":[0,0,0],"bias":0}')
@@ -173,6 +188,7 @@ def test_gen_refuses_to_overwrite_different_data(tmp_path):
     assert (tmp_path / "data/baseline.json").read_text() == '{"weights":[0,0,0],"bias":0}'
 
 
+@pytest.mark.process
 def test_completed_pvc_refuses_a_new_run(pvc):
     assert trainjob("run", "--pvc", pvc).returncode == 0
     before = snapshot(pvc)
@@ -181,12 +197,14 @@ def test_completed_pvc_refuses_a_new_run(pvc):
     assert snapshot(pvc) == before
 
 
+@pytest.mark.process
 def test_resume_with_other_settings_is_refused(pvc):
     trainjob("run", "--pvc", pvc, "--die-at", 4)
     result = trainjob("run", "--pvc", pvc, "--lr", "0.1")
     assert result.returncode == 2 and "same --lr" in result.stderr
 
 
+@pytest.mark.process
 def test_fresh_attempt_killed_before_its_first_checkpoint_starts_from_step_0(tmp_path, pvc):
     assert trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0").returncode == 1  # attempt 1 ends at step 10
     assert trainjob("run", "--pvc", pvc, "--die-at", 1).returncode == 75  # attempt 2 dies before step 2's checkpoint
@@ -198,6 +216,7 @@ def test_fresh_attempt_killed_before_its_first_checkpoint_starts_from_step_0(tmp
     assert weights[0] == weights[1]
 
 
+@pytest.mark.process
 def test_fresh_attempt_may_change_settings(pvc):
     assert trainjob("run", "--pvc", pvc, "--force-weights", "0,0,0").returncode == 1
     assert trainjob("run", "--pvc", pvc, "--lr", "0.1").returncode == 0
@@ -213,6 +232,7 @@ def test_internal_error_is_70_never_1(pvc, monkeypatch, capsys):
     assert "internal error" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_status_into_a_closed_pipe_keeps_its_exit_code(pvc):
     trainjob("run", "--pvc", pvc, "--die-at", 2)
     result = subprocess.run(f"{sys.executable} -m trainjob status {pvc}/log.jsonl | head -c 0; exit ${{PIPESTATUS[0]}}",
@@ -220,6 +240,7 @@ def test_status_into_a_closed_pipe_keeps_its_exit_code(pvc):
     assert result.returncode == 75 and "internal error" not in result.stderr
 
 
+@pytest.mark.process
 def test_nothing_created_is_group_or_world_writable_even_with_umask_0(tmp_path):
     script = f"import os, sys; os.umask(0); from trainjob.cli import main; sys.exit(main(['run', '--pvc', '{tmp_path}/a/b/pvc']))"
     assert subprocess.run([sys.executable, "-c", script]).returncode == 0
@@ -228,6 +249,7 @@ def test_nothing_created_is_group_or_world_writable_even_with_umask_0(tmp_path):
 
 
 @pytest.mark.parametrize("entry", ["artifacts", "log.jsonl", "state.json", ".lock"])
+@pytest.mark.process
 def test_a_pvc_entry_that_is_a_symlink_out_of_the_pvc_is_refused(tmp_path, pvc, entry):
     assert trainjob("run", "--pvc", pvc, "--die-at", 8).returncode == 75
     outside = tmp_path / "outside"
@@ -241,6 +263,7 @@ def test_a_pvc_entry_that_is_a_symlink_out_of_the_pvc_is_refused(tmp_path, pvc, 
     assert list(outside.iterdir()) == [] and snapshot(pvc) == before
 
 
+@pytest.mark.process
 def test_a_sigterm_after_the_outcome_is_decided_does_not_change_the_exit_code(tmp_path):
     """Python puts the default SIGTERM action back while it shuts down, and a run that has logged
     `completed` may be told to stop in that instant: it must still exit with its decided code, not
@@ -254,6 +277,7 @@ def test_a_sigterm_after_the_outcome_is_decided_does_not_change_the_exit_code(tm
 
 
 @pytest.mark.parametrize("command", [["diagram"], ["k8s", "render"], ["status", "LOG"], ["status", "LOG", "--path"]])
+@pytest.mark.process
 def test_a_closed_stdout_is_one_line_and_exit_2_not_silence_or_70(walkthrough_log, command):
     # `cmd >&-`: Python starts without sys.stdout, and print() to it silently does nothing.
     argv = [str(walkthrough_log) if a == "LOG" else a for a in command]
@@ -263,6 +287,7 @@ def test_a_closed_stdout_is_one_line_and_exit_2_not_silence_or_70(walkthrough_lo
     assert result.stderr == f"trainjob {command[0]}: stdout is closed: nothing was written (redirect it to a file)\n"
 
 
+@pytest.mark.process
 def test_stdout_on_a_full_device_is_storage_trouble_75(tmp_path):
     with open("/dev/full", "w") as full:
         result = subprocess.run([sys.executable, "-m", "trainjob", "diagram"], stdout=full, stderr=subprocess.PIPE,

@@ -18,6 +18,8 @@ import pytest
 from conftest import events, snapshot, trainjob
 from trainjob.views.history import replay
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 
 @pytest.fixture(scope="module")
 def clean_artifact(tmp_path_factory) -> bytes:

@@ -41,11 +41,13 @@ def test_rotation_never_exceeds_k_plus_one_and_never_loses_the_newest(tmp_path, 
     assert committed(pvc) == [f"step-{s:08d}-a0001-w001" for s in range(11 - keep, 11)]
 
 
+@pytest.mark.process
 def test_keep_below_one_is_a_usage_error_saying_what_to_change(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--keep", 0)
     assert result.returncode == 2 and "--keep must be at least 1" in result.stderr
 
 
+@pytest.mark.process
 def test_a_save_that_cannot_fit_exits_75_and_keeps_every_checkpoint(tmp_path, monkeypatch, capsys):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
@@ -59,6 +61,7 @@ def test_a_save_that_cannot_fit_exits_75_and_keeps_every_checkpoint(tmp_path, mo
     assert cli.main(["run", "--pvc", str(pvc)]) == 0  # with room again, it simply goes on
 
 
+@pytest.mark.process
 def test_abandoned_staging_and_trash_are_removed_on_the_next_start_and_logged(tmp_path):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
@@ -75,6 +78,7 @@ def test_abandoned_staging_and_trash_are_removed_on_the_next_start_and_logged(tm
     assert replay(pvc / "log.jsonl").illegal is None  # cleaned_up is a note the table knows
 
 
+@pytest.mark.process
 def test_an_old_format_checkpoint_json_is_refused_not_loaded(tmp_path):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
@@ -83,6 +87,7 @@ def test_an_old_format_checkpoint_json_is_refused_not_loaded(tmp_path):
     assert result.returncode == 2 and "checkpoint.json" in result.stderr and "weights" in result.stderr
 
 
+@pytest.mark.process
 def test_a_vanished_newest_checkpoint_is_not_mistaken_for_no_checkpoint(tmp_path):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--die-at", 2).returncode == 75

@@ -208,6 +208,7 @@ def test_docs_show_what_render_prints():
     ["--", "run", "--pvc", "/elsewhere"], ["--", "run", "--backoff-limit", "5"], ["--", "run", "--steps", "0"],
     ["--", "gen", "data"], ["--", "run", "--no-such-flag"],
 ])
+@pytest.mark.process
 def test_bad_flags_are_one_line_and_exit_2(argv):
     done = subprocess.run([sys.executable, "-m", "trainjob", "k8s", "render", *argv], capture_output=True,
                           text=True)
@@ -229,6 +230,7 @@ def job_action(rules: list[dict], exit_code: int, conditions: set[str]) -> str:
 
 
 @pytest.mark.parametrize(("limit", "preempted"), [(0, False), (1, True), (2, False)])
+@pytest.mark.process
 def test_the_job_fails_on_the_very_pod_that_logs_job_failed(tmp_path, limit, preempted):
     """Run the rendered command as the Job would, pod after pod, against the rendered policy."""
     _, job = manifests("--backoff-limit", str(limit), "--", "run", "--force-weights", "0,0,0")

@@ -18,6 +18,8 @@ from trainjob.cli import EXIT_FOR_ENDING
 from trainjob.deploy.policy import SOURCE
 from trainjob.storage.eventlog import read_log
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 TRAINJOB = [sys.executable, "-m", "trainjob"]
 FAST = ["--backoff-base", "0.01", "--backoff-cap", "0.05"]
 LONG_RUN = ["--steps", "10000000", "--ckpt-every", "10000000"]  # minutes of training if left alone

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 
 from conftest import events, io_calls, killpoint, snapshot, trainjob
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 FLAGS = ["--steps", "3", "--ckpt-every", "2"]
 
 

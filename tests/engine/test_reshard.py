@@ -11,6 +11,8 @@ import pytest
 from conftest import events, io_calls, killpoint, snapshot, trainjob
 from trainjob.views.history import replay
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 
 @pytest.fixture(scope="module")
 def two_ranks_killed_at_4(tmp_path_factory):

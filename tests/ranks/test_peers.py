@@ -46,6 +46,7 @@ def one_rank(tmp_path_factory):
 
 
 @pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.process
 def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank, world):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--world-size", world, "--die-at", 4).returncode == 75
@@ -56,6 +57,7 @@ def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank
     assert [s["rank"] for s in manifest["shards"]] == list(range(world))
 
 
+@pytest.mark.process
 def test_drift_failure_is_the_same_verdict_at_two_ranks(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--world-size", 2, "--force-weights", "0,0,0")
     assert result.returncode == 1
@@ -70,6 +72,7 @@ def rank_proc(pvc: Path, rank: int, *args: str, env: dict | None = None, killpoi
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.process
 def test_ranks_started_by_another_launcher_find_each_other_through_the_pvc(tmp_path, one_rank):
     pvc = tmp_path / "pvc"
     follower = rank_proc(pvc, 1, env={"RANK": "1", "WORLD_SIZE": "2"})  # torchrun style, started first
@@ -79,6 +82,7 @@ def test_ranks_started_by_another_launcher_find_each_other_through_the_pvc(tmp_p
     assert (pvc / "artifacts/model-v1.json").read_bytes() == (one_rank / "artifacts/model-v1.json").read_bytes()
 
 
+@pytest.mark.process
 def test_a_second_process_for_the_same_rank_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     pvc.mkdir()
@@ -91,6 +95,7 @@ def test_a_second_process_for_the_same_rank_exits_75(tmp_path):
     assert result.returncode == 75 and "rank-1" in result.stderr
 
 
+@pytest.mark.process
 def test_a_rank_alone_waits_a_bounded_time_then_exits_75(tmp_path):
     started = time.monotonic()
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--rank", 1, "--world-size", 2, "--rank-timeout", 1)
@@ -184,6 +189,7 @@ def short_reference(tmp_path_factory) -> bytes:
 # manifest, renames the directory, writes the pointer, rotates. The survivor must give up within
 # its bounded wait (75), and a relaunch of all ranks must finish with the uninterrupted bytes.
 @pytest.mark.parametrize("victim, point", [(1, 0), (1, 10), (0, 5), (0, 33), (0, 60)])
+@pytest.mark.process
 def test_sigkill_of_one_rank_at_any_point_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
     pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--keep", "2", "--world-size", "2",
                                      "--rank-timeout", "1")
@@ -218,6 +224,7 @@ def wait_for_start(pvc: Path) -> None:
     wait_until(lambda: log.exists() and log.read_text() != "", "the run's start")
 
 
+@pytest.mark.process
 def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "2",
@@ -231,6 +238,7 @@ def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tm
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == at_step  # saved where it stopped
 
 
+@pytest.mark.process
 def test_sigterm_to_one_rank_stops_all_at_an_agreed_step_with_a_checkpoint(tmp_path):
     pvc = tmp_path / "pvc"
     procs = [rank_proc(pvc, r, *LONG, "--rank", str(r), "--world-size", "2") for r in (0, 1)]
@@ -243,6 +251,7 @@ def test_sigterm_to_one_rank_stops_all_at_an_agreed_step_with_a_checkpoint(tmp_p
     assert detail.startswith(f"at_step={step} ") and trainjob("verify", "--pvc", pvc).returncode == 0
 
 
+@pytest.mark.process
 def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "3",
@@ -254,6 +263,7 @@ def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
     assert trainjob("verify", "--pvc", pvc).returncode == 0
 
 
+@pytest.mark.process
 def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_finishes(tmp_path, short_reference):
     """Rank 0 stopped while waiting for a rank that never came: nothing was trained, so it must not
     sit out --rank-timeout and exit with the log still at job_started; it logs the kill and exits 75."""
@@ -271,6 +281,7 @@ def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_f
     assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
 
 
+@pytest.mark.process
 def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(tmp_path):
     pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--world-size", "3")
     rank0 = rank_proc(pvc, 0, *flags, "--rank", "0")

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -36,6 +38,7 @@ def test_each_contender_is_compared_with_the_reference_runs_on_either_side_of_it
     assert [r["ref_seconds"] for r in runs["raw"]] == [1.0, 3.0, 5.0]
 
 
+@pytest.mark.process
 def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(

@@ -3,7 +3,11 @@
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
+
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
 
 
 def run_checks(trainjob_cmd: str) -> subprocess.CompletedProcess:

@@ -41,6 +41,7 @@ def artifact(pvc) -> bytes:
     return (pvc / "artifacts/model-v1.json").read_bytes()
 
 
+@pytest.mark.process
 def test_gen_is_repeatable_and_splits_by_index(tmp_path, data):
     assert trainjob("gen", "--dataset", "digits", tmp_path / "again").returncode == 0
     again = tmp_path / "again"
@@ -49,6 +50,7 @@ def test_gen_is_repeatable_and_splits_by_index(tmp_path, data):
     assert (len(trainer.y), len(trainer.hy)) == (1437, 360) and trainer.x.shape == (1437, 64)
 
 
+@pytest.mark.process
 def test_default_run_scores_in_the_90s_and_beats_the_frozen_baseline(tmp_path, data):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, "--trainer", "digits").returncode == 0
@@ -59,6 +61,7 @@ def test_default_run_scores_in_the_90s_and_beats_the_frozen_baseline(tmp_path, d
     assert events(pvc / "log.jsonl")[-1] == ("completed", f"holdout: {correct}/360 vs baseline {base}/360")
 
 
+@pytest.mark.process
 def test_two_ranks_write_the_one_rank_bytes_and_split_every_array(tmp_path, data, reference):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, *SHORT, "--world-size", 2, "--die-at", 2).returncode == 75
@@ -80,6 +83,7 @@ def short_run_io_calls(tmp_path_factory, data) -> int:
 # after "completed" is logged, are tests/engine/test_crash.py's). Every relaunch must end with the
 # uninterrupted bytes, so the momentum buffers came back exactly too.
 @pytest.mark.parametrize("fraction", [0.03, 0.15, 0.35, 0.5, 0.66, 0.82, 0.95])
+@pytest.mark.process
 def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, reference, short_run_io_calls, fraction):
     pvc, point = tmp_path / "pvc", int(fraction * short_run_io_calls)
     assert killpoint(point, "run", "--pvc", pvc, "--data", data, *SHORT).returncode == -signal.SIGKILL
@@ -89,6 +93,7 @@ def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, refer
 
 
 @pytest.mark.parametrize("victim, point", [(1, 8), (0, 30), (0, 70)])
+@pytest.mark.process
 def test_sigkill_of_either_rank_at_two_ranks_resumes_to_the_same_bytes(tmp_path, data, reference, victim, point):
     pvc, flags = tmp_path / "pvc", (*SHORT, "--world-size", "2", "--rank-timeout", "2")
     procs = []
@@ -103,6 +108,7 @@ def test_sigkill_of_either_rank_at_two_ranks_resumes_to_the_same_bytes(tmp_path,
     assert artifact(pvc) == reference
 
 
+@pytest.mark.process
 def test_a_trainer_that_keeps_momentum_out_of_the_checkpoint_resumes_to_other_weights(tmp_path, data, reference):
     """The control for the tests above: drop the momentum buffers from what is checkpointed and a
     kill changes the result. If the buffers did not matter, the kill tests would prove nothing."""
@@ -135,6 +141,7 @@ def test_dropping_the_buffers_at_a_step_changes_the_weights(data):
     assert not np.array_equal(kept["W"], lost["W"])
 
 
+@pytest.mark.process
 def test_a_checkpoint_of_other_arrays_is_refused_before_anything_is_written(tmp_path, data):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, *SHORT, "--die-at", 2).returncode == 75

@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, events
 
 EXAMPLE = ROOT / "examples/minimal_trainer.py"
@@ -26,6 +28,7 @@ def test_the_documented_trainer_is_the_tested_file_and_under_60_lines():
     assert len(block.splitlines()) < 60
 
 
+@pytest.mark.process
 def test_the_documented_trainer_resumes_after_a_kill_to_the_same_bytes(tmp_path):
     assert run(tmp_path / "clean").returncode == 0
     assert run(tmp_path / "killed", "--die-at", 3, "--world-size", 2).returncode == 75

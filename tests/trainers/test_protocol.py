@@ -29,6 +29,7 @@ def run_with_helpers(pvc, *flags):
     ("user_trainers:no_arguments", "the factory must accept (data, lr)"),
     ("user_trainers:not_a_trainer", "object does not fit the Trainer protocol; missing initial_state, step"),
 ])
+@pytest.mark.process
 def test_a_bad_trainer_is_a_one_line_usage_error_before_the_pvc_is_touched(tmp_path, spec, says):
     result = run_with_helpers(tmp_path / "pvc", "--trainer", spec)
     assert result.returncode == 2, result.stderr
@@ -36,6 +37,7 @@ def test_a_bad_trainer_is_a_one_line_usage_error_before_the_pvc_is_touched(tmp_p
     assert not (tmp_path / "pvc").exists()
 
 
+@pytest.mark.process
 def test_force_weights_is_a_linear_capability(tmp_path):
     data = tmp_path / "data"
     assert trainjob("gen", "--dataset", "digits", data).returncode == 0
@@ -45,11 +47,13 @@ def test_force_weights_is_a_linear_capability(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.process
 def test_digits_without_data_says_how_to_make_it(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--trainer", "digits")
     assert result.returncode == 2 and "trainjob gen --dataset digits" in result.stderr
 
 
+@pytest.mark.process
 def test_linear_by_name_or_by_path_is_the_default(tmp_path, walkthrough_log):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--die-at", 4, "--steps", 10, "--trainer", "linear").returncode == 75
@@ -84,12 +88,14 @@ def test_progress_line_shows_step_loss_rate_and_eta():
     assert stream.getvalue().endswith("step 4/4  loss 0.226  0.50 steps/s  ETA 0s\x1b[K\n")
 
 
+@pytest.mark.process
 def test_a_run_under_a_pipe_prints_no_progress_and_the_log_holds_none(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc")
     assert result.returncode == 0 and result.stderr == ""
     assert not [e for e in events(tmp_path / "pvc/log.jsonl") if "steps/s" in e[1]]
 
 
+@pytest.mark.process
 def test_a_run_on_a_terminal_shows_progress_on_stderr_only(tmp_path):
     pty = pytest.importorskip("pty")
     leader, follower = pty.openpty()

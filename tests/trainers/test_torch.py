@@ -71,6 +71,7 @@ def arrays(pvc: Path):
     return json.loads((pvc / "artifacts/model-v1.json").read_text())["arrays"]
 
 
+@pytest.mark.process
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path):
     data = tmp_path / "data"
     assert trainjob("gen", "--dataset", "digits", data).returncode == 0

@@ -55,6 +55,7 @@ def python_without(module: str, *args: str) -> subprocess.CompletedProcess:
 
 # --- the machine ----------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_mermaid_draws_every_table_edge_with_trigger_and_guard():
     result = trainjob("diagram")
     assert result.returncode == 0
@@ -69,6 +70,7 @@ def test_mermaid_draws_every_table_edge_with_trigger_and_guard():
     assert {line.split()[0] for line in lines if line.endswith("--> [*]")} == set(FINAL)
 
 
+@pytest.mark.process
 def test_dot_draws_terminal_states_double_top_to_bottom_in_run_order():
     result = trainjob("diagram", "--format", "dot")
     assert result.returncode == 0, result.stderr
@@ -90,6 +92,7 @@ def test_a_changed_table_changes_the_picture(monkeypatch):
 
 
 @needs_dot
+@pytest.mark.process
 def test_svg_is_drawn_from_the_dot_source_and_says_which(tmp_path):
     dot = trainjob("diagram", "--format", "dot").stdout
     assert trainjob("diagram", "-o", tmp_path / "m.svg").returncode == 0  # format from the suffix
@@ -99,6 +102,7 @@ def test_svg_is_drawn_from_the_dot_source_and_says_which(tmp_path):
 
 
 @needs_dot
+@pytest.mark.process
 def test_png_is_a_png(tmp_path):
     assert trainjob("diagram", "--format", "png", "-o", tmp_path / "m.png").returncode == 0
     assert (tmp_path / "m.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
@@ -106,6 +110,7 @@ def test_png_is_a_png(tmp_path):
 
 @needs_graphviz
 @pytest.mark.parametrize("fmt", ["svg", "png"])
+@pytest.mark.process
 def test_without_dot_svg_and_png_exit_2_saying_how_to_install_it(tmp_path, fmt):
     result = subprocess.run([sys.executable, "-m", "trainjob", "diagram", "--format", fmt, "-o", tmp_path / "x"],
                             capture_output=True, text=True, env={**os.environ, "PATH": str(tmp_path)})
@@ -114,6 +119,7 @@ def test_without_dot_svg_and_png_exit_2_saying_how_to_install_it(tmp_path, fmt):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.process
 def test_without_the_graphviz_package_dot_exits_2_instead_of_falling_back_to_mermaid():
     result = python_without("graphviz", "diagram", "--format", "dot")
     assert result.returncode == 2 and result.stdout == ""
@@ -125,6 +131,7 @@ def test_without_the_graphviz_package_dot_exits_2_instead_of_falling_back_to_mer
 # --- a run's path ---------------------------------------------------------------------------------
 
 @needs_graphviz
+@pytest.mark.process
 def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthrough_log):
     result = trainjob("diagram", "--format", "dot", "--log", walkthrough_log)
     assert result.returncode == 0, result.stderr
@@ -141,12 +148,14 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
     assert "last state completed" in result.stdout
 
 
+@pytest.mark.process
 def test_walkthrough_in_mermaid_marks_the_last_state_and_counts_edges(walkthrough_log):
     out = trainjob("diagram", "--log", walkthrough_log).stdout.splitlines()
     assert "  Class completed s_final_last" in out and "  Class drift_failed s_final_unvisited" in out
     assert "  checkpointed --> checkpointed: checkpoint [step % ckpt_every == 0, last step or SIGTERM] ×3" in out
 
 
+@pytest.mark.process
 def test_an_illegal_log_is_refused_not_drawn(tmp_path, walkthrough_log):
     log = tmp_path / "log.jsonl"
     log.write_text("".join(walkthrough_log.read_text().splitlines(keepends=True)[:4]) * 2)
@@ -166,6 +175,7 @@ def render_script():
 
 
 @needs_graphviz
+@pytest.mark.process
 def test_committed_diagrams_match_the_table(walkthrough_log):
     script = render_script()
     for name, data in script.render_all(walkthrough_log, script.TEXT).items():

@@ -50,6 +50,7 @@ def fresh_table_cache():
 
 # --- real runs through the CLI ------------------------------------------------------------------
 
+@pytest.mark.process
 def test_walkthrough_path_one_line_per_event_with_its_detail(walkthrough_log):
     result = trainjob("status", walkthrough_log, "--path")
     assert result.returncode == 0 and result.stderr == ""
@@ -60,6 +61,7 @@ def test_walkthrough_path_one_line_per_event_with_its_detail(walkthrough_log):
     assert details[1] == "step=2 loss_milli=310" and details[3] == "at_step=4" and details[4] == "from_step=4"
 
 
+@pytest.mark.process
 def test_spent_retry_budget_is_a_legal_path_with_exit_1_and_no_complaint(pvc):
     for _ in range(3):
         trainjob("run", "--pvc", pvc, "--backoff-limit", 1, "--force-weights", "0,0,0")
@@ -70,6 +72,7 @@ def test_spent_retry_budget_is_a_legal_path_with_exit_1_and_no_complaint(pvc):
     assert moves[-1] == ("pending", "job_failed")
 
 
+@pytest.mark.process
 def test_supervisor_lines_are_shown_beside_the_path_not_part_of_it(tmp_path):
     supervised = subprocess.run([sys.executable, "-m", "trainjob", "supervise", "--backoff-base", "0.01", "--",
                                  "run", "--pvc", tmp_path / "P", "--die-at", "4"], capture_output=True, text=True)
@@ -83,6 +86,7 @@ def test_supervisor_lines_are_shown_beside_the_path_not_part_of_it(tmp_path):
     assert out.index(next(line for line in out if "(supervisor)  relaunch" in line)) == 4  # in log order
 
 
+@pytest.mark.process
 def test_spliced_logs_of_two_jobs_are_rejected_at_the_seam(tmp_path, walkthrough_log):
     other = tmp_path / "other"
     assert trainjob("run", "--pvc", other, "--force-weights", "0,0,0").returncode == 1
@@ -144,6 +148,7 @@ def kill_around_every_append(tmp_path: Path, prepare: list[str], flags: list[str
     (["--steps", "1", "--force-weights", "0,0,0"],  # the fresh attempt after a drift_failed
      ["--steps", "1", "--force-weights", "0,0,0", "--backoff-limit", "1"]),
 ])
+@pytest.mark.process
 def test_every_log_a_sigkill_around_an_announcement_leaves_is_a_legal_path(tmp_path, prepare, flags):
     logs = kill_around_every_append(tmp_path, prepare, flags)
     assert len(logs) >= 6
@@ -151,6 +156,7 @@ def test_every_log_a_sigkill_around_an_announcement_leaves_is_a_legal_path(tmp_p
     assert {name: str(step) for name, step in illegal.items() if step} == {}
 
 
+@pytest.mark.process
 def test_torn_line_is_reported_and_the_path_goes_on(tmp_path, walkthrough_log):
     lines = walkthrough_log.read_text().splitlines(keepends=True)
     torn = tmp_path / "torn.jsonl"
@@ -178,11 +184,13 @@ def test_notes_name_the_transition_the_next_event_of_their_process_took(tmp_path
     (["--path", "--json"], "not allowed with argument"),
     (["--path"], "not found"),
 ])
+@pytest.mark.process
 def test_usage_and_missing_log_exit_2(tmp_path, args, message):
     result = trainjob("status", tmp_path / "nope.jsonl", *args)
     assert result.returncode == 2 and message in result.stderr
 
 
+@pytest.mark.process
 def test_log_without_events_exits_2(tmp_path):
     (tmp_path / "log.jsonl").write_text("not json\n")
     result = trainjob("status", tmp_path / "log.jsonl", "--path")

@@ -14,6 +14,8 @@ from conftest import trainjob
 from trainjob.views.history import legal_path
 from trainjob.views.plot import Marker, GateVerdict, story
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 needs_matplotlib = pytest.mark.skipif(
     importlib.util.find_spec("matplotlib") is None and not os.environ.get("CI"),
     reason="matplotlib not installed (CI installs it)")

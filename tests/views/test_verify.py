@@ -9,6 +9,8 @@ import pytest
 
 from conftest import trainjob
 
+pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+
 
 @pytest.fixture(scope="module")
 def completed(tmp_path_factory):
