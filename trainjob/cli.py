@@ -37,7 +37,7 @@ from typing import NoReturn
 import attrs
 
 from .defaults import VERSION
-from .deploy import policy as controller
+from .deploy import policy
 from .views import diagram
 from .deploy import k8s
 from .views import plot, replay_page
@@ -73,7 +73,7 @@ DEFAULT_LOG = "log.jsonl"
 
 # `supervise` reads its child's exit code through this table; any other code (70, a signal, an
 # OOM kill) is a crash. It exits with the code for how the last start ended.
-SAID_BY_EXIT: dict[int, controller.Said] = {
+SAID_BY_EXIT: dict[int, policy.Said] = {
     EXIT_OK: "ok", EXIT_FAILED: "failed", EXIT_USAGE: "usage", EXIT_RELAUNCH: "relaunch"}
 EXIT_FOR_ENDING: dict[str, int] = {
     **EXIT_FOR_STATE, "input_error": EXIT_USAGE,
@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
     sv.add_argument("--max-starts", type=int,
                     help=f"starts in all, relaunches included (default: the run's --backoff-limit "
-                         f"+ {2 + controller.SPARE_STARTS})")
+                         f"+ {2 + policy.SPARE_STARTS})")
     sv.add_argument("--backoff-base", type=float, default=10.0,
                     help="seconds before the first relaunch (default %(default)s)")
     sv.add_argument("--backoff-cap", type=float, default=600.0,
@@ -385,13 +385,13 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     run_args = _parse_run(argv)
     max_starts = args.max_starts
     if max_starts is None:
-        max_starts = controller.default_max_starts(run_args.backoff_limit)
+        max_starts = policy.default_max_starts(run_args.backoff_limit)
     settings = SuperviseSettings(max_starts=max_starts, backoff_base=args.backoff_base,
                                  backoff_cap=args.backoff_cap, grace=args.grace)
     settings.check()
     stop = StopFlag()
     stop.install()
-    log = EventLog(_log_path(run_args), source=controller.SOURCE)
+    log = EventLog(_log_path(run_args), source=policy.SOURCE)
     end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, settings, SAID_BY_EXIT.get, stop)
     return EXIT_FOR_ENDING[end]
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.deploy import policy as controller
+from trainjob.deploy import policy
 from trainjob.cli import EXIT_FOR_ENDING, SAID_BY_EXIT
 from trainjob.engine.machine import EVENT_FOR_STATE
 
@@ -16,7 +16,7 @@ codes = st.integers(min_value=-64, max_value=255)
 
 
 def judge(code: int, last_event: str | None) -> str:
-    return controller.ending(SAID_BY_EXIT.get(code), last_event)
+    return policy.ending(SAID_BY_EXIT.get(code), last_event)
 
 
 # --- what a start amounted to ----------------------------------------------------------------------
@@ -61,37 +61,37 @@ def test_every_ending_has_an_exit_code_and_only_honest_failures_exit_1(code, las
 
 @given(code=codes, last_event=last_events, starts=st.integers(1, 50), max_starts=st.integers(1, 50))
 def test_never_starts_beyond_max_starts(code, last_event, starts, max_starts):
-    if controller.should_relaunch(judge(code, last_event), starts, max_starts):
+    if policy.should_relaunch(judge(code, last_event), starts, max_starts):
         assert starts < max_starts
 
 
 @pytest.mark.parametrize(("code", "last_event"), [(0, "completed"), (1, "job_failed"), (2, None)])
 def test_final_endings_stop_even_with_starts_left(code, last_event):
-    assert not controller.should_relaunch(judge(code, last_event), 1, 100)
+    assert not policy.should_relaunch(judge(code, last_event), 1, 100)
 
 
 @pytest.mark.parametrize(("code", "last_event"), [(1, "drift_failed"), (75, "killed"), (70, None), (-9, None)])
 def test_relaunchable_endings_relaunch_while_starts_remain(code, last_event):
-    assert controller.should_relaunch(judge(code, last_event), 1, 2)
-    assert not controller.should_relaunch(judge(code, last_event), 2, 2)
+    assert policy.should_relaunch(judge(code, last_event), 1, 2)
+    assert not policy.should_relaunch(judge(code, last_event), 2, 2)
 
 
 @given(limit=st.integers(0, 100))
 def test_default_max_starts_lets_the_programs_budget_speak_first(limit):
     # B + 1 attempts that fail the gate, then the start that logs job_failed.
-    assert controller.default_max_starts(limit) >= limit + 2
+    assert policy.default_max_starts(limit) >= limit + 2
 
 
 # --- progress and back-off -----------------------------------------------------------------------
 
 def test_progress_is_a_committed_checkpoint():
-    assert controller.made_progress(["resumed", "checkpointed", "killed"])
-    assert not controller.made_progress(["resumed", "killed"])
-    assert not controller.made_progress([])
+    assert policy.made_progress(["resumed", "checkpointed", "killed"])
+    assert not policy.made_progress(["resumed", "killed"])
+    assert not policy.made_progress([])
 
 
 def test_backoff_follows_the_job_controller_sequence():
-    delays = [controller.backoff_delay(n, 10, 600) for n in range(1, 9)]
+    delays = [policy.backoff_delay(n, 10, 600) for n in range(1, 9)]
     assert delays == [10, 20, 40, 80, 160, 320, 600, 600]
 
 
@@ -99,14 +99,14 @@ def test_backoff_follows_the_job_controller_sequence():
 def test_progress_resets_the_backoff_to_its_first_step(streaks):
     streak = 0
     for progressed in streaks:
-        streak = controller.next_streak(streak, progressed)
+        streak = policy.next_streak(streak, progressed)
         if progressed:
-            assert controller.backoff_delay(streak, 10, 600) == 10
+            assert policy.backoff_delay(streak, 10, 600) == 10
 
 
 @given(streak=st.integers(0, 10**6), base=st.floats(0, 1e6), extra=st.floats(0, 1e6))
 def test_backoff_is_bounded_and_monotonic(streak, base, extra):
     cap = base + extra
-    delay = controller.backoff_delay(streak, base, cap)
+    delay = policy.backoff_delay(streak, base, cap)
     assert base <= delay <= cap
-    assert controller.backoff_delay(streak + 1, base, cap) >= delay
+    assert policy.backoff_delay(streak + 1, base, cap) >= delay

@@ -164,7 +164,7 @@ def test_relaunchable_exits_still_stop_at_max_starts(tmp_path):
 HARNESS = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from trainjob.deploy import policy as controller
+    from trainjob.deploy import policy
     from trainjob.cli import SAID_BY_EXIT
     from trainjob.storage.eventlog import EventLog
     from trainjob.engine.job import StopFlag
@@ -173,7 +173,7 @@ HARNESS = textwrap.dedent("""
     stop.install()
     settings = SuperviseSettings(max_starts=int(sys.argv[2]), backoff_base=float(sys.argv[3]),
                                  backoff_cap=10.0, grace=float(sys.argv[4]))
-    log = EventLog(Path(sys.argv[1]), source=controller.SOURCE)
+    log = EventLog(Path(sys.argv[1]), source=policy.SOURCE)
     print(supervise([sys.executable, "-c", sys.argv[5]], log, settings, SAID_BY_EXIT.get, stop))
 """)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from . import policy as controller
+from . import policy
 from .policy import Ending, Said
 from ..errors import InputError, TryAgainLater, UsageError
 from ..storage.eventlog import EventLog, read_log
@@ -76,17 +76,17 @@ def supervise(command: Sequence[str], log: EventLog, settings: SuperviseSettings
         starts += 1
         code = _wait(child, stop, settings.grace)
         events, mark = _events_since(log, mark)
-        end = controller.ending(said(code), events[-1] if events else None)
+        end = policy.ending(said(code), events[-1] if events else None)
         facts = dict(start=starts, exit=code, ending=end)
         if stop.signal:
             continue
-        if not controller.should_relaunch(end, starts, settings.max_starts):
-            reason = "max_starts" if end in controller.RELAUNCHABLE else "final"
+        if not policy.should_relaunch(end, starts, settings.max_starts):
+            reason = "max_starts" if end in policy.RELAUNCHABLE else "final"
             _record(log, "stop", **facts, reason=reason, outcome=end)
             return end
-        progressed = controller.made_progress(events)
-        streak = controller.next_streak(streak, progressed)
-        delay = controller.backoff_delay(streak, settings.backoff_base, settings.backoff_cap)
+        progressed = policy.made_progress(events)
+        streak = policy.next_streak(streak, progressed)
+        delay = policy.backoff_delay(streak, settings.backoff_base, settings.backoff_cap)
         _record(log, "relaunch", **facts, progress="yes" if progressed else "no", delay_s=delay,
                 max_starts=settings.max_starts)
         _sleep(delay, stop)
@@ -140,7 +140,7 @@ def _record(log: EventLog, event: str, **fields: object) -> None:
     A log that cannot take the line (the child could not create its PVC, a full disk) costs the
     line, not the outcome: the exit code still says how the job stands, and stderr says why.
     """
-    detail = controller.detail(**fields)
+    detail = policy.detail(**fields)
     print(f"trainjob supervise: {event} | {detail}", file=sys.stderr)
     try:
         log.append(event, detail)
