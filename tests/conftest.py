@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -56,22 +57,32 @@ def walkthrough_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pvc / "log.jsonl"
 
 
-# Session fixtures that start processes: they run before any function-scoped guard can see them.
-PROCESS_FIXTURES = {"walkthrough_log"}
+
+# The test being run (its setup, call and teardown), for the guard below.
+_running: list[pytest.Item] = []
 
 
-@pytest.fixture(autouse=True)
-def _a_process_test_says_so(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A test that starts a process (the CLI, torchrun, a killpoint, Graphviz's dot), itself or
-    through a fixture, carries the ``process`` marker, so ``pytest -m "not process"`` is truly the
-    in-process half: one without the marker fails, saying so."""
-    if request.node.get_closest_marker("process") is not None:
-        return
-    message = f"{request.node.nodeid} starts a process: mark it @pytest.mark.process"
-    if PROCESS_FIXTURES & set(request.fixturenames):
-        pytest.fail(message)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> object:
+    _running.append(item)
+    try:
+        return (yield)
+    finally:
+        _running.pop()
 
-    def refuse(*_args: object, **_kwargs: object) -> None:
-        raise AssertionError(message)
 
-    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+@pytest.fixture(autouse=True, scope="session")
+def _a_process_test_says_so() -> Iterator[None]:
+    """A test that starts a process (the CLI, torchrun, a killpoint, Graphviz's dot, a browser),
+    itself or through a fixture of any scope, carries the ``process`` marker, so ``pytest -m "not
+    process"`` is truly the in-process half: one without it fails, naming the test."""
+    spawn = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+
+    def checked(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+        if _running and _running[-1].get_closest_marker("process") is None:
+            raise AssertionError(f"{_running[-1].nodeid} starts a process: mark it @pytest.mark.process")
+        spawn(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", checked)
+        yield

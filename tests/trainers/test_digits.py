@@ -128,6 +128,7 @@ def test_a_trainer_that_keeps_momentum_out_of_the_checkpoint_resumes_to_other_we
     assert arrays(artifact(tmp_path / "killed")) != arrays(reference)
 
 
+@pytest.mark.process
 def test_dropping_the_buffers_at_a_step_changes_the_weights(data):
     trainer = DigitsTrainer(data, 0.05)
     state = trainer.initial_state()

@@ -183,6 +183,7 @@ def test_committed_diagrams_match_the_table(walkthrough_log):
             f"diagrams/{name} is stale: run .venv/bin/python scripts/render_diagrams.py"
 
 
+@pytest.mark.process
 def test_committed_replay_page_is_the_walkthrough_on_the_committed_machine(tmp_path, walkthrough_log):
     page = render_script().replay_walkthrough(walkthrough_log, (ROOT / "diagrams" / "machine.svg").read_bytes(),
                                               tmp_path)

@@ -174,6 +174,7 @@ def test_torn_line_is_reported_and_the_path_goes_on(tmp_path, walkthrough_log):
     (["job_started", "killed", "cleaned_up", "resharded"], "resharded"),
     (["job_started", "checkpointed", "drift_failed", "cleaned_up", "job_started"], "started"),
 ])
+@pytest.mark.process
 def test_notes_name_the_transition_the_next_event_of_their_process_took(tmp_path, names, dest):
     lines = trainjob("status", write_log(tmp_path, *names), "--path").stdout.splitlines()
     notes = [PATH_LINE.fullmatch(line).group(2, 3) for line in lines if "cleaned_up" in line or "rejected" in line]

@@ -83,6 +83,7 @@ def build(log: Path) -> bytes:
 
 # --- the frames: what the page says at each line ------------------------------------------------------
 
+@pytest.mark.process
 def test_every_line_highlights_the_state_and_edge_status_path_derives(walkthrough_log, backoff_log):
     for log in (walkthrough_log, backoff_log):
         frames = page_data(build(log))["frames"]
@@ -92,6 +93,7 @@ def test_every_line_highlights_the_state_and_edge_status_path_derives(walkthroug
                                                                    for source, dest in derived.values()]
 
 
+@pytest.mark.process
 def test_resume_says_the_kill_kept_the_attempt_number(walkthrough_log):
     frames = {f["line"]: f for f in page_data(build(walkthrough_log))["frames"]}
     assert frames[5]["why"] == ["Attempt in flight: the last process was killed at step 4 (line 4), so the attempt "
@@ -103,6 +105,7 @@ def test_resume_says_the_kill_kept_the_attempt_number(walkthrough_log):
     assert sha.startswith("artifacts/model-v1.json\nsha256 983aeb4b") and sha.endswith("ad5f")
 
 
+@pytest.mark.process
 def test_a_spent_budget_names_the_counts_and_the_gate_its_arithmetic(backoff_log):
     frames = {f["line"]: f for f in page_data(build(backoff_log))["frames"]}
     assert [frames[n]["event"] for n in (7, 8, 14, 15)] == ["drift_failed", "job_started", "drift_failed", "job_failed"]
@@ -114,6 +117,7 @@ def test_a_spent_budget_names_the_counts_and_the_gate_its_arithmetic(backoff_log
     assert dict(frames[15]["pvc"])["attempts counter"] == "2"
 
 
+@pytest.mark.process
 def test_every_kind_of_line_renders(every_kind_log):
     frames = page_data(build(every_kind_log))["frames"]
     kinds = {f["line"]: f["kind"] for f in frames}
@@ -144,6 +148,7 @@ def test_a_sigterm_kill_and_a_silent_death_are_told_apart(tmp_path):
     assert "the last process logged checkpointed (line 5) and then stopped without a word" in frames[5]["why"][0]
 
 
+@pytest.mark.process
 def test_an_illegal_log_is_shown_up_to_its_first_illegal_line_marked(tmp_path, walkthrough_log):
     log = tmp_path / "spliced.jsonl"
     log.write_text("".join(walkthrough_log.read_text().splitlines(keepends=True)[:4]) * 2)
@@ -183,6 +188,7 @@ def test_hostile_text_reaches_the_page_only_as_escaped_json(tmp_path):
 # --- the command --------------------------------------------------------------------------------------
 
 @needs_dot
+@pytest.mark.process
 def test_replay_writes_the_page_and_exits_like_status_path(tmp_path, walkthrough_log):
     out = tmp_path / "run.html"
     result = trainjob("replay", walkthrough_log, "-o", out)
@@ -198,6 +204,7 @@ def test_replay_writes_the_page_and_exits_like_status_path(tmp_path, walkthrough
 
 
 @pytest.mark.parametrize("content, message", [(None, "log not found"), ("\n", "holds no events")])
+@pytest.mark.process
 def test_a_missing_or_empty_log_exits_2_and_writes_nothing(tmp_path, content, message):
     log, out = tmp_path / "log.jsonl", tmp_path / "run.html"
     if content is not None:
@@ -207,6 +214,7 @@ def test_a_missing_or_empty_log_exits_2_and_writes_nothing(tmp_path, content, me
     assert not out.exists()
 
 
+@pytest.mark.process
 def test_without_dot_replay_exits_2_saying_how_to_install_it(tmp_path, walkthrough_log):
     out = tmp_path / "run.html"
     result = subprocess.run([sys.executable, "-m", "trainjob", "replay", walkthrough_log, "-o", out],
@@ -271,6 +279,7 @@ def console_errors(browser) -> list[dict]:
 @needs_dot
 @needs_browser
 @pytest.mark.parametrize("which", ["walkthrough", "backoff"])
+@pytest.mark.process
 def test_browser_steps_through_every_line_highlighting_what_status_path_derives(
         browser, request, tmp_path, which):
     log = request.getfixturevalue(f"{which}_log")
@@ -300,6 +309,7 @@ def test_browser_steps_through_every_line_highlighting_what_status_path_derives(
 
 
 @needs_browser
+@pytest.mark.process
 def test_browser_shows_hostile_text_as_text_and_runs_none_of_it(browser, tmp_path):
     page = tmp_path / "hostile.html"
     page.write_bytes(build(hostile_log(tmp_path)))
@@ -318,6 +328,7 @@ def test_browser_shows_hostile_text_as_text_and_runs_none_of_it(browser, tmp_pat
 
 
 @needs_browser
+@pytest.mark.process
 def test_browser_renders_every_kind_of_line_and_marks_an_illegal_one(browser, tmp_path, every_kind_log):
     page = tmp_path / "every_kind.html"
     page.write_bytes(build(every_kind_log))
