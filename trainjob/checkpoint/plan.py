@@ -48,6 +48,14 @@ class Ref:
         return cls(attempt=attempt, step=step, world_size=world) if attempt >= 1 and world >= 1 else None
 
 
+def world_size_problem(world_size: int) -> str | None:
+    """Why ``world_size`` cannot be used (the one bound ``run``, ``reshard`` and ``k8s render``
+    share), or None."""
+    if 1 <= world_size <= MAX_WORLD_SIZE:
+        return None
+    return f"--world-size must be from 1 to {MAX_WORLD_SIZE}, got {world_size}"
+
+
 def plain_name(name: str) -> bool:
     """A file name that stays inside its directory: no separator, no ``..``, not absolute."""
     return re.fullmatch(PLAIN_NAME, name) is not None

@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError, open_regular
 from ..storage.digest import Sha256Pipe
 from ..records import DTYPES, TensorSlice
 
@@ -66,22 +66,20 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
 
 
 def _open(path: Path, size: int | None) -> tuple[int, str | None]:
-    """Open ``path`` for reading, never through a symlink; (fd, None) or (-1, the reason)."""
+    """Open ``path`` for reading if it is a regular file (never through a symlink, never blocking
+    on a FIFO: ``errors.open_regular``); (fd, None) or (-1, the reason)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
     except FileNotFoundError:
         return -1, f"{path.name}: missing"
+    except InputError:
+        return -1, f"{path.name}: not a regular file (a symlink is never followed)"
     except OSError as exc:
         return -1, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
-    st = os.fstat(fd)
-    reason = None
-    if not stat.S_ISREG(st.st_mode):
-        reason = f"{path.name}: not a regular file"
-    elif size is not None and st.st_size != size:
-        reason = f"{path.name}: {st.st_size} bytes, the manifest says {size}"
-    if reason:
+    actual = os.fstat(fd).st_size
+    if size is not None and actual != size:
         os.close(fd)
-        return -1, reason
+        return -1, f"{path.name}: {actual} bytes, the manifest says {size}"
     return fd, None
 
 
@@ -205,6 +203,8 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
             raise ValueError(f"{path.name}: changed size while being read")
         try:
             header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except RecursionError:  # a header nested deeper than the parser's stack: not a crash
+            raise ValueError(f"{path.name}: not a valid safetensors file (header nested too deeply)") from None
         except ValueError as exc:
             raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
         seen = 8 + n

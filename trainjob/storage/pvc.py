@@ -34,12 +34,14 @@ from typing import TypeVar
 import attrs
 
 from .digest import Sha256Pipe
-from ..errors import InputError, PvcBusy, os_errors
+from ..errors import InputError, PvcBusy, open_regular, os_errors, read_regular
 from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
 
 FILE_MODE = 0o644  # never group- or world-writable, whatever the umask
+MAX_RECORD = 16 << 20  # a JSON record (state, pointer, manifest, receipt): far above any trainjob writes
+MAX_FILE = 4 << 30  # an artifact: read whole to check its sha256; a bound, not a size anyone needs
 DIR_MODE = 0o755
 _TMP = re.compile(r".+\.tmp\.\d+")
 
@@ -219,7 +221,7 @@ class Pvc:
                 f"{path}: another rank-{rank} process of this job holds this rank's lock")
         refuse_symlink(path)
         with os_errors(path, "cannot open the lock file", InputError):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -242,16 +244,17 @@ class Pvc:
 
     # --- readers: None when absent, InputError when present but wrong ------------------------
 
-    def read_bytes(self, path: Path) -> bytes | None:
-        refuse_symlink(path)
+    def read_bytes(self, path: Path, limit: int = MAX_FILE) -> bytes | None:
+        """The file's bytes if it exists; a symlink, FIFO, device or a file over ``limit`` bytes
+        is an InputError, found without reading it (``errors.read_regular``)."""
         with os_errors(path, "cannot read", InputError):
             try:
-                return path.read_bytes()
+                return read_regular(path, limit)
             except FileNotFoundError:
                 return None
 
     def read_record(self, path: Path, cls: type[T]) -> T | None:
-        raw = self.read_bytes(path)
+        raw = self.read_bytes(path, MAX_RECORD)
         if raw is None:
             return None
         return load(raw, cls, where=f"{path} (fix or move it aside; trainjob will not overwrite it)")
