@@ -10,9 +10,11 @@ import json
 import os
 import resource
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,21 +62,70 @@ def logged(pvc: Path) -> list[str]:
     return [json.loads(line)["event"] for line in (pvc / "log.jsonl").read_text().splitlines()]
 
 
+def tamper(pvc: Path, shard: bytes | None = None, edit=lambda manifest: None) -> None:
+    """Rewrite the newest checkpoint's shard and/or manifest, keeping every size and sha256 in
+    agreement (and dropping checkpoint.json's hash of the manifest), so only the hostile part is
+    wrong: what a resume must catch by bounds and headers, not by hashes."""
+    path = newest(pvc)
+    if shard is not None:
+        path.write_bytes(shard)
+    manifest = path.parent / "manifest.json"
+    record = json.loads(manifest.read_text())
+    record["shards"][0].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    edit(record)
+    manifest.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
+    (pvc / "checkpoint.json").unlink()
+
+
+def falls_back(pvc: Path) -> None:
+    """The documented fallback: the damaged checkpoint set aside, the older one resumed, exit 0."""
+    result = hostile("run", "--pvc", pvc)
+    assert "Traceback" not in result.stderr and result.returncode == 0, result.stderr
+    assert "checkpoint_rejected" in logged(pvc)
+
+
+# --- 1: sizes in a manifest are checked against the files before anything is sized from them --------
+
+def absurd_world_size(record):
+    record["world_size"] = 10 ** 9  # list(range(world_size)) alone would cost gigabytes
+
+
+def absurd_shape(record):
+    for entry in (*record["tensors"], *record["shards"][0]["holds"]):
+        entry["shape"] = [10 ** 12]  # np.empty of it: 8 TB
+
+
+@pytest.mark.parametrize("edit", [absurd_world_size, absurd_shape])
+def test_absurd_manifest_sizes_are_that_checkpoints_failure_for_run_verify_and_reshard(killed_pvc, tmp_path, edit):
+    pvc = copy(killed_pvc, tmp_path)
+    tamper(pvc, edit=edit)
+    result = hostile("verify", "--pvc", pvc)
+    assert result.returncode == 1 and "corrupt" in result.stdout and "Traceback" not in result.stderr, result.stderr
+    result = hostile("reshard", "--pvc", pvc, "--world-size", 2)  # reshards the older step that verifies
+    assert result.returncode == 0 and "step 2" in result.stdout, result.stderr
+    falls_back(pvc)
+
+
 # --- 2: a shard header nested too deeply is that checkpoint's verification failure ------------------
 
 def test_a_deeply_nested_shard_header_falls_back_to_the_older_checkpoint(killed_pvc, tmp_path):
     pvc = copy(killed_pvc, tmp_path)
-    shard = newest(pvc)
     header = b"[" * 100_000 + b"]" * 100_000
-    shard.write_bytes(len(header).to_bytes(8, "little") + header)
-    manifest = shard.parent / "manifest.json"  # sizes and hashes made to agree: only the header is hostile
-    record = json.loads(manifest.read_text())
-    record["shards"][0].update(size=shard.stat().st_size, sha256=hashlib.sha256(shard.read_bytes()).hexdigest())
-    manifest.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
-    (pvc / "checkpoint.json").unlink()
-    result = hostile("run", "--pvc", pvc)
-    assert "Traceback" not in result.stderr and result.returncode == 0, result.stderr
-    assert "checkpoint_rejected" in logged(pvc)
+    tamper(pvc, shard=len(header).to_bytes(8, "little") + header)
+    falls_back(pvc)
+
+
+# --- 3: verify calls ok exactly what a resume loads -------------------------------------------------
+
+def test_verify_checks_shard_headers_as_a_resume_does(killed_pvc, tmp_path):
+    pvc = copy(killed_pvc, tmp_path)
+    raw = newest(pvc).read_bytes()
+    assert raw.count(b'"dtype":"F64"') == 1
+    tamper(pvc, shard=raw.replace(b'"dtype":"F64"', b'"dtype":"I64"'))  # same size, hashes agree
+    result = hostile("verify", "--pvc", pvc)
+    assert result.returncode == 1, result.stdout
+    assert "is I64[4], the manifest says F64[4]" in result.stdout
+    falls_back(pvc)
 
 
 # --- 4: what is not a regular file is refused without blocking ------------------------------------
@@ -102,7 +153,8 @@ def test_a_fifo_for_a_shard_falls_back_and_verify_does_not_hang(killed_pvc, tmp_
     shard.unlink()
     os.mkfifo(shard)
     result = hostile("verify", "--pvc", pvc)
-    assert result.returncode == 1 and "not a regular file" in result.stdout, result.stdout + result.stderr
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert any(line.startswith("corrupt") and shard.parent.name in line for line in result.stdout.splitlines())
     result = hostile("run", "--pvc", pvc)
     assert "Traceback" not in result.stderr and result.returncode == 0, result.stderr
     assert "checkpoint_rejected" in logged(pvc)
@@ -287,3 +339,24 @@ def test_a_trainer_factory_is_checked_before_the_call_and_its_errors_are_usage_e
 def test_k8s_render_bounds_the_world_size_as_run_does(tmp_path):
     refused(hostile("k8s", "render", "--world-size", 65), 2, "--world-size must be from 1 to 64")
     refused(hostile("run", "--pvc", tmp_path / "pvc", "--world-size", 65), 2, "--world-size must be from 1 to 64")
+
+
+# --- 8: the PVC lock cannot be unlinked away ----------------------------------------------------------
+
+def test_deleting_the_lock_file_under_a_running_job_admits_no_second_writer(tmp_path):
+    pvc = tmp_path / "pvc"
+    long_run = ["run", "--pvc", str(pvc), "--steps", "10000000", "--ckpt-every", "1000000"]
+    first = subprocess.Popen([sys.executable, "-m", "trainjob", *long_run], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ((pvc / "log.jsonl").exists() and "job_started" in logged(pvc)):
+            assert time.monotonic() < deadline and first.poll() is None, first.stderr.read() if first.poll() else ""
+            time.sleep(0.02)
+        (pvc / ".lock").unlink()
+        refused(hostile(*long_run), 75, "another trainjob run holds this PVC")
+        assert first.poll() is None  # the first run was still training while the second was refused
+    finally:
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 75
+    assert logged(pvc) == ["job_started", "checkpointed", "killed"]  # no line from a second writer
