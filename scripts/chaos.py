@@ -9,7 +9,9 @@ Sections (each trial is a fresh PVC; everything is seeded, so a failure can be r
   sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
   io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
   full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
-  hostile inputs  corrupted data, baseline, state, attempts and log files
+  hostile inputs  corrupted data, baseline, state, attempts, log and checkpoint files, or, in half
+                  the trials, special files in their place (FIFOs, sockets, devices, links to
+                  /dev/zero, sparse gigabytes), absurd manifest sizes, hostile log lines
   races           several runs started at once on one PVC
   security        no unpickling or eval, no group/world-writable files, no forged log lines
 
@@ -27,6 +29,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -281,6 +284,11 @@ class Campaign:
         return section
 
     def hostile_inputs(self, trials: int) -> Section:
+        """Damage one file a run reads: its bytes (a seeded corruption), or what it is (issue 19's
+        classes: a FIFO, socket or device in its place, a link to /dev/zero, a sparse file of a
+        gigabyte, a manifest whose sizes and world size are absurd but whose hashes agree, a log
+        line holding escape sequences or a 5000-digit number). Every run must end in bounded time
+        with exit 2 and one line (the PVC unchanged) or exit 0 with the undamaged artifact."""
         section = Section("hostile inputs")
         base = self.pvc("base")
         data = base.parent / "data"
@@ -298,23 +306,33 @@ class Campaign:
             shutil.copytree(data, work / "data")
             target = next(work.glob(self.rng.choice(targets)))
             original = target.read_bytes()
-            kind, corrupted = corrupt(original, self.rng)
-            if corrupted == original:
-                continue
-            target.write_bytes(corrupted)
+            if self.rng.random() < 0.5:
+                kind, corrupted = corrupt(original, self.rng)
+                if corrupted == original:
+                    continue
+                target.write_bytes(corrupted)
+            else:
+                kind = make_hostile(work, target, self.rng)
             section.injected += 1
             before = snapshot(work / "pvc")
-            result = trainjob("run", "--pvc", work / "pvc", "--data", work / "data", *STEPS)
             where = f"{target.relative_to(work)} ({kind})"
+            try:
+                result = trainjob("run", "--pvc", work / "pvc", "--data", work / "data", *STEPS)
+            except subprocess.TimeoutExpired:
+                section.violation(trial, f"{where}: run hung")
+                continue
             if "Traceback" in result.stderr or result.returncode == 70:
                 section.violation(trial, f"{where}: crashed: {result.stderr.strip()[-300:]}")
             elif target.name == "log.jsonl":
                 # The log is only appended to: a damaged log must not stop the job.
                 if result.returncode != 0:
                     section.violation(trial, f"{where}: run exited {result.returncode}: {result.stderr.strip()}")
-                status = trainjob("status", work / "pvc" / "log.jsonl")
-                if "Traceback" in status.stderr or status.returncode not in (0, 2):
-                    section.violation(trial, f"{where}: status exited {status.returncode}")
+                for flags in ([], ["--path"]):
+                    status = trainjob("status", work / "pvc" / "log.jsonl", *flags)
+                    if "Traceback" in status.stderr or status.returncode not in (0, 1, 2):
+                        section.violation(trial, f"{where}: status {flags} exited {status.returncode}")
+                    if re.search(r"[\x00-\x08\x0b-\x1f\x7f]", status.stdout + status.stderr):
+                        section.violation(trial, f"{where}: status {flags} printed a control character")
             elif result.returncode == 2:
                 if len(result.stderr.strip().splitlines()) != 1:
                     section.violation(trial, f"{where}: error is not one line: {result.stderr!r}")
@@ -451,6 +469,48 @@ def corrupt(raw: bytes, rng: random.Random) -> tuple[str, bytes]:
     }
     kind = rng.choice(sorted(kinds))
     return kind, kinds[kind]()
+
+
+def make_hostile(work: Path, target: Path, rng: random.Random) -> str:
+    """Replace or extend ``target`` with one of the inputs of issue 19 (what a file is, not its
+    bytes); the name of what was done."""
+    if target.name == "log.jsonl":
+        nasty = rng.choice(["\x1b[2J\rok checkpoint\nverdict: ok", "\u202eevil", "9" * 5000])
+        line = {"ts": "2026-11-30T10:03:24Z", "event": rng.choice(["job_started", nasty]),
+                "detail": f"steps=100 attempt={nasty}", **({nasty: 1} if rng.random() < 0.5 else {})}
+        with open(target, "a") as log:
+            log.write(json.dumps(line) + "\n")
+        return "escape sequences and huge numbers in a log line"
+    if target.name == "manifest.json":
+        record = json.loads(target.read_text())
+        if rng.random() < 0.5:
+            record["world_size"] = rng.choice([2, 64, 65, 10 ** 9, 10 ** 18])
+        else:
+            shape = [rng.choice([0, 1, 10 ** 6, 10 ** 12, 2 ** 62])]
+            for entry in (*record["tensors"], *record["shards"][0]["holds"]):
+                entry["shape"] = shape
+        target.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
+        (work / "pvc/checkpoint.json").unlink()  # no hash of the manifest: only the bounds can catch it
+        return "absurd world size or shape, pointer removed"
+    kind = rng.choice(["fifo", "socket", "device", "link to /dev/zero"]
+                      + (["sparse gigabyte"] if target.parent.name == "data" else []))
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "socket":
+        short = Path(tempfile.mkdtemp(dir="/tmp")) / "s"  # AF_UNIX paths are limited to 108 bytes
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(short))
+        sock.close()  # the socket file stays; nothing listens
+        os.replace(short, target)
+    elif kind == "device":
+        os.mknod(target, 0o644 | 0o020000, os.makedev(1, 5))  # a character device: /dev/zero's
+    elif kind == "link to /dev/zero":
+        target.symlink_to("/dev/zero")
+    else:
+        with open(target, "wb") as f:
+            f.truncate(1 << 30)
+    return kind
 
 
 def flip(raw: bytes, rng: random.Random) -> bytes:

@@ -29,7 +29,6 @@ import os
 import signal
 import sys
 import traceback
-import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -43,8 +42,9 @@ from .deploy import k8s
 from .views import plot, replay_page
 from .trainers import protocol
 from .trainers.datasets import DATASETS
-from .errors import InputError, Refused, TrainJobError, TryAgainLater, UsageError, os_errors
-from .storage.eventlog import EventLog
+from .errors import (InputError, Refused, TrainJobError, TryAgainLater, UsageError, one_line, open_regular,
+                     os_errors)
+from .storage.eventlog import EventLog, more_skipped
 from .engine.job import RunConfig, StopFlag, follow, run
 from .views.history import legal_path, replay
 from .engine.progress import Progress
@@ -211,21 +211,33 @@ def cmd_gen(args: argparse.Namespace) -> int:
     make_dir(directory)
     for name, data in files.items():  # check all before writing any: refuse to overwrite different data
         path = directory / name
-        if path.exists() and path.read_bytes() != data:
-            raise InputError(f"{path}: exists with different contents; refusing to overwrite it")
+        with os_errors(path, "cannot read", InputError):
+            if not os.path.lexists(path):
+                continue
+            with open(open_regular(path), "rb") as existing:  # a FIFO or a device: refused, not read
+                if existing.read(len(data) + 1) != data:
+                    raise InputError(f"{path}: exists with different contents; refusing to overwrite it")
     for name, data in files.items():
         atomic_write(directory / name, data)
     emit(f"wrote {dataset.summary} to {directory}")
     return EXIT_OK
 
 
-def _check_log_location(path: Path) -> None:
-    """Fail before training, not at the first announcement, when the log cannot be written."""
+def _check_log(path: Path) -> None:
+    """Fail before anything is created, not at the first announcement, when the log can never be
+    written: a directory, a symlink, a device (/dev/null, /dev/full), a FIFO, a file that cannot
+    be fsynced. A log that does not exist yet is created by the first append."""
     if path.is_dir():
         raise InputError(f"{path}: --log must be a file, but this is a directory")
     refuse_symlink(path)
-    with os_errors(path.parent, "cannot create the log's directory", InputError):
-        make_dir(path.parent)
+    if not os.path.lexists(path):
+        return
+    with os_errors(path, "cannot use as the log", InputError):
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.fsync(fd)  # a log that cannot be made durable breaks the log's one promise
+        finally:
+            os.close(fd)
 
 
 def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
@@ -262,9 +274,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     stop.install()
     model = protocol.build(args.trainer, args.data, cfg.lr)
     pvc = Pvc(args.pvc)
-    pvc.create()
     log_path = _log_path(args)
-    _check_log_location(log_path)
+    _check_log(log_path)
+    pvc.create()
+    with os_errors(log_path.parent, "cannot create the log's directory", InputError):
+        make_dir(log_path.parent)
     with pvc.lock(spec.rank):  # stray tmp files and directories are removed (and logged) by run
         if spec.rank == 0:
             final = run(cfg, pvc, EventLog(log_path), model, stop, Progress.for_stream(sys.stderr, cfg.steps))
@@ -291,8 +305,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         emit(json.dumps({"ok": report.ok, "items": [attrs.asdict(i) for i in report.items]}, sort_keys=True))
     else:
-        emit("\n".join([*(f"{i.verdict:<9} {i.kind:<10} {i.path}  {i.detail}".rstrip() for i in report.items),
-                         f"verdict: {'ok' if report.ok else 'FAILED'}"]))
+        emit([*(f"{i.verdict:<9} {i.kind:<10} {i.path}  {i.detail}".rstrip() for i in report.items),
+              f"verdict: {'ok' if report.ok else 'FAILED'}"])
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
@@ -303,6 +317,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     pvc = Pvc(args.pvc)
     if not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
+    _check_log(_log_path(args))
     with pvc.lock():
         job = Reshard(pvc, EventLog(_log_path(args)), spec.world_size, args.step)
         if job.target_exists():
@@ -319,27 +334,24 @@ def exit_code_for(error: type[TrainJobError]) -> int:
     return next(EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR)
 
 
-def emit(text: str | bytes) -> None:
-    """Print to stdout (bytes as they are); a reader that went away (``| head``) must not turn
-    into exit 70. A stdout that was closed (``>&-``: Python then has no ``sys.stdout``) or that
-    cannot be written is an error, as ``ls >&-`` says: the output was asked for and is lost."""
+def emit(output: str | Sequence[str] | bytes) -> None:
+    """Print to stdout: a line, or lines, each escaped by ``one_line`` (a log's event, detail or
+    key, a directory's name may hold a newline or an escape sequence: it must not forge a line or
+    drive the terminal); bytes as they are (a picture). A reader that went away (``| head``) must
+    not turn into exit 70. A stdout that was closed (``>&-``: Python then has no ``sys.stdout``)
+    or that cannot be written is an error, as ``ls >&-`` says: the output was asked for and is lost."""
     if sys.stdout is None:
         raise UsageError("stdout is closed: nothing was written (redirect it to a file)")
     with os_errors("stdout", "cannot write", UsageError):
         try:
-            if isinstance(text, bytes):
-                sys.stdout.buffer.write(text)
+            if isinstance(output, bytes):
+                sys.stdout.buffer.write(output)
             else:
-                sys.stdout.write(text + "\n")
+                lines = [output] if isinstance(output, str) else output
+                sys.stdout.write("".join(one_line(line) + "\n" for line in lines))
             sys.stdout.flush()
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-def one_line(text: str) -> str:
-    """Escape control characters: an error message quotes names from hostile files (a JSON key
-    holding a newline or a carriage return) and must stay one line that cannot forge another."""
-    return "".join(repr(c)[1:-1] if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def warn(text: str) -> None:
@@ -354,9 +366,10 @@ def warn(text: str) -> None:
 
 def _print_path(log: Path) -> int:
     found = replay(log)
-    emit("\n".join([*found.lines(), *(f"skipped: {problem}" for problem in found.skipped)]))
+    skipped = [*map(str, found.skipped), *more_skipped(found.more_skipped)]
+    emit([*found.lines(), *(f"skipped: {problem}" for problem in skipped)])
     if found.illegal is not None:  # a verdict on the log, like drift_failed on a model: exit 1
-        warn(f"trainjob status: {log} {found.illegal}")
+        warn(one_line(f"trainjob status: {log} {found.illegal}"))
         return EXIT_FAILED
     return EXIT_FOR_STATE.get(found.last_event or "", EXIT_RELAUNCH)
 
@@ -368,7 +381,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         emit(json.dumps(attrs.asdict(status), sort_keys=True))
     else:
-        emit("\n".join([
+        emit([
             f"lines: {status.lines}",
             f"last_event: {status.last_event}",
             f"attempts: {status.attempts}",
@@ -376,7 +389,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"drift: {status.drift}",
             *([f"supervisor: {status.supervisor}"] if status.supervisor is not None else []),
             *(f"skipped: {problem}" for problem in status.skipped),
-        ]))
+        ])
     return EXIT_FOR_STATE.get(status.last_event or "", EXIT_RELAUNCH)
 
 
@@ -391,6 +404,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     settings.check()
     stop = StopFlag()
     stop.install()
+    _check_log(_log_path(run_args))
     log = EventLog(_log_path(run_args), source=policy.SOURCE)
     end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, settings, SAID_BY_EXIT.get, stop)
     return EXIT_FOR_ENDING[end]
@@ -407,7 +421,7 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
         raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
                          "--backoff-limit`); drop them after --")
-    emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).removesuffix("\n"))  # YAML ends in one
+    emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).splitlines())
     return EXIT_OK
 
 
@@ -444,9 +458,22 @@ def cmd_replay(args: argparse.Namespace) -> int:
     found = replay(args.log)
     _write_output(replay_page.build(found, diagram.render("svg")), args.output)
     if found.illegal is not None:  # the page shows it, marked; the exit code says it, as status --path does
-        warn(f"trainjob replay: {args.log} {found.illegal}")
+        warn(one_line(f"trainjob replay: {args.log} {found.illegal}"))
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Every path argument, before any work: a name the OS refuses (a component longer than the
+    file system allows, a file where a directory should be, a symlink loop) is bad input, one
+    line and exit 2, not an OSError from deep inside. A path that does not exist yet is fine."""
+    for value in vars(args).values():
+        if isinstance(value, Path):
+            with os_errors(value, "unusable path", InputError):
+                try:
+                    os.lstat(value)
+                except FileNotFoundError:
+                    pass
 
 
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
@@ -459,6 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # the local launcher hands the same arguments to every rank
     try:
+        _check_paths(args)
         return COMMANDS[args.command](args)
     except TrainJobError as exc:
         warn(f"trainjob {args.command}: {one_line(str(exc))}")

@@ -27,14 +27,26 @@ read-only or failing disk) is always retryable, anything else is what the caller
 there (a bad path the user gave is ``InputError``; a failed write on the PVC is
 ``TryAgainLater``). The OSError stays chained as the cause.
 
+``open_regular`` (and ``read_regular`` on it) is the one way trainjob opens a file it reads or
+appends to: the PVC's files, artifacts, logs and data sets. Anything but a regular file (a FIFO,
+a socket, a device, a symlink unless asked to follow) is an InputError, found without blocking.
+It lives here, at the foundation, because the trainers read their data sets through it too.
+
+``one_line`` is the one escaping function for anything printed that came from a file (an error
+quoting a JSON key, a log's event or detail, a directory's name): every command uses it.
+
 This module must not import anything from the rest of the package.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import stat
+import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 
 class TrainJobError(Exception):
@@ -127,3 +139,63 @@ def os_errors(where: object, doing: str, otherwise: type[TrainJobError] = TryAga
         raise
     except OSError as exc:
         raise classify(exc, otherwise)(f"{where}: {doing}: {exc.strerror or exc}") from exc
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: Path, flags: int = os.O_RDONLY, *, follow: bool = False, mode: int = 0o644) -> int:
+    """Open ``path`` (``flags``: O_RDONLY, or O_WRONLY/O_RDWR with O_APPEND/O_CREAT) if it is a
+    regular file, else InputError; never blocks, never follows a symlink unless ``follow``.
+
+    Every file trainjob reads or appends to is opened here. O_NONBLOCK makes the open return at
+    once where a plain one would wait forever (a FIFO's reader) or fail at once (ENXIO: a FIFO
+    with no reader, a socket); fstat on the descriptor then says what was opened, with no window
+    between a check and the open. A device (``/dev/zero`` never ends, ``/dev/null`` drops what is
+    written) is not a file either. Raises OSError for everything else, for the caller's
+    ``os_errors`` to classify.
+    """
+    try:
+        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow and os.path.islink(path):
+            raise InputError(f"{path}: is a symlink; trainjob does not follow links here") from exc
+        if exc.errno in (errno.ENXIO, errno.ENODEV, errno.EISDIR):
+            raise InputError(f"{path}: not a regular file ({exc.strerror}); trainjob reads and writes "
+                             "regular files only") from exc
+        raise
+    st_mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(st_mode)), "not a file")
+        raise InputError(f"{path}: is {kind}, not a regular file; trainjob reads and writes regular files only")
+    os.set_blocking(fd, True)  # a regular file never blocks anyway; plain reads and writes from here on
+    return fd
+
+
+def read_regular(path: Path, limit: int, *, follow: bool = False) -> bytes:
+    """The bytes of the regular file at ``path`` (``open_regular``), refusing (InputError) one
+    larger than ``limit`` before reading any of it, and one that grows past it while being read.
+    OSError (a missing file included) is the caller's to classify."""
+    fd = open_regular(path, follow=follow)
+    with open(fd, "rb") as file:
+        size = os.fstat(fd).st_size
+        data = file.read(size + 1) if size <= limit else b""  # read(n) allocates n bytes at once
+    if size > limit:
+        raise InputError(f"{path}: {size} bytes, more than the {limit} trainjob reads from such a file")
+    if len(data) > size:
+        raise InputError(f"{path}: grew while being read; is something else writing it?")
+    return data
+
+
+# Control characters, format characters (bidirectional overrides), line and paragraph separators
+# and lone surrogates: what a terminal or an editor would act on instead of showing.
+_UNPRINTABLE = {"Cc", "Cf", "Zl", "Zp", "Cs"}
+
+
+def one_line(text: str) -> str:
+    """``text`` with every character a terminal would interpret escaped as Python does (``\\n``,
+    ``\\x1b``, ``\\u202e``): text quoted from a hostile file stays one line that cannot forge
+    another, move the cursor or recolour the screen."""
+    return "".join(repr(c)[1:-1] if unicodedata.category(c) in _UNPRINTABLE else c for c in text)

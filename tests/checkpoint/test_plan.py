@@ -32,7 +32,8 @@ def test_the_built_in_model_split_is_the_documented_one():
 
 def manifest_for(tensors: dict[str, np.ndarray], world: int) -> Manifest:
     specs = [TensorSpec(name=n, dtype="F64", shape=a.shape) for n, a in sorted(tensors.items())]
-    shards = [ShardEntry(rank=r, file=plan.shard_file(r, world), size=0, sha256="0" * 64, holds=holds)
+    shards = [ShardEntry(rank=r, file=plan.shard_file(r, world), size=8 + sum(map(plan.slice_bytes, holds)),
+                         sha256="0" * 64, holds=holds)  # the smallest size that can hold its tensors
               for r, holds in enumerate(plan.plan_shards(specs, world))]
     return Manifest(schema=1, step=1, attempt=1, world_size=world, loss_milli=0, tensors=specs, shards=shards)
 

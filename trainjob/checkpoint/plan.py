@@ -13,6 +13,7 @@ linear trainer the state is one tensor ``params = [w0, w1, w2, bias]`` (float64)
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Sequence
 
@@ -46,6 +47,14 @@ class Ref:
             return None
         step, attempt, world = map(int, m.groups())
         return cls(attempt=attempt, step=step, world_size=world) if attempt >= 1 and world >= 1 else None
+
+
+def world_size_problem(world_size: int) -> str | None:
+    """Why ``world_size`` cannot be used (the one bound ``run``, ``reshard`` and ``k8s render``
+    share), or None."""
+    if 1 <= world_size <= MAX_WORLD_SIZE:
+        return None
+    return f"--world-size must be from 1 to {MAX_WORLD_SIZE}, got {world_size}"
 
 
 def plain_name(name: str) -> bool:
@@ -120,6 +129,12 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     problems = []
     if name is not None and Ref.parse(name) != Ref(attempt=m.attempt, step=m.step, world_size=m.world_size):
         problems.append(f"directory name {name} disagrees with step/attempt/world_size in the manifest")
+    # Bounds before any work sized from the manifest: the world size is checked against the shards
+    # actually listed before a range of it is built, and every list below is at most that long.
+    if (problem := world_size_problem(m.world_size)) is not None or len(m.shards) != m.world_size:
+        problems.append(f"world_size {m.world_size} is not the {len(m.shards)} shard(s) listed"
+                        if problem is None else f"world_size: {problem.removeprefix('--world-size ')}")
+        return problems
     if sorted(s.rank for s in m.shards) != list(range(m.world_size)):
         problems.append(f"shards must be ranks 0..{m.world_size - 1} once each, "
                         f"got {sorted(s.rank for s in m.shards)}")
@@ -136,7 +151,15 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     for shard in m.shards:
         if shard.holds != expected[shard.rank]:
             problems.append(f"rank {shard.rank}'s shard does not hold its documented slice of the state")
+        elif (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
+            problems.append(f"rank {shard.rank}'s tensors need {claimed} bytes, more than its {shard.size}-byte file")
     return problems
+
+
+def slice_bytes(s: TensorSlice) -> int:
+    """The bytes a slice's data takes in a shard (its header aside). A safetensors dtype code
+    names its width in bits (F64, I8, U8), BOOL is one byte."""
+    return (1 if s.dtype == "BOOL" else int(s.dtype[1:]) // 8) * math.prod(s.shape)
 
 
 # --- which checkpoint to resume from -----------------------------------------------------------

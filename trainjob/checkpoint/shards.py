@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import InputError, open_regular
 from ..storage.digest import Sha256Pipe
 from ..records import TensorSlice
 from ..tensors import dtype_code, np_dtype
@@ -53,22 +53,20 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
 
 
 def _open(path: Path, size: int | None) -> tuple[int, str | None]:
-    """Open ``path`` for reading, never through a symlink; (fd, None) or (-1, the reason)."""
+    """Open ``path`` for reading if it is a regular file (never through a symlink, never blocking
+    on a FIFO: ``errors.open_regular``); (fd, None) or (-1, the reason)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_regular(path)
     except FileNotFoundError:
         return -1, f"{path.name}: missing"
+    except InputError:
+        return -1, f"{path.name}: not a regular file (a symlink is never followed)"
     except OSError as exc:
         return -1, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
-    st = os.fstat(fd)
-    reason = None
-    if not stat.S_ISREG(st.st_mode):
-        reason = f"{path.name}: not a regular file"
-    elif size is not None and st.st_size != size:
-        reason = f"{path.name}: {st.st_size} bytes, the manifest says {size}"
-    if reason:
+    actual = os.fstat(fd).st_size
+    if size is not None and actual != size:
         os.close(fd)
-        return -1, reason
+        return -1, f"{path.name}: {actual} bytes, the manifest says {size}"
     return fd, None
 
 
@@ -164,7 +162,7 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
-def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray],
+def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray] | None,
                   size: int | None = None, sha256: str | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
     every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
@@ -192,10 +190,19 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
             raise ValueError(f"{path.name}: changed size while being read")
         try:
             header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except RecursionError:  # a header nested deeper than the parser's stack: not a crash
+            raise ValueError(f"{path.name}: not a valid safetensors file (header nested too deeply)") from None
         except ValueError as exc:
             raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
         seen = 8 + n
         for h in _check_header(path.name, header, holds, total - seen):
+            if dest is None:  # verify only: the same checks, the bytes through a bounded buffer
+                want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
+                got = _skim(fd, want, digest)
+                seen += got
+                if got != want:
+                    break
+                continue
             out = dest[h.name]
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
@@ -214,6 +221,20 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
         return str(exc)
     finally:
         os.close(fd)
+
+
+def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:
+    """Read and hash ``nbytes`` through two chunk-sized buffers in turn (one is hashed while the
+    other is filled); the count actually read."""
+    bufs = [bytearray(min(CHUNK, nbytes)) for _ in range(2)]
+    done = 0
+    while done < nbytes:
+        view = memoryview(bufs[done // CHUNK % 2])[:nbytes - done]
+        n = _read_exact(fd, view, digest)
+        done += n
+        if n < len(view):
+            break
+    return done
 
 
 def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:

@@ -21,6 +21,7 @@ import yaml
 
 from ..defaults import BACKOFF_LIMIT, VERSION
 from ..errors import UsageError
+from ..checkpoint.plan import world_size_problem
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
 CONTAINER = "trainjob"
@@ -61,8 +62,8 @@ class Target:
         if match is None or float(match[1]) == 0:
             raise UsageError(f"--storage must be a positive Kubernetes quantity such as 1Gi or 500Mi, "
                              f"got {self.storage!r}")
-        if self.world_size < 1:
-            raise UsageError(f"--world-size must be at least 1, got {self.world_size}")
+        if (problem := world_size_problem(self.world_size)) is not None:  # run's own bound: no pod exits 2
+            raise UsageError(problem)
         if self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
         if self.deadline < 1:

@@ -119,7 +119,7 @@ DETAIL: dict[str, tuple[str, ...]] = {
 }
 
 
-@parse.with_pattern(r"\d+")
+@parse.with_pattern(r"[0-9]{1,18}")  # ASCII, bounded: int() refuses a log's 5000-digit "number"
 def _whole(text: str) -> int:
     return int(text)
 

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import attrs
 
 from ..errors import UsageError
-from ..checkpoint.plan import MAX_WORLD_SIZE
+from ..checkpoint.plan import world_size_problem
 
 
 @attrs.frozen
@@ -45,8 +45,8 @@ def resolve_rank(rank: int | None, world_size: int | None, env: Mapping[str, str
         if rank not in (None, 0):
             raise UsageError(f"rank {rank} needs a world size: pass --world-size (or set WORLD_SIZE)")
         world = 1
-    if not 1 <= world <= MAX_WORLD_SIZE:
-        raise UsageError(f"--world-size must be from 1 to {MAX_WORLD_SIZE}, got {world}")
+    if (problem := world_size_problem(world)) is not None:
+        raise UsageError(problem)
     if rank is not None and not 0 <= rank < world:
         raise UsageError(f"rank must be from 0 to world size - 1 ({world - 1}), got {rank}")
     if rank is None and world == 1:

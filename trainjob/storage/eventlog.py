@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from typing import BinaryIO
 from datetime import UTC, datetime
 from pathlib import Path
 
 import attrs
 
-from ..errors import InputError, os_errors
+from ..errors import InputError, open_regular, os_errors
 from ..records import Event, converter, load
 from .pvc import FILE_MODE
 
@@ -40,7 +41,7 @@ class EventLog:
         record = Event(ts=utc_now(), event=event, detail=detail, source=self.source)
         line = json.dumps(converter.unstructure(record), separators=(",", ":")) + "\n"
         with os_errors(self.path, "cannot append to log"):
-            fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
+            fd = open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, mode=FILE_MODE)
             try:
                 if _ends_mid_line(fd):
                     line = "\n" + line
@@ -55,7 +56,7 @@ class EventLog:
         (logs grow without bound). The run never mistakes a supervisor's line for its own."""
         with os_errors(self.path, "cannot read log", InputError):
             try:
-                with open(self.path, "rb") as f:
+                with open(open_regular(self.path), "rb") as f:
                     size = f.seek(0, os.SEEK_END)
                     f.seek(max(0, size - _TAIL))
                     lines = f.read().splitlines()
@@ -86,17 +87,62 @@ class LogLine:
     problem: str = ""
 
 
+MAX_LINE = 64 << 10  # an event line is well under a kilobyte; a longer one is skipped unread
+SHOW_SKIPPED = 5  # the skipped lines a reader reports one by one; the rest are counted
+
+
+def cut(problem: str) -> str:
+    """A skipped line's problem, cut short: it may quote a hostile line."""
+    return problem if len(problem) <= 300 else problem[:300] + "..."
+
+
+def more_skipped(count: int) -> list[str]:
+    """What a reader says about the skipped lines it does not show one by one."""
+    return [f"{count} more line(s) that are not valid events"] if count else []
+
+
+@attrs.define
+class SkippedLines:
+    """The lines of a log that are not events, in flat memory: a count and the first few problems,
+    so a log of a million garbage lines costs neither memory nor pages of output."""
+
+    count: int = 0
+    first: list[str] = attrs.Factory(list)
+
+    def add(self, line: LogLine) -> None:
+        self.count += 1
+        if len(self.first) < SHOW_SKIPPED:
+            self.first.append(f"line {line.number}: {cut(line.problem)}")
+
+    def report(self) -> list[str]:
+        return [*self.first, *more_skipped(self.count - len(self.first))]
+
+
+def _bounded_lines(handle: BinaryIO) -> Iterator[bytes | None]:
+    """The file's lines, each read in at most MAX_LINE bytes; None for a longer one, whose bytes
+    are passed over in MAX_LINE pieces (never held whole)."""
+    while raw := handle.readline(MAX_LINE + 1):
+        if len(raw) <= MAX_LINE or raw.endswith(b"\n"):
+            yield raw
+            continue
+        while raw and not raw.endswith(b"\n"):
+            raw = handle.readline(MAX_LINE)
+        yield None
+
+
 def read_log(path: Path) -> Iterator[LogLine]:
-    """Yield every line of the log; lines that are not valid events carry a problem instead."""
+    """Yield every line of the log; lines that are not valid events carry a problem instead.
+    Memory stays flat for any input: lines are read one at a time, each at most MAX_LINE bytes."""
     with os_errors(path, "cannot read log", InputError):
         try:
-            handle = open(path, "rb")
+            handle = open(open_regular(path, follow=True), "rb")
         except FileNotFoundError as exc:
             raise InputError(f"{path}: log not found") from exc
-        except IsADirectoryError as exc:
-            raise InputError(f"{path}: is a directory, not a log file") from exc
     with handle:
-        for number, raw in enumerate(handle, 1):
+        for number, raw in enumerate(_bounded_lines(handle), 1):
+            if raw is None:
+                yield LogLine(number, None, f"{path}:{number}: longer than {MAX_LINE} bytes; not read")
+                continue
             if not raw.strip():
                 continue
             try:

@@ -2,7 +2,8 @@
 
 Layout of a PVC directory (all paths relative to it):
 
-    .lock                      flock'd by rank 0 (the one coordinator allowed to write here)
+    .lock                      flock'd by rank 0 (the one coordinator allowed to write here), with
+                               the PVC directory itself (which no unlink can take away)
     .lock.rank-NNNNN           flock'd by rank N >= 1 (two rank-1 processes must not both run)
     state.json                 RunState: the machine's last state and the attempt number
     attempts                   the attempt counter as a plain integer (the lab's contract)
@@ -22,24 +23,27 @@ InputError, never mistaken for "no file". This module makes no decisions.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
 import attrs
 
 from .digest import Sha256Pipe
-from ..errors import InputError, PvcBusy, os_errors
+from ..errors import InputError, PvcBusy, open_regular, os_errors, read_regular
 from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
 
 FILE_MODE = 0o644  # never group- or world-writable, whatever the umask
+MAX_RECORD = 16 << 20  # a JSON record (state, pointer, manifest, receipt): far above any trainjob writes
+MAX_FILE = 4 << 30  # an artifact: read whole to check its sha256; a bound, not a size anyone needs
 DIR_MODE = 0o755
 _TMP = re.compile(r".+\.tmp\.\d+")
 
@@ -182,6 +186,21 @@ def make_dir(path: Path) -> None:
                 raise
 
 
+def _flock(fd: int, unsupported_ok: bool = False) -> bool | None:
+    """Take an exclusive flock without waiting: True, False when another holder has it, None
+    when the file system cannot lock this kind of file and ``unsupported_ok`` (NFS emulates flock
+    with byte-range locks, which a directory cannot take)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError as exc:
+        if unsupported_ok and exc.errno in (errno.EBADF, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOLCK):
+            return None
+        raise
+    return True
+
+
 def refuse_symlink(path: Path) -> None:
     if path.is_symlink():
         raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
@@ -213,21 +232,33 @@ class Pvc:
         A second holder gets PvcBusy at once, never waits. Rank 0's lock is the job lock that
         ``run``, ``reshard`` and the coordinator take; each other rank has its own, so two
         rank-1 processes cannot both write rank 1's shards.
+
+        A lock on a file binds to its inode, not its name: unlink ``.lock`` under a running job
+        and a second run would create and lock a new one. So rank 0 also locks the PVC
+        directory itself, which no unlink can replace (where the file system cannot lock a
+        directory, e.g. NFS, the file lock stands alone), and every lock checks, once held,
+        that its path still names the inode it locked.
         """
         path = self.root / (".lock" if rank == 0 else f".lock.rank-{rank:05d}")
-        busy = (f"{self.root}: another trainjob run holds this PVC" if rank == 0 else
-                f"{path}: another rank-{rank} process of this job holds this rank's lock")
+        busy = PvcBusy(f"{self.root}: another trainjob run holds this PVC; relaunch when it has exited"
+                       if rank == 0 else
+                       f"{path}: another rank-{rank} process of this job holds this rank's lock; "
+                       "relaunch when it has exited")
         refuse_symlink(path)
-        with os_errors(path, "cannot open the lock file", InputError):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, FILE_MODE)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise PvcBusy(f"{busy}; relaunch when it has exited") from None
+        with ExitStack() as held:  # closing a descriptor releases its lock, also on a kill
+            with os_errors(path, "cannot open the lock file", InputError):
+                fd = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE)
+            held.callback(os.close, fd)
+            with os_errors(path, "cannot lock"):
+                if not _flock(fd) or os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                    raise busy  # or replaced between our open and our lock: whoever did holds it
+            if rank == 0:
+                with os_errors(self.root, "cannot lock the PVC directory"):
+                    directory = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                    held.callback(os.close, directory)
+                    if _flock(directory, unsupported_ok=True) is False:
+                        raise busy  # .lock was unlinked under a run that still holds the PVC
             yield
-        finally:
-            os.close(fd)  # closing releases the lock, also when the process is killed
 
     def remove_stray_tmp(self) -> list[Path]:
         """Delete tmp files left by writers that were killed mid-write (call under the lock)."""
@@ -242,16 +273,17 @@ class Pvc:
 
     # --- readers: None when absent, InputError when present but wrong ------------------------
 
-    def read_bytes(self, path: Path) -> bytes | None:
-        refuse_symlink(path)
+    def read_bytes(self, path: Path, limit: int = MAX_FILE) -> bytes | None:
+        """The file's bytes if it exists; a symlink, FIFO, device or a file over ``limit`` bytes
+        is an InputError, found without reading it (``errors.read_regular``)."""
         with os_errors(path, "cannot read", InputError):
             try:
-                return path.read_bytes()
+                return read_regular(path, limit)
             except FileNotFoundError:
                 return None
 
     def read_record(self, path: Path, cls: type[T]) -> T | None:
-        raw = self.read_bytes(path)
+        raw = self.read_bytes(path, MAX_RECORD)
         if raw is None:
             return None
         return load(raw, cls, where=f"{path} (fix or move it aside; trainjob will not overwrite it)")

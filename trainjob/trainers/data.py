@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import InputError, os_errors
+from ..errors import InputError, os_errors, read_regular
 from ..records import LinearModel, Sample, dumps, load
 
 N_TRAIN = 40
@@ -61,11 +61,16 @@ class Dataset:
     sha256: str  # over the three files, in FILES order
 
 
+MAX_DATA_FILE = 256 << 20  # the toy data sets are kilobytes; a bound before reading, not a target
+
+
 def read_data_file(path: Path, gen_flags: str = "") -> bytes:
-    """A data file's bytes; a missing one says which ``trainjob gen`` writes it."""
+    """A data file's bytes; a missing one says which ``trainjob gen`` writes it. A symlink is
+    followed (a Kubernetes ConfigMap mounts its files as links) but must lead to a regular file of
+    at most MAX_DATA_FILE bytes: a FIFO, ``/dev/zero`` or a file too large is refused unread."""
     with os_errors(path, "cannot read", InputError):
         try:
-            return path.read_bytes()
+            return read_regular(path, MAX_DATA_FILE, follow=True)
         except FileNotFoundError as exc:
             raise InputError(f"{path}: missing (create it with `trainjob gen {gen_flags}{path.parent}`)") from exc
 

@@ -1,7 +1,9 @@
 """The Trainer protocol: the whole of what the engine knows about a model.
 
-A trainer is built by a *factory* ``factory(data: Path | None, lr: float) -> Trainer`` and then
-driven by the engine, on every rank alike:
+A trainer is built by a *factory* ``factory(data: Path | None, lr: float) -> Trainer`` (a class or
+a function whose parameters are named ``data`` and ``lr``: it is checked before it is called, and
+called by those names; whatever else it raises is a usage error naming it) and then driven by the
+engine, on every rank alike:
 
     state = trainer.initial_state()           # named arrays: model AND optimizer state
     state, loss = trainer.step(state, step)    # one step (numbered from 1); mean loss, a float >= 0
@@ -32,7 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import InputError, UsageError
+from ..errors import InputError, TrainJobError, UsageError
 from ..records import Score, TensorSpec, is_sha256_hex
 from ..tensors import tensor_specs
 
@@ -76,19 +78,27 @@ def resolve(spec: str) -> Factory:
         obj = getattr(obj, part, None)
     if not callable(obj):
         raise UsageError(f"--trainer {spec!r}: {module_name} has no callable {attr}")
+    if not (inspect.isclass(obj) or inspect.isfunction(obj)):  # a builtin has no signature to check
+        raise UsageError(f"--trainer {spec!r}: the factory must be a class or a function taking (data, lr), "
+                         f"not a {type(obj).__name__}")
     return obj  # type: ignore[no-any-return]
 
 
 def build(spec: str, data: Path | None, lr: float) -> Trainer:
     """Load and build the trainer, refusing one that does not fit the protocol (one line, exit 2)."""
     factory = resolve(spec)
+    # By name, so that a function that merely takes two arguments (shutil.rmtree would delete
+    # --data) is refused before it is called.
     try:
-        inspect.signature(factory).bind(data, lr)
-    except TypeError as exc:
-        raise UsageError(f"--trainer {spec!r}: the factory must accept (data, lr): {exc}") from None
-    except ValueError:
-        pass  # no signature to inspect (a builtin): let the call say
-    trainer = factory(data, lr)
+        inspect.signature(factory).bind(data=data, lr=lr)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"--trainer {spec!r}: the factory must accept (data, lr) by those names: {exc}") from None
+    try:
+        trainer = factory(data=data, lr=lr)
+    except TrainJobError:
+        raise
+    except (Exception, SystemExit) as exc:  # the user's code failed, not trainjob: a usage error, named
+        raise UsageError(f"--trainer {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
     missing = [m for m in METHODS if not callable(getattr(trainer, m, None))]
     if not is_sha256_hex(getattr(trainer, "data_sha256", None)):
         missing.append("data_sha256 (64 hex digits)")

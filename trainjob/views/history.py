@@ -63,7 +63,7 @@ import attrs
 
 from ..engine import decisions
 from ..errors import InputError
-from ..storage.eventlog import read_log
+from ..storage.eventlog import SHOW_SKIPPED, cut, read_log
 from ..states import State
 from ..engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, INITIAL, NOTED_WITHIN, OUT_OF_BAND, TRANSITIONS
 
@@ -290,7 +290,8 @@ class RunPath:
     log: Path
     steps: list[Step] = attrs.Factory(list)
     asides: list[Aside] = attrs.Factory(list)
-    skipped: list[Skipped] = attrs.Factory(list)
+    skipped: list[Skipped] = attrs.Factory(list)  # the first SHOW_SKIPPED; the rest are counted
+    more_skipped: int = 0
     illegal: IllegalStep | None = None
 
     def lines(self) -> list[str]:
@@ -327,7 +328,10 @@ def replay(log: Path) -> RunPath:
     found, cursor = RunPath(log), _Cursor()
     for line in read_log(log):
         if line.event is None:
-            found.skipped.append(Skipped(line.number, line.problem))
+            if len(found.skipped) < SHOW_SKIPPED:  # flat memory for a log of a million garbage lines
+                found.skipped.append(Skipped(line.number, cut(line.problem)))
+            else:
+                found.more_skipped += 1
             continue
         if line.event.source is not None:
             found.asides.append(Aside(line.number, line.event.source, line.event.event, line.event.detail))

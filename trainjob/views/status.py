@@ -17,7 +17,7 @@ import attrs
 from ..engine.machine import parse_detail
 from ..errors import InputError
 from ..records import SUPERVISOR
-from ..storage.eventlog import read_log
+from ..storage.eventlog import SkippedLines, read_log
 
 
 @attrs.define
@@ -32,10 +32,10 @@ class Status:
 
 
 def summarize(path: Path) -> Status:
-    status = Status()
+    status, skipped = Status(), SkippedLines()
     for line in read_log(path):
         if line.event is None:
-            status.skipped.append(f"line {line.number}: {line.problem}")
+            skipped.add(line)
             continue
         ev = line.event
         status.lines += 1
@@ -52,6 +52,7 @@ def summarize(path: Path) -> Status:
             status.drift = "pass"
         elif ev.event == "drift_failed":
             status.drift = "fail"
+    status.skipped = skipped.report()
     if status.last_event is None:  # empty, or only the supervisor's lines: the run never logged
         raise InputError(f"{path}: holds no events from trainjob run")
     return status
