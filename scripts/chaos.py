@@ -5,7 +5,9 @@
 
 Sections (each trial is a fresh PVC; everything is seeded, so a failure can be replayed):
 
-  kill storm      SIGKILL the run at uniformly random instants, relaunch until done
+  kill storm      SIGKILL the run at uniformly random instants, relaunch until done; one more
+                  launch per trial (the first in even trials, so it has a run to chase; else
+                  the last) is killed the instant `completed` is logged (a late kill)
   sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
   io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
   full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
@@ -15,8 +17,9 @@ Sections (each trial is a fresh PVC; everything is seeded, so a failure can be r
   races           several runs started at once on one PVC
   security        no unpickling or eval, no group/world-writable files, no forged log lines
 
-After every trial the PVC must recover: a clean relaunch ends with the same artifact bytes as an
-uninterrupted run, the kill cost no attempt, and no tmp litter remains. Prints one summary table
+Kill-storm launches and every recovery are ``run ... --idempotent``, as ``supervise`` and the
+rendered Job run them. After every trial the PVC must recover: a clean relaunch exits 0 with the same artifact bytes as
+an uninterrupted run, the kill cost no attempt, and no tmp litter remains. Prints one summary table
 and exits 1 on any violation. The defaults are CI-sized; see the README for the full run.
 """
 
@@ -45,6 +48,7 @@ RACE_STEPS = ["--steps", "1000", "--ckpt-every", "1"]
 # Two ranks coordinate every checkpoint through the PVC, so a step costs more: fewer of them.
 W2_STEPS = ["--steps", "60", "--ckpt-every", "1", "--world-size", "2"]
 LITTER = ("*.tmp.*", ".tmp-*", ".trash-*")
+AS_DEPLOYED = "--idempotent"  # what supervise and the rendered Job add to every `trainjob run`
 
 
 def one_rank(flags: list[str]) -> list[str]:
@@ -87,6 +91,7 @@ class Section:
     name: str
     trials: int = 0
     injected: int = 0  # kills, signals, faults, inputs or racers actually delivered
+    late: int = 0  # of those, kills that landed after the run had logged `completed`
     bytes_lost: int = 0
     violations: list[str] = field(default_factory=list)
     note: str = ""
@@ -129,12 +134,10 @@ class Campaign:
         """Relaunch without faults until done; the result must equal the uninterrupted run."""
         reference = self.reference_for(flags)
         for _ in range(5):
-            result = trainjob("run", "--pvc", pvc, *flags)
-            if result.returncode == 2 and "already completed" in result.stderr:
-                break
+            result = trainjob("run", "--pvc", pvc, *flags, AS_DEPLOYED)
             if result.returncode != 75:
                 break
-        if result.returncode not in (0, 2) or last_event(pvc) != "completed":
+        if result.returncode != 0 or last_event(pvc) != "completed":
             section.violation(trial, f"clean relaunch ended {result.returncode}: {result.stderr.strip()[-200:]}")
             return
         artifact = pvc / "artifacts" / "model-v1.json"
@@ -163,18 +166,29 @@ class Campaign:
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("kill")
-            for _ in range(kills_per_trial):
-                proc = spawn("run", "--pvc", pvc, *flags)
-                try:
-                    code = proc.wait(timeout=self.rng.uniform(0, seconds))
-                except subprocess.TimeoutExpired:
+            chase_at = 0 if trial % 2 == 0 else kills_per_trial
+            for launch in range(kills_per_trial + 1):
+                done = last_event(pvc) == "completed"
+                proc = spawn("run", "--pvc", pvc, *flags, AS_DEPLOYED)
+                # A random instant; or, chasing, the instant `completed` is logged (if still to come).
+                deadline = time.monotonic() + self.rng.uniform(0, seconds) if launch != chase_at else None
+                chase = launch == chase_at and not done
+                while proc.poll() is None:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    if chase and last_event(pvc) == "completed":
+                        break
+                    time.sleep(0.001)
+                if proc.poll() is None:
+                    late = last_event(pvc) == "completed"
                     os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-                    section.injected += 1
+                    if proc.wait() == -signal.SIGKILL:  # it had not exited by itself in between
+                        section.injected += 1
+                        section.late += late
                     continue
                 stderr = proc.stderr.read()
-                if code not in (0, 75) and not (code == 2 and "already completed" in stderr):
-                    section.violation(trial, f"a launch exited {code}: {stderr.strip()[-300:]}")
+                if proc.returncode not in ((0,) if done else (0, 75)):
+                    section.violation(trial, f"a launch exited {proc.returncode}: {stderr.strip()[-300:]}")
             self.recover(section, trial, pvc, flags)
         return section
 
@@ -524,7 +538,8 @@ def flip(raw: bytes, rng: random.Random) -> bytes:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kills", type=int, default=4, help="kill-storm trials (3 kills each)")
+    parser.add_argument("--kills", type=int, default=4,
+                        help="kill-storm trials (3 random kills and one late kill each)")
     parser.add_argument("--sigterms", type=int, default=4)
     parser.add_argument("--faults", type=int, default=8)
     parser.add_argument("--inputs", type=int, default=40)
@@ -548,9 +563,10 @@ def main() -> int:
             campaign.reshard_races(args.races),
             campaign.security(),
         ]
-    print(f"{'section':<16}{'trials':>8}{'injected':>10}{'violations':>12}{'bytes lost':>12}  note")
+    print(f"{'section':<16}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
     for s in sections:
-        print(f"{s.name:<16}{s.trials:>8}{s.injected:>10}{len(s.violations):>12}{s.bytes_lost:>12}  {s.note}")
+        print(f"{s.name:<16}{s.trials:>8}{s.injected:>10}{s.late:>6}{len(s.violations):>12}{s.bytes_lost:>12}  "
+              f"{s.note}")
     violations = [v for s in sections for v in s.violations]
     for v in violations:
         print(f"VIOLATION {v}")

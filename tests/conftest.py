@@ -48,6 +48,14 @@ def snapshot(directory: Path) -> dict[str, bytes]:
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def untouched(directory: Path) -> dict[str, tuple[bytes | None, int, int]]:
+    """Every entry under ``directory`` with its bytes (files), inode and mtime: equal snapshots
+    mean nothing was written, not even the same bytes again (an atomic rewrite is a new inode)."""
+    return {str(p.relative_to(directory)): (p.read_bytes() if p.is_file() else None, p.stat().st_ino,
+                                            p.stat().st_mtime_ns)
+            for p in sorted([directory, *directory.rglob("*")])}
+
+
 @pytest.fixture(scope="session")
 def walkthrough_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The seed's walkthrough, run once through the real CLI: kill at step 4, relaunch, complete."""

@@ -4,7 +4,9 @@
     python tests/killpoint.py -1 run --pvc P ...    never die; print the number of I/O calls
 
 This is the test-side harness for "a kill at any instant": with N enumerated over every I/O
-call a clean run makes, every point where the PVC could be left half-updated gets hit.
+call a clean run makes, every point where the PVC could be left half-updated gets hit. N equal
+to that number is the exit path: the process dies once the CLI has returned, its outcome
+decided and logged (an OOM kill or a lost node in the instant after ``completed``).
 """
 
 import os
@@ -32,6 +34,8 @@ for name in ("write", "fsync", "replace", "rename"):
     setattr(os, name, deadly(getattr(os, name)))
 
 code = cli.main(sys.argv[2:])
+if calls == target:
+    os.kill(os.getpid(), signal.SIGKILL)
 if target < 0:
     print(calls, file=sys.stderr)
 sys.exit(code)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import events, snapshot, trainjob
+from conftest import events, snapshot, trainjob, untouched
 from trainjob import cli
 
 WALKTHROUGH = [
@@ -195,6 +195,50 @@ def test_completed_pvc_refuses_a_new_run(pvc):
     result = trainjob("run", "--pvc", pvc)
     assert result.returncode == 2 and "already completed" in result.stderr
     assert snapshot(pvc) == before
+
+
+@pytest.mark.process
+def test_idempotent_relaunch_of_a_completed_job_exits_0_touching_nothing_but_the_lab_gets_its_refusal(pvc):
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    before = untouched(pvc)
+    again = trainjob("run", "--pvc", pvc, "--idempotent")
+    sha = hashlib.sha256((pvc / "artifacts/model-v1.json").read_bytes()).hexdigest()
+    assert again.returncode == 0 and again.stderr == ""
+    assert again.stdout == (f"trainjob run: already completed (attempt 1): artifacts/model-v1.json verified, "
+                            f"sha256={sha}; nothing to do\n")
+    lab = trainjob("run", "--pvc", pvc)  # a person at a terminal: the lab's rule
+    assert lab.returncode == 2 and lab.stderr.endswith("already completed (attempt 1); use a fresh --pvc for a new job\n")
+    assert untouched(pvc) == before
+
+
+def _flip_a_byte(pvc):
+    path = pvc / "artifacts/model-v1.json"
+    data = bytearray(path.read_bytes())
+    data[10] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _edit_the_logged_hash(pvc):
+    log = pvc / "log.jsonl"
+    log.write_text(re.sub(r"sha256=[0-9a-f]", "sha256=x", log.read_text()))
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("damage", "verdict"), [
+    (_flip_a_byte, "corrupt"),
+    (lambda pvc: (pvc / "artifacts/model-v1.json").unlink(), "missing"),
+    (_edit_the_logged_hash, "corrupt"),
+])
+def test_a_completed_job_whose_artifact_fails_its_logged_hash_is_exit_2_never_success(pvc, damage, verdict):
+    assert trainjob("run", "--pvc", pvc).returncode == 0
+    damage(pvc)
+    before = untouched(pvc)
+    result = trainjob("run", "--pvc", pvc, "--idempotent")
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert f"the job completed (attempt 1) but artifacts/model-v1.json is {verdict}" in line
+    assert f"trainjob verify --pvc {pvc}" in line
+    assert untouched(pvc) == before
 
 
 @pytest.mark.process

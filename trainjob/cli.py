@@ -7,7 +7,8 @@ This is the only place that knows exit codes:
         replay, which still writes its page);
         ``verify``: something that matters does not verify
     2   usage or input error (bad flag, missing or invalid file, already-completed PVC, no
-        checkpoint verifies, world-size mismatch)
+        checkpoint verifies, world-size mismatch; under ``--idempotent``, a completed PVC whose
+        artifact fails its logged sha256)
     75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in
         time: safe to relaunch
     70  an unexpected internal error (a bug in trainjob, never an honest failure), including an
@@ -54,7 +55,7 @@ from .ranks.launcher import launch_local
 from .engine.reshard import Reshard
 from .views.status import summarize
 from .deploy.supervise import SuperviseSettings, supervise
-from .views.verify import verify_pvc
+from .views.verify import completed_job, verify_pvc
 from .states import State
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's rank (default: $RANK, else $JOB_COMPLETION_INDEX); 0 coordinates")
     r.add_argument("--rank-timeout", type=float, default=d.rank_timeout,
                    help="seconds any wait for another rank may take before exiting 75")
+    r.add_argument("--idempotent", action="store_true",
+                   help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
+                        "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
 
     v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
     v.add_argument("--pvc", type=Path, required=True)
@@ -280,6 +284,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     with os_errors(log_path.parent, "cannot create the log's directory", InputError):
         make_dir(log_path.parent)
     with pvc.lock(spec.rank):  # stray tmp files and directories are removed (and logged) by run
+        if args.idempotent and (done := completed_job(pvc, log_path)) is not None:
+            emit(f"trainjob run: {done.line()}")
+            return EXIT_OK
         if spec.rank == 0:
             final = run(cfg, pvc, EventLog(log_path), model, stop, Progress.for_stream(sys.stderr, cfg.steps))
         else:
@@ -294,8 +301,8 @@ def launch(world_size: int, argv: Sequence[str]) -> int:
     code = codes[0] if codes[0] >= 0 else EXIT_RELAUNCH  # rank 0 killed by a signal: relaunchable
     if any(c != code for c in codes[1:]):
         warn(f"trainjob run: rank exit codes {codes}; the job's is rank 0's ({code})")
-    if received and code == EXIT_OK:
-        return EXIT_RELAUNCH  # never report success after being told to stop
+    if received and code == EXIT_OK:  # rank 0 exits 0 only once `completed` is logged: that stands
+        warn(f"trainjob run: {received} arrived after the job completed; it stays completed")
     return code
 
 
@@ -406,7 +413,10 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     stop.install()
     _check_log(_log_path(run_args))
     log = EventLog(_log_path(run_args), source=policy.SOURCE)
-    end = supervise([sys.executable, "-m", "trainjob", "run", *argv], log, settings, SAID_BY_EXIT.get, stop)
+    # --idempotent: a start after the job completed (a late kill, a second supervisor) finds it
+    # done and exits 0, instead of the refusal (2) a person at a terminal gets.
+    end = supervise([sys.executable, "-m", "trainjob", "run", *argv, "--idempotent"], log, settings,
+                    SAID_BY_EXIT.get, stop)
     return EXIT_FOR_ENDING[end]
 
 

@@ -5,6 +5,7 @@
     │   ├── UsageError            a flag or argument that cannot work
     │   └── InputError            a file trainjob reads is missing or wrong
     │       ├── AlreadyCompleted      the PVC holds a completed job
+    │       ├── ArtifactUnverified    a completed job's artifact fails its logged hash
     │       ├── NoVerifiedCheckpoint  checkpoints exist, none verifies
     │       └── WorldSizeMismatch     newest checkpoint is for another world size
     └── TryAgainLater(OSError)    nothing is wrong with the job; relaunch      -> exit 75
@@ -70,6 +71,11 @@ class InputError(Refused):
 
 class AlreadyCompleted(InputError):
     """The PVC already holds a completed job; a new run would overwrite its story."""
+
+
+class ArtifactUnverified(InputError):
+    """The PVC holds a completed job, but its artifact is missing or no longer matches the sha256
+    the log recorded: the published model cannot be trusted, and no relaunch can repair it."""
 
 
 class NoVerifiedCheckpoint(InputError):

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
+from conftest import ROOT, io_calls
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 
@@ -258,3 +259,26 @@ def test_the_job_fails_on_the_very_pod_that_logs_job_failed(tmp_path, limit, pre
     assert last_events[-1] == "job_failed" and last_events.count("job_failed") == 1
     assert last_events.count("drift_failed") == limit + 1
     assert pods == limit + 2 + preempted
+
+
+def test_a_pod_killed_after_the_job_completed_is_replaced_by_one_that_succeeds(tmp_path):
+    """The issue's failure: a pod OOM-killed in the instant after it logged `completed` (137,
+    counted) is replaced; the replacement, running the rendered command, must exit 0 and the Job
+    succeed. If the published artifact no longer matches its logged hash, the Job fails at once."""
+    _, job = manifests("--", "run", "--steps", "3")
+    spec = job["spec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    pvc = tmp_path / "pvc"
+    args = [str(pvc) if arg == k8s.MOUNT else arg for arg in container["args"]]
+    exit_path = io_calls(*(str(tmp_path / "count") if arg == str(pvc) else arg for arg in args))
+    oom = subprocess.run([sys.executable, ROOT / "tests/killpoint.py", str(exit_path), *args], capture_output=True)
+    assert oom.returncode == -9 and json.loads((pvc / "log.jsonl").read_text().splitlines()[-1])["event"] == "completed"
+    assert job_action(spec["podFailurePolicy"]["rules"], 128 + 9, set()) == "Count" and 1 <= spec["backoffLimit"]
+
+    replacement = subprocess.run([sys.executable, "-m", "trainjob", *args], capture_output=True, text=True)
+    assert replacement.returncode == 0, replacement.stderr  # the Job is Complete
+    assert "already completed (attempt 1): artifacts/model-v1.json verified" in replacement.stdout
+
+    (pvc / "artifacts/model-v1.json").write_text("{}\n")
+    damaged = subprocess.run([sys.executable, "-m", "trainjob", *args], capture_output=True, text=True)
+    assert job_action(spec["podFailurePolicy"]["rules"], damaged.returncode, set()) == "FailJob"

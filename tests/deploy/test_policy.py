@@ -42,6 +42,18 @@ def test_exit_1_without_an_honest_failure_logged_is_a_crash(last_event):
     assert judge(1, last_event) == "crashed"
 
 
+@given(before=last_events)
+def test_exit_0_from_a_start_that_logged_nothing_is_success_only_if_the_log_had_completed(before):
+    # An idempotent relaunch of a completed job verifies it and rightly logs nothing.
+    end = policy.ending("ok", None, before)
+    assert end == ("completed" if before == "completed" else "inconsistent")
+
+
+@given(last_event=last_events.filter(lambda e: e not in (None, "completed")), before=last_events)
+def test_what_a_start_logged_outranks_what_the_log_held_before_it(last_event, before):
+    assert policy.ending("ok", last_event, before) == "inconsistent"
+
+
 @given(last_event=last_events.filter(lambda e: e != "completed"))
 def test_exit_0_without_completed_in_the_log_is_never_success(last_event):
     end = judge(0, last_event)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ROOT
 from trainjob.cli import EXIT_FOR_ENDING
 from trainjob.deploy.policy import SOURCE
 from trainjob.storage.eventlog import read_log
@@ -232,6 +233,29 @@ def test_sigterm_is_forwarded_the_child_checkpoints_and_the_supervisor_exits_75(
     assert decisions(log) == [{"event": "stop", "start": "1", "exit": "75", "ending": "killed",
                                "reason": "signal", "signal": "SIGTERM", "outcome": "killed"}]
     assert status(log, tmp_path).returncode == 75
+
+
+def test_a_sigterm_after_the_child_completed_keeps_exit_0_and_is_noted_as_late(tmp_path):
+    # tests/latesignal.py signals the supervisor just after its child exited 0, before the verdict.
+    done = subprocess.run([sys.executable, ROOT / "tests/latesignal.py", "supervise", *FAST, "--", "run", "--pvc", "P"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    log = tmp_path / "P/log.jsonl"
+    assert run_events(log)[-1] == "completed"
+    assert decisions(log) == [{"event": "stop", "start": "1", "exit": "0", "ending": "completed", "reason": "final",
+                               "outcome": "completed", "late_signal": "SIGTERM"}]
+    path = subprocess.run([*TRAINJOB, "status", "--path", str(log)], capture_output=True, text=True)
+    assert path.returncode == 0 and "(supervisor)  stop | start=1 exit=0" in path.stdout
+
+
+def test_a_start_after_the_job_completed_verifies_it_and_stops_with_exit_0(tmp_path):
+    assert subprocess.run([*TRAINJOB, "run", "--pvc", "P"], cwd=tmp_path, capture_output=True).returncode == 0
+    done = supervise(*FAST, "--", "run", "--pvc", "P", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "already completed (attempt 1): artifacts/model-v1.json verified" in done.stdout
+    assert run_events(tmp_path / "P/log.jsonl").count("completed") == 1  # the start logged nothing
+    assert [(d["exit"], d["ending"], d["outcome"]) for d in decisions(tmp_path / "P/log.jsonl")] == [
+        ("0", "completed", "completed")]
 
 
 def test_sigint_during_the_backoff_stops_without_another_start(tmp_path, spawn):

@@ -1,13 +1,16 @@
 """Crash safety with real processes and real signals: SIGKILL anywhere, SIGTERM, torn logs, locks.
 
 The strongest test here enumerates every write/fsync/rename a clean run makes and SIGKILLs the
-process just before each one in turn: whatever instant a kill lands on, the relaunch must end
-with the same artifact bytes as an uninterrupted run, and the kill must not cost an attempt.
+process just before each one in turn, and once more on its exit path after ``completed`` is
+logged: whatever instant a kill lands on, the relaunch (as the rendered Job and ``supervise`` run
+it) must exit 0 with the same artifact bytes as an uninterrupted run, and the kill must not cost
+an attempt.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -21,23 +24,25 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import events, io_calls, killpoint, snapshot, trainjob
+from conftest import events, io_calls, killpoint, snapshot, trainjob, untouched
+from trainjob.deploy import k8s
 
 pytestmark = pytest.mark.process  # every test here starts the CLI or another process
 
 FLAGS = ["--steps", "3", "--ckpt-every", "2"]
 
 
-def finish(pvc: Path, *flags: str) -> int:
-    """Relaunch like a Job controller until the run ends; return the final exit code.
+def as_deployed(pvc: Path, *flags: str) -> subprocess.CompletedProcess:
+    """One pod of the rendered Job: its container's very command line, with ``pvc`` mounted.
+    (``supervise`` runs the same command: ``run ARGS --idempotent``.)"""
+    args = k8s.Target(run_args=flags).container_args()
+    return trainjob(*(str(pvc) if arg == k8s.MOUNT else arg for arg in args))
 
-    A kill after the last log line was written (but before the process exited) leaves a job
-    that is complete on disk and in the log; its relaunch is refused as already completed (2).
-    """
+
+def finish(pvc: Path, *flags: str) -> int:
+    """Relaunch like a Job controller until the run ends; return the final exit code."""
     for _ in range(3):
-        result = trainjob("run", "--pvc", pvc, *flags)
-        if result.returncode == 2 and "already completed" in result.stderr:
-            return 0 if events(pvc / "log.jsonl")[-1][0] == "completed" else 2
+        result = as_deployed(pvc, *flags)
         if result.returncode != 75:
             return result.returncode
     return result.returncode
@@ -74,13 +79,38 @@ def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference
         died = killpoint(n, "run", "--pvc", pvc, *FLAGS)
         if died.returncode != -signal.SIGKILL:
             return f"kill point {n}: harness exited {died.returncode}: {died.stderr[-300:]}"
+        if n == total and events(pvc / "log.jsonl")[-1][0] != "completed":
+            return f"kill point {n}: the exit-path kill landed before `completed` was logged"
         code = finish(pvc, *FLAGS)
         found = ([f"relaunch exited {code}"] if code else []) + problems_after_recovery(pvc, reference)
         return f"kill point {n}: {found}" if found else None
 
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        failures = [f for f in pool.map(trial, range(total)) if f]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # kill point `total` is the exit path
+        failures = [f for f in pool.map(trial, range(total + 1)) if f]
     assert failures == []
+
+
+def test_a_kill_after_completed_is_logged_is_relaunched_to_exit_0_touching_nothing(pvc, reference):
+    """The kill Kubernetes deals a pod in the instant after it published the model (an OOM kill,
+    an eviction): the replacement pod, and a supervisor's next start, must report success."""
+    died = killpoint(io_calls("run", "--pvc", pvc.parent / "count", *FLAGS), "run", "--pvc", pvc, *FLAGS)
+    assert died.returncode == -signal.SIGKILL and events(pvc / "log.jsonl")[-1][0] == "completed"
+    before, log_before = untouched(pvc), (pvc / "log.jsonl").read_text()
+
+    pod = as_deployed(pvc, *FLAGS)
+    assert pod.returncode == 0, pod.stderr
+    assert pod.stdout.splitlines() == [
+        "trainjob run: already completed (attempt 1): artifacts/model-v1.json verified, "
+        f"sha256={hashlib.sha256(reference).hexdigest()}; nothing to do"]
+    assert untouched(pvc) == before  # no file written, renamed, rotated or logged
+    assert problems_after_recovery(pvc, reference) == []
+
+    supervised = trainjob("supervise", "--backoff-base", "0.01", "--", "run", "--pvc", pvc, *FLAGS)
+    assert supervised.returncode == 0, supervised.stderr
+    added = (pvc / "log.jsonl").read_text().removeprefix(log_before).splitlines()
+    assert [(line["event"], line.get("source")) for line in map(json.loads, added)] == [("stop", "supervisor")]
+    assert "ending=completed reason=final outcome=completed" in json.loads(added[0])["detail"]
+    assert trainjob("status", "--path", pvc / "log.jsonl").returncode == 0
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -88,9 +118,9 @@ def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference
 def test_any_sequence_of_kills_resumes_to_the_same_bytes(tmp_path_factory, reference, kills):
     pvc = tmp_path_factory.mktemp("seq") / "pvc"
     for n in kills:  # each relaunch is killed again at its own n-th I/O call
-        result = killpoint(n, "run", "--pvc", pvc, *FLAGS)
+        result = killpoint(n, "run", "--pvc", pvc, *FLAGS, "--idempotent")
         if result.returncode != -signal.SIGKILL:  # it got past its kill point: the job is over
-            assert result.returncode == 0 or "already completed" in result.stderr
+            assert result.returncode == 0, result.stderr
             break
     assert finish(pvc, *FLAGS) == 0
     assert problems_after_recovery(pvc, reference) == []

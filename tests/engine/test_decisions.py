@@ -5,7 +5,7 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.engine.decisions import completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
+from trainjob.engine.decisions import completion_announced, completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
 
 counts = st.integers(min_value=0, max_value=10_000)
 percent = st.integers(min_value=0, max_value=100)
@@ -87,3 +87,15 @@ def test_completion_is_unannounced_only_when_committed_but_not_logged():
     assert not completion_unannounced("completed", log_says_completed=True)
     for state in (None, "checkpointed", "killed", "drift_failed"):
         assert not completion_unannounced(state, log_says_completed=False)
+
+
+@given(state=st.sampled_from([None, "started", "resumed", "checkpointed", "killed", "drift_failed", "job_failed",
+                              "completed"]),
+       logged=st.booleans())
+def test_a_completed_job_is_announced_or_unannounced_never_both(state, logged):
+    # The two ways a start can find "completed" in state.json: only logged is the job over; the
+    # other is the table's completion_unannounced edge, which still has the announcement to make.
+    announced, unannounced = completion_announced(state, logged), completion_unannounced(state, logged)
+    assert not (announced and unannounced)
+    assert announced or unannounced or state != "completed"
+    assert announced == (state == "completed" and logged)

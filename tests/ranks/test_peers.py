@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, events, trainjob
+from conftest import ROOT, events, trainjob, untouched
 from trainjob.errors import PeerFailed
 from trainjob.storage.pvc import Pvc
 from trainjob.ranks.coordination import Coordinator, Follower
@@ -291,3 +291,29 @@ def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(t
     rank1.send_signal(signal.SIGTERM)  # a stop at a rank waiting for the begin, passed on to rank 0
     assert [rank0.wait(30), rank1.wait(30)] == [75, 75], [rank0.stderr.read(), rank1.stderr.read()]
     assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=0 signal=SIGTERM@rank1")
+
+
+def test_a_sigterm_after_rank_0_completed_leaves_the_launch_completed(tmp_path, short_reference):
+    # tests/latesignal.py signals the launcher just after a rank exited 0, which a rank does only
+    # once rank 0 has logged `completed`: the launch reports what happened, not the signal.
+    pvc = tmp_path / "pvc"
+    done = subprocess.run([sys.executable, ROOT / "tests/latesignal.py", "run", "--pvc", pvc, "--steps", "6",
+                           "--ckpt-every", "1", "--world-size", "2"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "SIGTERM arrived after the job completed; it stays completed" in done.stderr
+    assert events(pvc / "log.jsonl")[-1][0] == "completed"
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
+
+
+def test_each_rank_relaunched_after_its_launch_completed_exits_0_at_once(tmp_path):
+    """An Indexed Job recreates one index (its pod was evicted after the launch completed): that
+    rank must exit 0 on its own, not wait for a rank 0 that will never lead another launch."""
+    pvc, flags = tmp_path / "pvc", ["--steps", "6", "--ckpt-every", "1", "--world-size", "2", "--idempotent"]
+    assert trainjob("run", "--pvc", pvc, *flags).returncode == 0
+    before = untouched(pvc)
+    relaunch = [sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *flags, "--rank-timeout", "1"]
+    for how, env in [(["--rank", "1"], {}), ([], {"JOB_COMPLETION_INDEX": "1"}), (["--rank", "0"], {}), ([], {})]:
+        done = subprocess.run([*relaunch, *how], env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, (how, env, done.stderr)
+        assert "already completed (attempt 1): artifacts/model-v1.json verified" in done.stdout
+    assert untouched(pvc) == before

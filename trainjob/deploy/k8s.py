@@ -2,7 +2,8 @@
 
 Owns how trainjob's contract becomes Job fields: one pod writes the PVC at a time, SIGTERM gets
 time to checkpoint, preemption never spends the retry budget, and the Job's ``backoffLimit`` ends
-the Job on the very pod whose run logs ``job_failed``. docs/kubernetes.md explains each choice.
+the Job on the very pod whose run logs ``job_failed``, and a pod run again after the job completed
+exits 0. docs/kubernetes.md explains each choice.
 
 It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
 by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and
@@ -84,8 +85,13 @@ class Target:
         return self.backoff_limit + 1
 
     def run_flags(self) -> list[str]:
-        """The `trainjob run` flags every pod passes, whatever its rank."""
-        return ["--pvc", MOUNT, "--backoff-limit", str(self.backoff_limit), *self.run_args]
+        """The `trainjob run` flags every pod passes, whatever its rank.
+
+        ``--idempotent``: Kubernetes may run a pod again after its work is done (an OOM kill, an
+        eviction or a lost node in the instant after the model was published); that pod must
+        verify the artifact and exit 0, not fail the Job with the lab's refusal (exit 2).
+        """
+        return ["--pvc", MOUNT, "--backoff-limit", str(self.backoff_limit), "--idempotent", *self.run_args]
 
     def container_args(self) -> list[str]:
         """The container's ``trainjob`` arguments (Kubernetes wants every one a string).

@@ -33,15 +33,18 @@ RELAUNCHABLE: frozenset[str] = frozenset({"drift_failed", "killed", "crashed"})
 SPARE_STARTS = 6
 
 
-def ending(said: Said, last_event: str | None) -> Ending:
+def ending(said: Said, last_event: str | None, log_ended_in: str | None = None) -> Ending:
     """Judge one start from its exit code's meaning and the last event it logged.
 
     Exit 1 is an honest failure only when the log backs it up: Python itself exits 1 on an
     uncaught exception, and that is a crash. Exit 0 without ``completed`` in the log breaks the
-    contract; the supervisor will not pass that off as success.
+    contract; the supervisor will not pass that off as success. A start that logged nothing is
+    judged by ``log_ended_in``, the run's last event before it: an idempotent relaunch of a job
+    that had already completed exits 0 and, rightly, logs nothing.
     """
     if said == "ok":
-        return "completed" if last_event == "completed" else "inconsistent"
+        told = last_event if last_event is not None else log_ended_in
+        return "completed" if told == "completed" else "inconsistent"
     if said == "failed" and last_event in ("job_failed", "drift_failed"):
         return last_event  # type: ignore[return-value]  # narrowed by the membership test
     if said == "usage":

@@ -10,9 +10,11 @@ Log lines (``source: "supervisor"``, in the run's own log, one per decision):
 
     relaunch | start=1 exit=75 ending=killed progress=yes delay_s=10.0 max_starts=10
     stop | start=2 exit=0 ending=completed reason=final outcome=completed
+    stop | start=1 exit=0 ending=completed reason=final outcome=completed late_signal=SIGTERM
 
 ``reason`` is ``final`` (the ending needs no relaunch), ``max_starts`` or ``signal``; ``exit`` is
-the child's return code as Python reports it (negative: killed by that signal).
+the child's return code as Python reports it (negative: killed by that signal). A signal stops
+relaunching, but never overrides an outcome the child had decided (``late_signal``).
 """
 
 from __future__ import annotations
@@ -63,11 +65,13 @@ def supervise(command: Sequence[str], log: EventLog, settings: SuperviseSettings
               stop: StopFlag) -> Ending:
     """Start ``command`` until a start ends the job, the starts run out, or a signal arrives.
 
-    Returns the last start's ending, or ``"killed"`` after a signal (whatever the child did).
+    Returns the last start's ending; ``"killed"`` when a signal came before the child had
+    decided one, that is when its ending would have been relaunched.
     """
     starts, streak = 0, 0
     facts: dict[str, object] = {}
-    _, mark = _events_since(log, 0)  # only lines written after this belong to our starts
+    before, mark = _events_since(log, 0)  # only lines written after this belong to our starts
+    ended_in = before[-1] if before else None  # the run's last event before the next start
     while True:
         if stop.signal:  # before a start, during the back-off, or just after a child exited
             _record(log, "stop", **facts, reason="signal", signal=stop.signal, outcome="killed")
@@ -76,13 +80,15 @@ def supervise(command: Sequence[str], log: EventLog, settings: SuperviseSettings
         starts += 1
         code = _wait(child, stop, settings.grace)
         events, mark = _events_since(log, mark)
-        end = policy.ending(said(code), events[-1] if events else None)
+        end = policy.ending(said(code), events[-1] if events else None, ended_in)
+        ended_in = events[-1] if events else ended_in
         facts = dict(start=starts, exit=code, ending=end)
-        if stop.signal:
+        if stop.signal and end in policy.RELAUNCHABLE:
             continue
         if not policy.should_relaunch(end, starts, settings.max_starts):
             reason = "max_starts" if end in policy.RELAUNCHABLE else "final"
-            _record(log, "stop", **facts, reason=reason, outcome=end)
+            late = dict(late_signal=stop.signal) if stop.signal else {}
+            _record(log, "stop", **facts, reason=reason, outcome=end, **late)
             return end
         progressed = policy.made_progress(events)
         streak = policy.next_streak(streak, progressed)

@@ -29,6 +29,12 @@ def completion_unannounced(last_state: str | None, log_says_completed: bool) -> 
     return last_state == State.completed and not log_says_completed
 
 
+def completion_announced(last_state: str | None, log_says_completed: bool) -> bool:
+    """Is the job over: "completed" committed to state.json *and* logged? Then a relaunch has
+    nothing left to do (the lab refuses it; an idempotent relaunch verifies and says so)."""
+    return last_state == "completed" and log_says_completed
+
+
 def within_backoff(attempts: int, limit: int) -> bool:
     """May a fresh attempt start? A limit of B allows B + 1 attempts in all."""
     return attempts <= limit

@@ -131,8 +131,8 @@ class Job(MachineModel):
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
         self.initial = initial  # the trainer's initial state: a resume reads the checkpoint into it
         self.last = pvc.read_state()
-        completed = self.last is not None and self.last.state == JobState.completed
-        self.completion_announced = completed and log.last_event() == "completed"
+        self.completion_announced = decisions.completion_announced(
+            self.last.state if self.last else None, log.last_event() == "completed")
         if self.completion_announced:
             raise AlreadyCompleted(
                 f"{pvc.root}: this job already completed (attempt {self.last.attempt}); "

@@ -5,6 +5,9 @@ Every entry under ``checkpoints/`` (committed, partial, in flight, set aside), t
 takes no lock and changes nothing, so it is safe beside a running job (whose in-flight staging
 directory it reports as such). The verdict for the exit code: the newest committed checkpoint,
 the pointer and every artifact must verify.
+
+``completed_job`` is the narrow version an idempotent relaunch (``run --idempotent``) asks: is
+the job over, and does the artifact it published still match the hash its log recorded?
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import attrs
 
 from ..checkpoint import plan
 from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
+from ..engine import decisions
 from ..engine.machine import parse_detail
-from ..errors import InputError
-from ..storage.eventlog import read_log
+from ..errors import ArtifactUnverified, InputError
+from ..storage.eventlog import EventLog, read_log
 from ..checkpoint.plan import MANIFEST, Ref
 from ..storage.pvc import Pvc
 
@@ -88,6 +92,16 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
             items.append(Item("pointer", "checkpoint.json", "missing", f"names {pointer.dir}, which is not there"))
             ok = False
 
+    logged = _logged_artifacts(log_path)
+    on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
+    for rel in sorted(set(logged) | set(on_disk)):
+        items.append(_check_artifact(pvc, rel, logged.get(rel)))
+        ok = ok and items[-1].verdict == "ok"
+    return Report(items=items, ok=ok)
+
+
+def _logged_artifacts(log_path: Path) -> dict[str, str]:
+    """Each artifact's path -> the sha256 its ``artifact_written`` event recorded."""
     logged: dict[str, str] = {}
     if log_path.is_file():
         for line in read_log(log_path):
@@ -95,22 +109,52 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
                 fields = parse_detail("artifact_written", line.event.detail)
                 if fields is not None:
                     logged[fields["path"]] = fields["sha256"]
-    on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
-    for rel in sorted(set(logged) | set(on_disk)):
-        try:
-            raw = pvc.read_bytes(pvc.root / rel) if plan.plain_name(rel.removeprefix("artifacts/")) else None
-        except InputError as exc:  # a symlink, unreadable: never followed, reported
-            items.append(Item("artifact", rel, "corrupt", str(exc)))
-            ok = False
-            continue
-        if rel not in logged:
-            items.append(Item("artifact", rel, "unlogged", "no artifact_written event in the log records its sha256"))
-        elif raw is None:
-            items.append(Item("artifact", rel, "missing", f"the log records sha256={logged[rel]}"))
-        elif hashlib.sha256(raw).hexdigest() != logged[rel]:
-            items.append(Item("artifact", rel, "corrupt", f"sha256 differs from the log's {logged[rel][:12]}..."))
-        else:
-            items.append(Item("artifact", rel, "ok", f"sha256={logged[rel]}"))
-            continue
-        ok = False
-    return Report(items=items, ok=ok)
+    return logged
+
+
+def _check_artifact(pvc: Pvc, rel: str, logged_sha256: str | None) -> Item:
+    """One artifact against the hash the log recorded for it (None: the log records none)."""
+    try:
+        raw = pvc.read_bytes(pvc.root / rel) if plan.plain_name(rel.removeprefix("artifacts/")) else None
+    except InputError as exc:  # a symlink, unreadable: never followed, reported
+        return Item("artifact", rel, "corrupt", str(exc))
+    if logged_sha256 is None:
+        return Item("artifact", rel, "unlogged", "no artifact_written event in the log records its sha256")
+    if raw is None:
+        return Item("artifact", rel, "missing", f"the log records sha256={logged_sha256}")
+    if hashlib.sha256(raw).hexdigest() != logged_sha256:
+        return Item("artifact", rel, "corrupt", f"sha256 differs from the log's {logged_sha256[:12]}...")
+    return Item("artifact", rel, "ok", f"sha256={logged_sha256}")
+
+
+@attrs.frozen
+class Completion:
+    """A completed job found by a relaunch: the attempt that completed and its verified artifact."""
+
+    attempt: int
+    artifact: Item
+
+    def line(self) -> str:
+        return (f"already completed (attempt {self.attempt}): {self.artifact.path} verified, "
+                f"{self.artifact.detail}; nothing to do")
+
+
+def completed_job(pvc: Pvc, log_path: Path) -> Completion | None:
+    """The job this PVC holds, if it is over (state.json and the log both say ``completed``).
+
+    Raises ArtifactUnverified when it is over but its artifact is missing or fails the hash the
+    log recorded: success must not be reported for a model that cannot be trusted. Read-only.
+    """
+    last = pvc.read_state()
+    if not decisions.completion_announced(last.state if last else None,
+                                          EventLog(log_path).last_event() == "completed"):
+        return None
+    assert last is not None  # completion_announced needs a state
+    rel = f"artifacts/model-v{last.attempt}.json"
+    item = _check_artifact(pvc, rel, _logged_artifacts(log_path).get(rel))
+    if item.verdict != "ok":
+        raise ArtifactUnverified(
+            f"{pvc.root}: the job completed (attempt {last.attempt}) but {rel} is {item.verdict}: {item.detail}; "
+            f"the published model cannot be trusted: run `trainjob verify --pvc {pvc.root}`, then restore "
+            "the artifact or start over on a fresh --pvc")
+    return Completion(attempt=last.attempt, artifact=item)
