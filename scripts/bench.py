@@ -6,7 +6,7 @@
 The state is synthetic: float32 matrices split across W ranks by trainjob's own rule
 (``layout.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
 peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
-``trainjob run`` makes (``CheckpointStore.create_staging/write_slices/write_receipt/commit`` for a
+``trainjob run`` makes (``Committer.create_staging/write_slices/write_receipt/commit`` for a
 save, ``CheckpointStore.load`` for a resume), the engine overhead through the real CLI.
 
 The disk is shared and noisy, so nothing is reported alone: within each repeat every contender
@@ -53,7 +53,7 @@ import numpy as np
 
 from trainjob.checkpoint import plan as layout
 from trainjob.checkpoint import shards
-from trainjob.checkpoint.store import CheckpointStore
+from trainjob.checkpoint.store import CheckpointStore, Committer
 from trainjob.checkpoint.plan import Ref
 from trainjob.storage.pvc import Pvc, atomic_write
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
@@ -138,7 +138,7 @@ def byte_views(mine: dict[str, np.ndarray]):
 
 def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int) -> None:
     """What persist_checkpoint and _follow_generation do for one checkpoint, minus the log/pointer."""
-    store = CheckpointStore(Pvc(root))
+    store = Committer(Pvc(root))  # rank 0's role; the other ranks use only ShardWriter's methods
     ref = Ref(attempt=1, step=step, world_size=world)
     staging = store.staging(ref, 1)
     if rank == 0:

@@ -33,7 +33,7 @@ from transitions import EventData
 from . import decisions
 from ..checkpoint import plan as layout
 from . import machine
-from ..checkpoint.store import CheckpointStore, Loaded
+from ..checkpoint.store import Committer, Loaded, ShardWriter
 from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
 from ..storage.eventlog import EventLog
@@ -41,7 +41,8 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordination, Coordinator, Follower
 from ..ranks.peers import PvcCoordinator, PvcFollower
-from ..records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
+from ..records import (MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, Session, dumps,
+                       load)
 from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
 
 
@@ -104,7 +105,7 @@ class MachineModel:
     (``machine.NOTED_WITHIN``) before its own event."""
 
     def __init__(self, pvc: Pvc, log: EventLog) -> None:
-        self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
+        self.pvc, self.log, self.store = pvc, log, Committer(pvc)
         self.notes: list[tuple[str, dict[str, Any]]] = []  # announced within the next transition
 
     def persist_cleanup(self, _ev: EventData) -> None:
@@ -123,11 +124,30 @@ class Job(MachineModel):
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Coordinator,
-                 initial: State | None = None) -> None:
+    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Coordinator) -> None:
+        """Nothing is read here: ``read`` is the explicit step that reads and verifies the PVC."""
         super().__init__(pvc, log)
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
-        self.initial = initial  # the trainer's initial state: a resume reads the checkpoint into it
+        self.last: RunState | None = None
+        self.completion_announced = False
+        self.pointer: CheckpointPointer | None = None
+        self.attempts_started = 0  # the PVC's counter, once ``read``
+        self.attempt = 1
+        self.from_step = 0
+        self.persisted_state: str | None = None
+        self.artifact: dict[str, Any] = {}
+        self.rejected: list[tuple[Ref, str]] = []
+        self.loaded: Loaded | None = None
+        self.last_size = 0
+        machine.build(self)
+
+    def read(self, into: State | None = None) -> None:
+        """Read what the PVC holds (state, log, pointer, attempts) and, when an attempt is in
+        flight, verify and load its newest sound checkpoint, reading it into ``into``'s arrays
+        where they fit (the trainer's own: see ``CheckpointStore.verify``). Call once, before
+        ``start``; it writes nothing. Raises AlreadyCompleted, WorldSizeMismatch or
+        NoVerifiedCheckpoint (each exit 2) or InputError for a corrupt PVC file."""
+        pvc, log = self.pvc, self.log
         self.last = pvc.read_state()
         completed = self.last is not None and self.last.state == "completed"
         self.completion_announced = completed and log.last_event() == "completed"
@@ -139,17 +159,11 @@ class Job(MachineModel):
         self.pointer = pvc.read_checkpoint()
         self.attempts_started = pvc.read_attempts()  # the PVC's counter: attempts begun so far
         self.attempt = max(self.attempts_started, 1)  # the one this process runs; set by the start
-        self.from_step = 0
-        self.persisted_state: str | None = self.last.state if self.last else None
-        self.artifact: dict[str, Any] = {}
-        self.rejected: list[tuple[Ref, str]] = []
-        self.loaded: Loaded | None = None
-        self.last_size = 0
+        self.persisted_state = self.last.state if self.last else None
         if self.last is None or self.last.state not in decisions.ATTEMPT_ENDED:
-            self._discover(self.last.attempt if self.last else self.attempt)  # verify before any write
-        machine.build(self)
+            self._discover(self.last.attempt if self.last else self.attempt, into)  # verify before any write
 
-    def _discover(self, attempt: int) -> None:
+    def _discover(self, attempt: int, into: State | None) -> None:
         """Find the newest checkpoint of ``attempt`` that verifies; refuse loudly if there is none."""
         pointer = self.pointer if self.pointer is not None and self.pointer.attempt == attempt else None
         named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
@@ -158,7 +172,7 @@ class Job(MachineModel):
 
         def verify(ref: Ref) -> str | None:
             verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True,
-                                              into=self.initial)
+                                              into=into)
             return verdicts[ref].reason
 
         pick = layout.pick_resume(refs, attempt, self.cfg.world_size, verify)
@@ -373,7 +387,8 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
                          "(a teaching hook of the linear trainer)")
     peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
     initial = trainer.initial_state()
-    job = Job(cfg, pvc, log, trainer.data_sha256, peers, initial)
+    job = Job(cfg, pvc, log, trainer.data_sha256, peers)
+    job.read(into=initial)
     # Before any write: a checkpoint holding other arrays than this trainer's is refused.
     start = _start_state(initial, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
     job.start()
@@ -427,7 +442,7 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
     Returns the state rank 0 ended the launch in; this rank's exit code follows it.
     """
     peers = PvcFollower(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    store = CheckpointStore(pvc)
+    store = ShardWriter(pvc)
     settings, skip = cfg.settings(trainer.data_sha256), set()
     while True:
         session = peers.join(settings, skip)
@@ -439,7 +454,7 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
             skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
 
 
-def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: CheckpointStore,
+def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: ShardWriter,
                        session: Session, rank: int) -> str:
     initial = trainer.initial_state()
     # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
