@@ -306,12 +306,11 @@ def bare_loop(directory: str, steps: int, trainer_name: str, mib: int, results) 
     os.environ.update(trainer_env(mib))
     sys.path.insert(0, str(HERE))
     trainer = build(ENGINE_TRAINERS[trainer_name], None, 0.05)
-    state = trainer.initial_state()
     path = Path(directory) / "bare.safetensors"
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        state, _ = trainer.step(state, step)
-        atomic_write(path, shards.encode(state, {"step": str(step)}))
+        trainer.step(step)
+        atomic_write(path, shards.encode(trainer.state_dict(), {"step": str(step)}))
     results.put(time.perf_counter() - t0)
 
 

@@ -16,12 +16,14 @@ def test_a_resume_holds_the_state_once_in_the_arrays_the_trainer_built(tmp_path,
     assert cli.main(["run", "--pvc", str(pvc), *flags, "--die-at", "2"]) == 75
     user_trainers.WATCH["built"].clear()
     user_trainers.WATCH["stepped"].clear()
+    user_trainers.WATCH["loaded"].clear()
     assert cli.main(["run", "--pvc", str(pvc), *flags]) == 0
     assert ("resumed", "from_step=2") in events(pvc / "log.jsonl")
     built = user_trainers.WATCH["built"]
-    step, state = user_trainers.WATCH["stepped"][0]
-    assert len(built) == 1  # no second initial state for the resume
-    assert step == 3 and state is built[0]  # the checkpoint was read into the trainer's own array
+    step, params, values = user_trainers.WATCH["stepped"][0]
+    assert len(built) == 1 and params is built[0]  # the trainer kept its own array
+    assert [a is params for a in user_trainers.WATCH["loaded"]] == [True]  # the shard was read into it
+    assert step == 3 and values.any()  # holding the checkpoint's step-2 values, not the zeros it built
 
 
 def test_building_a_job_reads_nothing_the_explicit_read_step_does(tmp_path):

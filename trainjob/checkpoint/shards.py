@@ -21,6 +21,7 @@ import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype: records.DTYPES' BF16)
 import numpy as np
 
 from ..storage.digest import Sha256Pipe
@@ -28,6 +29,8 @@ from ..records import DTYPES, TensorSlice
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
 _MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header
+# numpy has no bfloat16 of its own: ml_dtypes (maintained by the JAX team) registers one, so a
+# bfloat16 tensor is a numpy array like any other here and round-trips bit for bit.
 _CODE = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
@@ -41,6 +44,12 @@ def dtype_code(array: np.ndarray) -> str:
         return _CODE[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
     except KeyError:
         raise ValueError(f"dtype {array.dtype} cannot be stored in a shard") from None
+
+
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (through uint8: the buffer protocol
+    knows no bfloat16)."""
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
 
 
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:
@@ -60,7 +69,7 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     text += b" " * (-len(text) % 8)
     yield len(text).to_bytes(8, "little") + text
     for a in arrays.values():
-        flat = memoryview(a.reshape(-1)).cast("B") if a.size else memoryview(b"")
+        flat = byte_view(a)
         for i in range(0, len(flat), CHUNK):
             yield flat[i:i + CHUNK]
 
@@ -212,7 +221,7 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
             out = dest[h.name]
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
-            view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(b"")
+            view = byte_view(out)
             got = _read_exact(fd, view, digest)
             seen += got
             if got != len(view):

@@ -9,9 +9,10 @@ and writes its own shard of each checkpoint. Both share ``train``, the step loop
 ``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
 The engine never writes a file or a log line itself.
 
-The model is a ``Trainer`` (trainer.py): the engine asks it for an initial state, a step, and
-two scores, and knows nothing else about it. The state is a dict of named arrays (model and
-optimizer); the engine checkpoints all of it and keeps only the step and the loss itself.
+The model is a ``Trainer`` (trainers/protocol.py), a Stateful object: the engine asks it for a
+step, two scores and its exported arrays, and reads its ``state_dict()`` (model and optimizer)
+only when a checkpoint is due, through ``snapshot.HostState`` (host arrays, no copy of what is
+already in host memory); it keeps no copy between checkpoints, only the step and the loss.
 
 Every rank computes the same full update (SGD over the same samples in the same order is
 sequential, so splitting the arithmetic would change the numbers); each rank *persists* only its
@@ -26,6 +27,8 @@ import signal
 from collections import ChainMap
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 import attrs
 from transitions import EventData
@@ -43,7 +46,8 @@ from ..ranks.coordination import Coordination, Coordinator, Follower
 from ..ranks.peers import PvcCoordinator, PvcFollower
 from ..records import (MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, Session, dumps,
                        load)
-from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
+from ..checkpoint.snapshot import HostState
+from ..trainers.protocol import Trainer, check_loss, check_resumable, restore
 
 
 @attrs.frozen
@@ -141,10 +145,11 @@ class Job(MachineModel):
         self.last_size = 0
         machine.build(self)
 
-    def read(self, into: State | None = None) -> None:
+    def read(self, into: dict[str, np.ndarray] | None = None) -> None:
         """Read what the PVC holds (state, log, pointer, attempts) and, when an attempt is in
         flight, verify and load its newest sound checkpoint, reading it into ``into``'s arrays
-        where they fit (the trainer's own: see ``CheckpointStore.verify``). Call once, before
+        where they fit (the trainer's own: see ``CheckpointStore.verify``; lent only when the
+        attempt will resume, since a verification that fails leaves them undefined). Call once, before
         ``start``; it writes nothing. Raises AlreadyCompleted, WorldSizeMismatch or
         NoVerifiedCheckpoint (each exit 2) or InputError for a corrupt PVC file."""
         pvc, log = self.pvc, self.log
@@ -161,9 +166,10 @@ class Job(MachineModel):
         self.attempt = max(self.attempts_started, 1)  # the one this process runs; set by the start
         self.persisted_state = self.last.state if self.last else None
         if self.last is None or self.last.state not in decisions.ATTEMPT_ENDED:
-            self._discover(self.last.attempt if self.last else self.attempt, into)  # verify before any write
+            # Verify before any write. Without a run record the resume depends on the step found.
+            self._discover(self.last.attempt if self.last else self.attempt, into if self.last else None)
 
-    def _discover(self, attempt: int, into: State | None) -> None:
+    def _discover(self, attempt: int, into: dict[str, np.ndarray] | None) -> None:
         """Find the newest checkpoint of ``attempt`` that verifies; refuse loudly if there is none."""
         pointer = self.pointer if self.pointer is not None and self.pointer.attempt == attempt else None
         named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
@@ -203,7 +209,7 @@ class Job(MachineModel):
             self.last.state if self.last else None, self.completion_announced
         )
 
-    def should_resume(self, _ev: EventData) -> bool:
+    def should_resume(self, _ev: EventData | None = None) -> bool:
         return decisions.should_resume(
             self.last.state if self.last else None, self.loaded.manifest.step if self.loaded else None,
             self.cfg.steps
@@ -282,7 +288,7 @@ class Job(MachineModel):
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
-                            loss_milli=kw["loss_milli"], tensors=specs(tensors), shards=entries)
+                            loss_milli=kw["loss_milli"], tensors=kw["specs"], shards=entries)
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
         self.last_size = sum(e.size for e in entries)
@@ -326,17 +332,18 @@ class Job(MachineModel):
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
 
 
-Save = Callable[[int, State, int, bool], None]
-End = Callable[[str, int, State], str]
+Save = Callable[[int, int, bool], None]
+End = Callable[[str, int], str]
 Progress = Callable[[int, int], None]
 
 
-def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, state: State, save: Save, end: End,
+def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, save: Save, end: End,
           progress: Progress | None = None) -> str:
     """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
-    A stop (SIGTERM here or at any other rank) is agreed through ``peers``: every rank trains on
-    to the largest step any rank had reached, saves it, and ends there.
+    The state stays in the trainer; ``save`` reads it when a checkpoint is due. A stop (SIGTERM
+    here or at any other rank) is agreed through ``peers``: every rank trains on to the largest
+    step any rank had reached, saves it, and ends there.
     """
     last_saved, target, loss = step, None, 0
     peers.step = step
@@ -346,36 +353,30 @@ def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, stat
         if step >= (cfg.steps if target is None else target):
             break
         step += 1
-        state, mean_loss = trainer.step(state, step)
-        loss = decisions.loss_milli(check_loss(mean_loss, step))
+        loss = decisions.loss_milli(check_loss(trainer.step(step), step))
         peers.step = step
         if progress is not None:
             progress(step, loss)
         if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
-            save(step, state, loss, step == target)
+            save(step, loss, step == target)
             last_saved = step
         if cfg.die_at == step:
-            return end("die", step, state)
+            return end("die", step)
     if target is None and peers.stop_wanted():  # the stop came during the last step
         target = peers.agree_stop()
     if target is None:
-        return end("done", step, state)
+        return end("done", step)
     if step > last_saved:  # save the step we finished before obeying the stop
-        save(step, state, loss, True)
-    return end("stop", step, state)
+        save(step, loss, True)
+    return end("stop", step)
 
 
-def _start_state(initial: State, loaded: Loaded | None, where: str) -> State:
-    """The trainer's initial state, or the checkpoint's when it holds exactly the same arrays.
-
-    When nothing was loaded, ``initial`` is untouched: a verification that wrote into it and
-    failed either gave way to a checkpoint that verified (which overwrote every byte) or ended
-    the run (NoVerifiedCheckpoint)."""
-    expected = specs(initial)
-    if loaded is None:
-        return initial
-    check_resumable(expected, loaded.manifest.tensors, where)
-    return loaded.tensors
+def resume_into(trainer: Trainer, host: HostState, loaded: Loaded, where: str) -> None:
+    """Hand a verified checkpoint to the trainer, once it is known to hold exactly its arrays
+    (host arrays that were read in place are the trainer's own memory: its copy is a no-op)."""
+    assert host.specs is not None
+    check_resumable(host.specs, loaded.manifest.tensors, where)
+    restore(trainer, host.live(loaded.tensors))
 
 
 def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFlag,
@@ -386,19 +387,23 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
         raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
                          "(a teaching hook of the linear trainer)")
     peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    initial = trainer.initial_state()
+    host = HostState()
+    initial = host.snapshot(trainer.state_dict(), 0)  # checks the state; host views of it
     job = Job(cfg, pvc, log, trainer.data_sha256, peers)
     job.read(into=initial)
-    # Before any write: a checkpoint holding other arrays than this trainer's is refused.
-    start = _start_state(initial, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
+    # Before any write: a checkpoint holding other arrays than this trainer's, or a
+    # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
+    if job.loaded is not None and job.should_resume():
+        resume_into(trainer, host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
+    del initial  # the engine holds no reference to the state between checkpoints
     job.start()
     loaded = job.loaded if job.state == "resumed" else None
+    checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
+    job.loaded = loaded = None  # its arrays are the trainer's now (or were never used)
     if not peers.solo:
         peers.publish(lambda g: Session(
             generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
-            checkpoint=loaded.ref.name if loaded else None,
-            manifest_sha256=loaded.manifest_sha256 if loaded else None,
-            settings=cfg.settings(trainer.data_sha256)))
+            checkpoint=checkpoint, manifest_sha256=sha, settings=cfg.settings(trainer.data_sha256)))
     try:
         joined = peers.wait_joined()
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
@@ -409,26 +414,23 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             peers.finish(job.state)
             return job.state
         peers.begin()
-        # ``start`` is the checkpoint's state when resuming from it, else the initial state; a
-        # checkpoint found but not resumed (a fresh attempt) must not leak into the new attempt.
-        state = start if loaded is job.loaded else trainer.initial_state()
 
-        def save(step: int, state: State, loss: int, force: bool) -> None:
-            job.checkpoint(step=step, state=state, loss_milli=loss, force=force)
+        def save(step: int, loss: int, force: bool) -> None:
+            arrays = host.snapshot(trainer.state_dict(), step)
+            job.checkpoint(step=step, state=arrays, specs=host.specs, loss_milli=loss, force=force)
 
-        def end(kind: str, step: int, state: State) -> str:
+        def end(kind: str, step: int) -> str:
             if kind == "die":
                 job.kill(at_step=step)
             elif kind == "stop":
                 job.kill(at_step=step, signal=stop.signal or peers.peer_signal())
             else:
                 if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
-                    state = force(state, cfg.force_weights)
-                job.gate(exported=trainer.export(state), holdout=trainer.evaluate(state),
-                         baseline=trainer.baseline())
+                    force(cfg.force_weights)
+                job.gate(exported=trainer.export(), holdout=trainer.evaluate(), baseline=trainer.baseline())
             return job.state
 
-        final = train(cfg, trainer, peers, job.from_step, state, save, end, progress)
+        final = train(cfg, trainer, peers, job.from_step, save, end, progress)
     except BaseException as exc:
         peers.finish("error", f"{type(exc).__name__}: {exc}")
         raise
@@ -456,25 +458,30 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
 
 def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: ShardWriter,
                        session: Session, rank: int) -> str:
-    initial = trainer.initial_state()
+    host = HostState()
+    initial = host.snapshot(trainer.state_dict(), 0)
     # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
     # before this rank's first shard: a checkpoint that fails here really is damaged.
-    loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                         into=initial) if session.checkpoint else None)
-    state = _start_state(initial, loaded, session.checkpoint or "")
+    if session.checkpoint:
+        loaded = store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                            into=initial)
+        resume_into(trainer, host, loaded, session.checkpoint)
+        del loaded
+    del initial
 
-    def save(step: int, state: State, loss: int, force: bool) -> None:
+    def save(step: int, _loss: int, _force: bool) -> None:
+        arrays = host.snapshot(trainer.state_dict(), step)  # before the staging directory: bad input writes nothing
         ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
         staging = store.staging(ref, session.generation)
         peers.wait_staging(staging, step)
         try:
-            entry = store.write_shard(staging, rank, cfg.world_size, step, state)
+            entry = store.write_shard(staging, rank, cfg.world_size, step, arrays)
             store.write_receipt(staging, entry)
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise
 
-    def end(_kind: str, _step: int, _state: State) -> str:
+    def end(_kind: str, _step: int) -> str:
         return peers.wait_outcome().state
 
-    return train(cfg, trainer, peers, session.from_step, state, save, end)
+    return train(cfg, trainer, peers, session.from_step, save, end)
