@@ -246,7 +246,9 @@ class NamedArray:
 @attrs.frozen
 class Artifact:
     """The versioned model a passing run publishes as ``artifacts/model-v{attempt}.json``:
-    the arrays the trainer exports (the linear trainer's: ``weights`` and ``bias``)."""
+    the arrays the trainer exports (the linear trainer's: ``weights`` and ``bias``). Other
+    trainers publish ``model-v{attempt}.safetensors``: the tensors, and this record with no
+    ``arrays`` in the header's metadata."""
 
     attempt: int = attrs.field(validator=v.ge(1))
     step: int = attrs.field(validator=v.ge(0))

@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+from safetensors import safe_open
+from safetensors.numpy import load, load_file
 
 from conftest import ROOT, events, io_calls, killpoint, trainjob
 from trainjob import cli
@@ -34,11 +36,11 @@ def reference(tmp_path_factory, data) -> bytes:
     """The artifact of an uninterrupted short run at one rank."""
     pvc = tmp_path_factory.mktemp("ref") / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, *SHORT).returncode == 0
-    return (pvc / "artifacts/model-v1.json").read_bytes()
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
 def artifact(pvc) -> bytes:
-    return (pvc / "artifacts/model-v1.json").read_bytes()
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
 def test_gen_is_repeatable_and_splits_by_index(tmp_path, data):
@@ -52,10 +54,11 @@ def test_gen_is_repeatable_and_splits_by_index(tmp_path, data):
 def test_default_run_scores_in_the_90s_and_beats_the_frozen_baseline(tmp_path, data):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, "--trainer", "digits").returncode == 0
-    record = json.loads(artifact(pvc))
+    record = json.loads(safe_open(pvc / "artifacts/model-v1.safetensors", "np").metadata()["trainjob.artifact"])
     correct, base = record["holdout"]["correct"], record["baseline"]["correct"]
     assert record["holdout"]["total"] == 360 and correct >= 324 and correct > base  # >= 90%
-    assert [a["name"] for a in record["arrays"]] == ["W", "b"]  # the model, not the momentum buffers
+    published = load_file(pvc / "artifacts/model-v1.safetensors")
+    assert sorted(published) == ["W", "b"] and published["W"].shape == (64, 10)  # not the momentum buffers
     assert events(pvc / "log.jsonl")[-1] == ("completed", f"holdout: {correct}/360 vs baseline {base}/360")
 
 
@@ -113,7 +116,7 @@ def test_a_trainer_that_keeps_momentum_out_of_the_checkpoint_resumes_to_other_we
                               env=HELPERS, capture_output=True, text=True, timeout=60).returncode
 
     def arrays(blob):
-        return json.loads(blob)["arrays"]
+        return load(blob)["W"].tobytes()
 
     assert run(tmp_path / "clean") == 0
     assert arrays(artifact(tmp_path / "clean")) == arrays(reference)  # uninterrupted, it trains like digits

@@ -238,6 +238,21 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
         os.close(fd)
 
 
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in ``data``; ValueError when it is not one."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 <= n <= min(len(data) - 8, _MAX_HEADER):
+        raise ValueError("not a valid safetensors file (header length)")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except ValueError as exc:
+        raise ValueError(f"not a valid safetensors file ({exc})") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("not a valid safetensors file (__metadata__ is not a map of strings)")
+    return meta
+
+
 def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:
     """Load a shard (already verified by ``hash_file``) into new arrays; ValueError naming what is wrong."""
     out = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in holds}

@@ -23,6 +23,7 @@ weights bit-for-bit equal at every world size.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 from collections import ChainMap
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from transitions import EventData
 
 from . import decisions
 from ..checkpoint import plan as layout
+from ..checkpoint import shards
 from . import machine
 from ..checkpoint.store import Committer, Loaded, ShardWriter
 from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
@@ -87,6 +89,26 @@ class RunConfig:
         """What every rank of one launch must agree on to compute the same updates."""
         return (f"steps={self.steps} ckpt_every={self.ckpt_every} lr={self.lr!r} die_at={self.die_at} "
                 f"data={data_sha256[:16]} trainer={self.trainer}")
+
+
+ARTIFACT_FORMATS = ("json", "safetensors")
+ARTIFACT_KEY = "trainjob.artifact"  # the safetensors header's metadata key holding the Artifact record
+
+
+def artifact_names(attempt: int) -> tuple[str, str]:
+    """The artifact attempt ``attempt`` publishes, in each format (ARTIFACT_FORMATS' order)."""
+    return f"model-v{attempt}.json", f"model-v{attempt}.safetensors"
+
+
+def read_artifact_record(data: bytes, where: str) -> Artifact:
+    """The Artifact record of a published file: the JSON itself, or a safetensors header's metadata."""
+    if where.endswith(".json"):
+        return load(data, Artifact, where=where)
+    try:
+        meta = shards.read_metadata(data)
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
+    return load(meta.get(ARTIFACT_KEY, ""), Artifact, where=f"{where} (metadata {ARTIFACT_KEY})")
 
 
 class StopFlag:
@@ -298,19 +320,24 @@ class Job(MachineModel):
     def recall_artifact(self, _ev: EventData) -> None:
         """Re-read the artifact the killed predecessor published, to announce it truthfully."""
         self.attempt = self.last.attempt
-        name = f"model-v{self.attempt}.json"
-        data = self.pvc.read_artifact(name)
-        record = load(data, Artifact, where=str(self.pvc.artifacts / name))
+        names = artifact_names(self.attempt)
+        name = next((n for n in names if os.path.lexists(self.pvc.artifacts / n)), names[0])
+        data = self.pvc.read_artifact(name)  # says what is missing, refuses a symlink
+        record = read_artifact_record(data, str(self.pvc.artifacts / name))
         self.artifact = {"sha256": hashlib.sha256(data).hexdigest(), "path": f"artifacts/{name}",
                          "holdout": record.holdout, "baseline": record.baseline}
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer,
-                          arrays=tuple(NamedArray.of(n, a) for n, a in sorted(kw["exported"].items())),
+        exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
+        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
                           holdout=kw["holdout"], baseline=kw["baseline"])
-        data = (dumps(record) + "\n").encode()
-        name = f"model-v{self.attempt}.json"
+        if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
+            record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
+            name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()
+        else:  # safetensors: the tensors as raw bytes, the record (without arrays) in the header
+            name = artifact_names(self.attempt)[1]
+            data = b"".join(shards.encode(exported, {ARTIFACT_KEY: dumps(record)}))
         # The hash of the very bytes written (computed while writing), not a re-serialisation.
         self.artifact = {"sha256": self.pvc.write_artifact(name, data), "path": f"artifacts/{name}"}
 
@@ -386,6 +413,10 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
     if cfg.force_weights is not None and not callable(force):
         raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
                          "(a teaching hook of the linear trainer)")
+    artifact_format = getattr(trainer, "artifact_format", "safetensors")
+    if artifact_format not in ARTIFACT_FORMATS:
+        raise UsageError(f"trainer {cfg.trainer!r}: artifact_format is {artifact_format!r}; "
+                         f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
     peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
     host = HostState()
     initial = host.snapshot(trainer.state_dict(), 0)  # checks the state; host views of it
@@ -427,7 +458,8 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             else:
                 if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
                     force(cfg.force_weights)
-                job.gate(exported=trainer.export(), holdout=trainer.evaluate(), baseline=trainer.baseline())
+                job.gate(exported=trainer.export(), format=artifact_format, holdout=trainer.evaluate(),
+                         baseline=trainer.baseline())
             return job.state
 
         final = train(cfg, trainer, peers, job.from_step, save, end, progress)
