@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench import fsync_path
 from trainjob.records import Score
 from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
 
@@ -74,14 +75,6 @@ def make(data: object, lr: float) -> BigTorch:
     return BigTorch()
 
 
-def fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def bare(steps: int, every: int, directory: Path) -> None:
     """The loop a user writes without trainjob; torch.save + fsync every ``every`` steps."""
     model = BigTorch()
@@ -90,11 +83,11 @@ def bare(steps: int, every: int, directory: Path) -> None:
         if every and (step % every == 0 or step == steps):
             path = directory / f"ckpt-{step}.pt"
             torch.save({"model": model.net.state_dict(), "optim": model.opt.state_dict()}, path)
-            fsync(path)
-            fsync(directory)
+            fsync_path(path)
+            fsync_path(directory)
     if every:
         torch.save(model.net.state_dict(), directory / "model.pt")
-        fsync(directory / "model.pt")
+        fsync_path(directory / "model.pt")
 
 
 def peers(directory: Path, repeat: int) -> dict[str, list[float]]:
@@ -141,8 +134,8 @@ def peers(directory: Path, repeat: int) -> dict[str, list[float]]:
 
         def torch_save() -> None:
             torch.save(live, torch_path)
-            fsync(torch_path)
-            fsync(root)
+            fsync_path(torch_path)
+            fsync_path(root)
 
         def torch_load() -> None:
             model.load_state_dict(torch.load(torch_path, weights_only=True))
