@@ -18,13 +18,18 @@ class Minimal:
         self.train, self.holdout = (x[:300], y[:300]), (x[300:], y[300:])
         self.lr = lr
         self.data_sha256 = hashlib.sha256(x.tobytes() + y.tobytes()).hexdigest()
-
-    def initial_state(self):
         # Everything the next step depends on: the model AND the optimizer's momentum.
-        return {"w": np.zeros(2), "b": np.zeros(1), "vw": np.zeros(2), "vb": np.zeros(1)}
+        self.state = {"w": np.zeros(2), "b": np.zeros(1), "vw": np.zeros(2), "vb": np.zeros(1)}
 
-    def step(self, state, step):
-        w, b, vw, vb = (state[k].copy() for k in ("w", "b", "vw", "vb"))
+    def state_dict(self):  # the live arrays: trainjob reads them when a checkpoint is due
+        return self.state
+
+    def load_state_dict(self, arrays):  # a resume: copy a verified checkpoint into them
+        for name, live in self.state.items():
+            live[...] = arrays[name]
+
+    def step(self, step):
+        w, b, vw, vb = (self.state[k] for k in ("w", "b", "vw", "vb"))
         x, y = self.train
         order = np.random.default_rng([1, step]).permutation(len(y))  # from the step number only
         losses = []
@@ -32,23 +37,22 @@ class Minimal:
             idx = order[i:i + 50]
             p = 1 / (1 + np.exp(-(x[idx] @ w + b)))
             losses.append(float(-np.mean(y[idx] * np.log(p + 1e-12) + (1 - y[idx]) * np.log(1 - p + 1e-12))))
-            vw = 0.9 * vw - self.lr * x[idx].T @ (p - y[idx]) / len(idx)
-            vb = 0.9 * vb - self.lr * np.array([np.mean(p - y[idx])])
-            w, b = w + vw, b + vb
-        return {"w": w, "b": b, "vw": vw, "vb": vb}, float(np.mean(losses))
+            vw[...] = 0.9 * vw - self.lr * x[idx].T @ (p - y[idx]) / len(idx)
+            vb[...] = 0.9 * vb - self.lr * np.array([np.mean(p - y[idx])])
+            w += vw
+            b += vb
+        return float(np.mean(losses))
 
-    def _score(self, w, b):
+    def evaluate(self):
         x, y = self.holdout
-        return Score(correct=int(((x @ w + b > 0) == y).sum()), total=len(y))
-
-    def evaluate(self, state):
-        return self._score(state["w"], state["b"])
+        return Score(correct=int(((x @ self.state["w"] + self.state["b"] > 0) == y).sum()), total=len(y))
 
     def baseline(self):
-        return self._score(np.array([1.0, -1.0]), np.zeros(1))  # a fixed reference model
+        x, y = self.holdout
+        return Score(correct=int(((x @ [1.0, -1.0] > 0) == y).sum()), total=len(y))  # a fixed reference
 
-    def export(self, state):
-        return {"w": state["w"], "b": state["b"]}  # publish the model, not the optimizer
+    def export(self):
+        return {"w": self.state["w"], "b": self.state["b"]}  # publish the model, not the optimizer
 
 
 def make(data, lr):  # the factory: trainjob passes --data (unused here) and --lr

@@ -8,7 +8,7 @@ torchrun sets RANK and WORLD_SIZE; trainjob reads them, so each process is one t
 writes its own shard of every checkpoint and rank 0 commits. DDP averages the gradients of the
 two halves of each mini-batch, so both ranks hold the same weights after every step; one step is
 one epoch in an order drawn from the step number. Kill either rank, relaunch, and the run
-resumes to the weights an uninterrupted run ends with (tests/test_torch.py).
+resumes to the weights an uninterrupted run ends with (tests/trainers/test_torch.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainjob import PeerFailed, Score
 from trainjob.trainers.digits import BATCH, CLASSES, FEATURES, SEED, DigitsTrainer, make as digits_data
-from trainjob.trainers.torch_state import from_arrays, materialize_sgd, to_arrays
+from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
 
 HIDDEN, MOMENTUM = 32, 0.9
 
@@ -43,15 +43,16 @@ class TorchDigits:
                                        torch.nn.Linear(HIDDEN, CLASSES)).double()
         self.model = DistributedDataParallel(self.net) if self.world > 1 else self.net
         self.opt = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=MOMENTUM)
-        materialize_sgd(self.opt)
-        self.initial = to_arrays(self.net, self.opt)  # seeded init: the same on every rank and launch
+        materialize_sgd(self.opt)  # seeded init: the same on every rank and launch
         self.x, self.y = torch.from_numpy(data.x), torch.from_numpy(data.y)
 
-    def initial_state(self) -> dict[str, np.ndarray]:
-        return {k: v.copy() for k, v in self.initial.items()}
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return state_dict(self.net, self.opt)  # the live tensors: trainjob reads them at a checkpoint
 
-    def step(self, state: dict[str, np.ndarray], step: int) -> tuple[dict[str, np.ndarray], float]:
-        from_arrays(state, self.net, self.opt)
+    def load_state_dict(self, arrays) -> None:
+        load_state_dict(arrays, self.net, self.opt)  # copied into the live tensors, in place
+
+    def step(self, step: int) -> float:
         order = torch.from_numpy(np.random.default_rng([SEED, step]).permutation(len(self.y)))
         total = torch.zeros(2, dtype=torch.float64)  # loss sum and batch count, summed over ranks
         try:
@@ -66,10 +67,9 @@ class TorchDigits:
                 dist.all_reduce(total)
         except RuntimeError as exc:  # gloo: a peer went away; nothing is wrong with the job
             raise PeerFailed(f"a peer left the process group during step {step}: {exc}".splitlines()[0]) from None
-        return to_arrays(self.net, self.opt), float(total[0] / total[1])
+        return float(total[0] / total[1])
 
-    def evaluate(self, state: dict[str, np.ndarray]) -> Score:
-        from_arrays(state, self.net, self.opt)
+    def evaluate(self) -> Score:
         with torch.no_grad():
             guess = self.net(torch.from_numpy(self.data.hx)).argmax(dim=1).numpy()
         return Score(correct=int((guess == self.data.hy).sum()), total=len(self.data.hy))
@@ -77,8 +77,8 @@ class TorchDigits:
     def baseline(self) -> Score:
         return self.data.baseline()  # the frozen reference model `trainjob gen` wrote
 
-    def export(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {k: v for k, v in state.items() if k.startswith("model.")}
+    def export(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k.startswith("model.")}
 
 
 def make(data, lr):

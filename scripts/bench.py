@@ -6,7 +6,7 @@
 The state is synthetic: float32 matrices split across W ranks by trainjob's own rule
 (``plan.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
 peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
-``trainjob run`` makes (``CheckpointStore.create_staging/write_slices/write_receipt/commit`` for a
+``trainjob run`` makes (``Committer.create_staging/write_slices/write_receipt/commit`` for a
 save, ``CheckpointStore.load`` for a resume), the engine overhead through the real CLI.
 
 The disk is shared and noisy, so nothing is reported alone: within each repeat every contender
@@ -29,6 +29,17 @@ at a fast moment, by up to 1.4x.)
   state, so only the checkpoint's fixed costs show) and with ``bench_trainer.py``'s state of
   ``--engine-mib`` (where the bytes dominate, as in real training).
 - status: ``trainjob status`` on a log of ``--log-lines`` events, one run: seconds and peak RSS.
+- trainer (needs torch): a real torch model written to the Stateful protocol (scripts/bench_torch.py:
+  one ``Linear(--trainer-dim, --trainer-dim)``, SGD with momentum, batch 64, one thread; 128 MiB of
+  state at 4096), each figure a ratio to the same loop without trainjob, measured in the same
+  repeat: seconds per step with no checkpoint due (runs of N and 2N steps with one checkpoint
+  each, at the end, so start-up, that checkpoint and the gate cancel; the bare loop saves
+  nothing); a whole run of ``--trainer-steps`` with a checkpoint every ``--trainer-every`` against
+  the bare loop saving model and optimizer with ``torch.save`` + fsync as often (and the model at
+  the end, as trainjob publishes it), wall time and peak RSS of the whole process; and the peers
+  on the same live state in one process: trainjob's save (snapshot, shard, commit) and load
+  (every sha256 verified, into the live tensors), torch.distributed.checkpoint's save/load (one
+  process, no process group) and torch.save/torch.load.
 """
 
 from __future__ import annotations
@@ -53,7 +64,7 @@ import numpy as np
 
 from trainjob.checkpoint import plan
 from trainjob.checkpoint import shards
-from trainjob.checkpoint.store import CheckpointStore
+from trainjob.checkpoint.store import CheckpointStore, Committer
 from trainjob.checkpoint.plan import Ref
 from trainjob.storage.pvc import Pvc, atomic_write
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
@@ -138,7 +149,7 @@ def byte_views(mine: dict[str, np.ndarray]):
 
 def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int) -> None:
     """What persist_checkpoint and _follow_generation do for one checkpoint, minus the log/pointer."""
-    store = CheckpointStore(Pvc(root))
+    store = Committer(Pvc(root))  # rank 0's role; the other ranks use only ShardWriter's methods
     ref = Ref(attempt=1, step=step, world_size=world)
     staging = store.staging(ref, 1)
     if rank == 0:
@@ -306,13 +317,93 @@ def bare_loop(directory: str, steps: int, trainer_name: str, mib: int, results) 
     os.environ.update(trainer_env(mib))
     sys.path.insert(0, str(HERE))
     trainer = build(ENGINE_TRAINERS[trainer_name], None, 0.05)
-    state = trainer.initial_state()
     path = Path(directory) / "bare.safetensors"
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        state, _ = trainer.step(state, step)
-        atomic_write(path, shards.encode(state, {"step": str(step)}))
+        trainer.step(step)
+        atomic_write(path, shards.encode(trainer.state_dict(), {"step": str(step)}))
     results.put(time.perf_counter() - t0)
+
+
+# --- a torch trainer: trainjob against the same loop without it ------------------------------------
+
+PEAK_CHILD = """
+import resource, subprocess, sys, time
+t0 = time.perf_counter()
+rc = subprocess.call(sys.argv[1:], stdout=subprocess.DEVNULL)
+print(rc, time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def measured(cmd: list[str], env: dict) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of ``cmd``, a fresh process, from a wrapper that runs only it."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_CHILD, *cmd], capture_output=True, text=True, env=env)
+    rc, seconds, peak = proc.stdout.split() if proc.returncode == 0 else ("?", 0, 0)
+    if rc != "0":
+        raise SystemExit(f"{' '.join(cmd)} failed: {proc.stderr[-2000:]}")
+    return float(seconds), int(peak)
+
+
+def trainer_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+           "BENCH_TORCH_DIM": str(dim), "OMP_NUM_THREADS": "1"}
+    half = max(1, steps // 2)
+
+    def trainjob(n: int, ckpt_every: int) -> tuple[float, int]:
+        pvc = work / "trainer-pvc"
+        shutil.rmtree(pvc, ignore_errors=True)
+        out = measured([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--steps", str(n),
+                        "--ckpt-every", str(ckpt_every), "--keep", "2", "--trainer", "bench_torch:make"], env)
+        shutil.rmtree(pvc, ignore_errors=True)
+        return out
+
+    def bare(n: int, save_every: int) -> tuple[float, int]:
+        directory = work / "trainer-bare"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        out = measured([sys.executable, str(HERE / "bench_torch.py"), "bare", str(n), str(save_every),
+                        str(directory)], env)
+        shutil.rmtree(directory, ignore_errors=True)
+        return out
+
+    runs: dict[str, list[float]] = {}
+    for rep in range(repeat):  # interleaved within each repeat, so both see the same machine
+        tj = trainjob(2 * half, 2 * half)[0] - trainjob(half, 2 * half)[0]
+        b = bare(2 * half, 0)[0] - bare(half, 0)[0]
+        runs.setdefault("step_ratio", []).append(tj / b)
+        runs.setdefault("trainjob_ms_per_step", []).append(tj / half * 1e3)
+        runs.setdefault("bare_ms_per_step", []).append(b / half * 1e3)
+        tj_run, tj_peak = trainjob(steps, every)
+        b_run, b_peak = bare(steps, every)
+        runs.setdefault("run_ratio", []).append(tj_run / b_run)
+        runs.setdefault("trainjob_run_s", []).append(tj_run)
+        runs.setdefault("bare_run_s", []).append(b_run)
+        runs.setdefault("trainjob_peak_mib", []).append(tj_peak / MiB)
+        runs.setdefault("bare_peak_mib", []).append(b_peak / MiB)
+        print(f"trainer repeat {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
+    directory = work / "trainer-peers"
+    directory.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, str(HERE / "bench_torch.py"), "peers", str(directory), str(repeat)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"trainer peers failed: {proc.stderr[-2000:]}")
+    peers = json.loads(proc.stdout.splitlines()[-1])
+    state = peers.pop("state_bytes")[0]
+    out = {"dim": dim, "steps": steps, "every": every, "state_mib": state / MiB,
+           **{k: summary(v) for k, v in runs.items()},
+           "peers_s": {k: summary(v) for k, v in peers.items()}}
+    budget = [b + (1.1 * state) / MiB + 64 for b in runs["bare_peak_mib"]]
+    out["targets"] = {
+        "trainer: steps with no checkpoint due <= 1.02x bare": out["step_ratio"]["median"] <= 1.02,
+        "trainer: peak RSS <= bare + 1.1x state + 64MiB": all(t <= b for t, b in zip(runs["trainjob_peak_mib"],
+                                                                                    budget)),
+        f"trainer: run, checkpoint every {every} <= 1.1x bare torch.save": out["run_ratio"]["median"] <= 1.1,
+        "trainer: save at least as fast as DCP": (out["peers_s"]["save trainjob"]["median"]
+                                                  <= out["peers_s"]["save dcp"]["median"]),
+        "trainer: verified load at least as fast as DCP": (out["peers_s"]["load trainjob"]["median"]
+                                                           <= out["peers_s"]["load dcp"]["median"]),
+    }
+    return out
 
 
 # --- status on a long log ------------------------------------------------------------------------
@@ -441,7 +532,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-mib", type=int, default=64, help="engine: the large state's size in MiB")
     ap.add_argument("--log-lines", type=int, default=1_000_000, help="status: lines in the log")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch peer even when it is installed")
+    ap.add_argument("--trainer-dim", type=int, default=4096,
+                    help="trainer: the Linear's width (4096: a 128 MiB state with momentum; 0 skips the section)")
+    ap.add_argument("--trainer-steps", type=int, default=40, help="trainer: steps in the whole run")
+    ap.add_argument("--trainer-every", type=int, default=10, help="trainer: a checkpoint every this many steps")
+    ap.add_argument("--only", choices=("all", "trainer"), default="all", help="run every section, or one")
     args = ap.parse_args(argv)
+    if args.only == "trainer":
+        if not have_torch():
+            raise SystemExit("--only trainer needs torch (pip install 'trainjob[torch]')")
+        work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
+        try:
+            trainer = trainer_section(work, args.repeat, args.trainer_dim, args.trainer_steps, args.trainer_every)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+                  "machine": machine(args.dir), "repeat": args.repeat, "trainer": trainer}
+        print(trainer_table(trainer))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     worlds = [int(w) for w in args.world_size.split(",")]
     torch_ok = have_torch() and not args.no_torch
     saves = [k for k in SAVES if k != "torch" or torch_ok]
@@ -489,6 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                 bare.append(q.get(timeout=1800) / steps)
                 p.join()
         status = status_bench(work, args.log_lines)
+        trainer = (trainer_section(work, args.repeat, args.trainer_dim, args.trainer_steps, args.trainer_every)
+                   if torch_ok and args.trainer_dim > 0 else None)
         probes.append(cpu_probe())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -496,7 +608,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "machine": machine(args.dir), "state_bytes": size, "repeat": args.repeat, "world_sizes": worlds,
                  "cpu_probe": {"before": probes[0], "after": probes[1]},
-                 "notes": [] if torch_ok else ["torch.save/torch.load skipped (not installed, or --no-torch)"],
+                 "notes": [] if torch_ok else ["torch.save/torch.load and the trainer section skipped "
+                                               "(not installed, or --no-torch)"],
                  "save": {}, "load": {}}
     for op, ref in (("save", "raw"), ("load", "limit")):
         for w in worlds:
@@ -529,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
         f"engine <= 1.25x bare loop ({args.engine_mib} MiB state)": out["engine"]["big"]["ratio"]["median"] <= 1.25,
         "status < 100MiB": status["peak_mib"] < 100,
     }
+    if trainer is not None:
+        out["trainer"] = trainer
+        out["targets"].update(trainer["targets"])
     if 2 in worlds:
         s2 = out["save"]["2"]
         out["targets"]["W=2 save faster than gather"] = (s2["trainjob"]["ratio_to_limit"]["median"]
@@ -564,12 +680,34 @@ def table(out: dict) -> str:
                      f"{fmt(e['bare_ms_per_step'])} ms/step: ratio {fmt(e['ratio'])}")
     s = out["status"]
     lines.append(f"status on {s['lines']:,} lines: {s['seconds']:.1f} s, peak RSS {s['peak_mib']:.0f} MiB")
+    if "trainer" in out:
+        lines += ["", trainer_table(out["trainer"], targets=False)]
     lines.append("")
     lines += [f"- [{'x' if ok else ' '}] {name}" for name, ok in out["targets"].items()]
     for when, p in out["cpu_probe"].items():
         lines.append(f"cpu {when}: sha256 {p['sha256_mb_per_s_one_thread']:.0f} MB/s on one thread; "
                      f"two threads at once do {p['two_thread_speedup']:.2f}x the work of one")
     lines += [f"note: {n}" for n in out["notes"]]
+    return "\n".join(lines)
+
+
+def trainer_table(tr: dict, targets: bool = True) -> str:
+    lines = [f"trainer: Linear({tr['dim']}, {tr['dim']}), SGD momentum, batch 64, one thread: "
+             f"{tr['state_mib']:.0f} MiB of state; median (min..max)",
+             "", "| | trainjob | bare loop | ratio |", "| --- | --- | --- | --- |",
+             f"| ms per step, no checkpoint due | {fmt(tr['trainjob_ms_per_step'], 0)} | "
+             f"{fmt(tr['bare_ms_per_step'], 0)} | {fmt(tr['step_ratio'], 3)} |",
+             f"| s per run of {tr['steps']} steps, a checkpoint every {tr['every']} (bare: torch.save + fsync) | "
+             f"{fmt(tr['trainjob_run_s'], 1)} | {fmt(tr['bare_run_s'], 1)} | {fmt(tr['run_ratio'], 3)} |",
+             f"| peak RSS of the whole process, MiB | {fmt(tr['trainjob_peak_mib'], 0)} | "
+             f"{fmt(tr['bare_peak_mib'], 0)} | |", "",
+             "| peers on the same live state, seconds | save | load |", "| --- | --- | --- |"]
+    for who, label in (("trainjob", "trainjob (load verifies every sha256, into the live tensors)"),
+                       ("dcp", "torch.distributed.checkpoint (verifies nothing)"),
+                       ("torch", "torch.save + fsync / torch.load (verifies nothing)")):
+        lines.append(f"| {label} | {fmt(tr['peers_s'][f'save {who}'], 3)} | {fmt(tr['peers_s'][f'load {who}'], 3)} |")
+    if targets:
+        lines += [""] + [f"- [{'x' if ok else ' '}] {name}" for name, ok in tr["targets"].items()]
     return "\n".join(lines)
 
 

@@ -14,30 +14,33 @@ import os
 
 import numpy as np
 
-from trainjob.records import Score
+from trainjob import Score
 
 
 class BigState:
     def __init__(self, mib: int) -> None:
         self.rows = max(1, (mib << 20) // (4 * 1024))
         self.data_sha256 = hashlib.sha256(f"bench-{mib}".encode()).hexdigest()
+        self.w = np.ones((self.rows, 1024), dtype=np.float32)
 
-    def initial_state(self) -> dict[str, np.ndarray]:
-        return {"w": np.ones((self.rows, 1024), dtype=np.float32)}
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"w": self.w}
 
-    def step(self, state: dict[str, np.ndarray], step: int) -> tuple[dict[str, np.ndarray], float]:
-        w = state["w"]
-        w *= np.float32(0.999)
-        return {"w": w}, float(w[0, 0])
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        self.w[...] = arrays["w"]
 
-    def evaluate(self, state: dict[str, np.ndarray]) -> Score:
+    def step(self, step: int) -> float:
+        self.w *= np.float32(0.999)
+        return float(self.w[0, 0])
+
+    def evaluate(self) -> Score:
         return Score(correct=1, total=1)
 
     def baseline(self) -> Score:
         return Score(correct=1, total=1)
 
-    def export(self, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return {"w": state["w"][:1, :1].copy()}
+    def export(self) -> dict[str, np.ndarray]:
+        return {"w": self.w[:1, :1].copy()}
 
 
 def make(data: object, lr: float) -> BigState:

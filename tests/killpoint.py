@@ -7,35 +7,43 @@ This is the test-side harness for "a kill at any instant": with N enumerated ove
 call a clean run makes, every point where the PVC could be left half-updated gets hit. N equal
 to that number is the exit path: the process dies once the CLI has returned, its outcome
 decided and logged (an OOM kill or a lost node in the instant after ``completed``).
+``arm`` is the harness itself, for tests/forked_killpoints.py too.
 """
 
 import os
 import signal
 import sys
-
-from trainjob import cli
-
-target = int(sys.argv[1])
-calls = 0
+from collections.abc import Callable
 
 
-def deadly(real):
-    def wrapper(*args, **kwargs):
-        global calls
-        if calls == target:
-            os.kill(os.getpid(), signal.SIGKILL)
-        calls += 1
-        return real(*args, **kwargs)
+def arm(target: int) -> Callable[[], int]:
+    """SIGKILL this process just before its I/O call number ``target`` (never when negative);
+    returns a function that says how many calls were made so far."""
+    calls = 0
 
-    return wrapper
+    def deadly(real):
+        def wrapper(*args, **kwargs):
+            nonlocal calls
+            if calls == target:
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls += 1
+            return real(*args, **kwargs)
+
+        return wrapper
+
+    for name in ("write", "fsync", "replace", "rename"):
+        setattr(os, name, deadly(getattr(os, name)))
+    return lambda: calls
 
 
-for name in ("write", "fsync", "replace", "rename"):
-    setattr(os, name, deadly(getattr(os, name)))
+if __name__ == "__main__":
+    from trainjob import cli
 
-code = cli.main(sys.argv[2:])
-if calls == target:
-    os.kill(os.getpid(), signal.SIGKILL)
-if target < 0:
-    print(calls, file=sys.stderr)
-sys.exit(code)
+    target = int(sys.argv[1])
+    counted = arm(target)
+    code = cli.main(sys.argv[2:])
+    if counted() == target:  # the exit path: the outcome is decided and logged
+        os.kill(os.getpid(), signal.SIGKILL)
+    if target < 0:
+        print(counted(), file=sys.stderr)
+    sys.exit(code)

@@ -93,10 +93,11 @@ class CheckpointPointer:
 
 MANIFEST_SCHEMA = 1
 # The safetensors dtypes trainjob can load into numpy, each with its numpy dtype (little-endian,
-# as safetensors stores them). numpy has no bfloat16, so no BF16: a manifest claiming it is an
-# input error, not a crash at load time.
-DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-          "I8": "i1", "U8": "u1", "BOOL": "?"}
+# as safetensors stores them; "bfloat16" is the numpy dtype ml_dtypes registers, which
+# checkpoint/shards.py imports). A manifest claiming any other is an input error, not a crash at
+# load time.
+DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16", "I64": "<i8", "I32": "<i4",
+          "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
 
 
 def _shape() -> Any:
@@ -245,7 +246,9 @@ class NamedArray:
 @attrs.frozen
 class Artifact:
     """The versioned model a passing run publishes as ``artifacts/model-v{attempt}.json``:
-    the arrays the trainer exports (the linear trainer's: ``weights`` and ``bias``)."""
+    the arrays the trainer exports (the linear trainer's: ``weights`` and ``bias``). Other
+    trainers publish ``model-v{attempt}.safetensors``: the tensors, and this record with no
+    ``arrays`` in the header's metadata."""
 
     attempt: int = attrs.field(validator=v.ge(1))
     step: int = attrs.field(validator=v.ge(0))

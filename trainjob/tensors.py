@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype: records.DTYPES' BF16)
 import numpy as np
 
 from .records import DTYPES, TensorSpec

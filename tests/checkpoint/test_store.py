@@ -98,8 +98,8 @@ def test_a_vanished_newest_checkpoint_is_not_mistaken_for_no_checkpoint(tmp_path
 
 # --- loading in place ------------------------------------------------------------------------------
 
-def saved(tmp_path, state) -> tuple[checkpoints.CheckpointStore, Ref]:
-    store = checkpoints.CheckpointStore(Pvc(tmp_path / "pvc"))
+def saved(tmp_path, state) -> tuple[checkpoints.Committer, Ref]:
+    store = checkpoints.Committer(Pvc(tmp_path / "pvc"))
     store.pvc.create()
     ref = Ref(attempt=1, step=1, world_size=1)
     staging = store.create_staging(ref, 1)

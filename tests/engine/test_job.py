@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import ROOT, events
 from trainjob import cli
 
@@ -14,9 +16,38 @@ def test_a_resume_holds_the_state_once_in_the_arrays_the_trainer_built(tmp_path,
     assert cli.main(["run", "--pvc", str(pvc), *flags, "--die-at", "2"]) == 75
     user_trainers.WATCH["built"].clear()
     user_trainers.WATCH["stepped"].clear()
+    user_trainers.WATCH["loaded"].clear()
     assert cli.main(["run", "--pvc", str(pvc), *flags]) == 0
     assert ("resumed", "from_step=2") in events(pvc / "log.jsonl")
     built = user_trainers.WATCH["built"]
-    step, state = user_trainers.WATCH["stepped"][0]
-    assert len(built) == 1  # no second initial state for the resume
-    assert step == 3 and state is built[0]  # the checkpoint was read into the trainer's own array
+    step, params, values = user_trainers.WATCH["stepped"][0]
+    assert len(built) == 1 and params is built[0]  # the trainer kept its own array
+    assert [a is params for a in user_trainers.WATCH["loaded"]] == [True]  # the shard was read into it
+    assert step == 3 and values.any()  # holding the checkpoint's step-2 values, not the zeros it built
+
+
+def test_building_a_job_reads_nothing_the_explicit_read_step_does(tmp_path):
+    from trainjob.engine.job import Job, RunConfig
+    from trainjob.errors import InputError
+    from trainjob.ranks.peers import PvcCoordinator
+    from trainjob.storage.eventlog import EventLog
+    from trainjob.storage.pvc import Pvc
+
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    (pvc.root / "state.json").write_text("{not json")  # a corrupt PVC file
+    peers = PvcCoordinator(pvc, 1, 1.0, lambda: None)
+    job = Job(RunConfig(), pvc, EventLog(pvc.root / "log.jsonl"), "0" * 64, peers)
+    assert job.state == "pending" and job.loaded is None  # built without touching the PVC
+    with pytest.raises(InputError, match="state.json"):
+        job.read()
+
+
+def test_only_the_coordinator_commits_rotates_or_cleans_up():
+    from trainjob.checkpoint.store import CheckpointStore, Committer, ShardWriter
+
+    rank0_only = ("create_staging", "read_receipt", "commit", "rotate", "set_aside", "cleanup", "check_space")
+    every_rank = ("write_shard", "write_slices", "write_receipt")
+    assert not [m for m in rank0_only + every_rank if hasattr(CheckpointStore, m)]  # verify cannot write
+    assert not [m for m in rank0_only if hasattr(ShardWriter, m)]
+    assert all(callable(getattr(Committer, m)) for m in rank0_only + every_rank)

@@ -6,21 +6,12 @@ from trainjob.trainers.linear import LinearTrainer
 
 
 class Forgetful(DigitsTrainer):
-    """The digits trainer, except that the momentum buffers live on the object, not in the state:
-    the engine checkpoints only W and b, so a kill loses the buffers (the bug the protocol's
-    "model AND optimizer state" rule exists to prevent)."""
+    """The digits trainer, except that its state_dict leaves out the momentum buffers: the engine
+    checkpoints only W and b, so a kill loses the buffers (the bug the protocol's "model AND
+    optimizer state" rule exists to prevent)."""
 
-    def initial_state(self):
-        state = super().initial_state()
-        self.vW, self.vb = state.pop("vW"), state.pop("vb")
-        return state
-
-    def step(self, state, step):
-        if not hasattr(self, "vW"):
-            self.initial_state()  # a resumed process starts its buffers from zero
-        full, loss = super().step({**state, "vW": self.vW, "vb": self.vb}, step)
-        self.vW, self.vb = full.pop("vW"), full.pop("vb")
-        return full, loss
+    def state_dict(self):
+        return {"W": self.W, "b": self.b}
 
 
 def forgetful(data, lr):
@@ -38,20 +29,23 @@ def no_arguments():
     return object()
 
 
-WATCH = {"built": [], "stepped": []}
+WATCH = {"built": [], "stepped": [], "loaded": []}
 
 
 class Watched(LinearTrainer):
-    """The linear trainer, noting the arrays it built and the ones each step is handed."""
+    """The linear trainer, noting the array it built and the one each step trains."""
 
-    def initial_state(self):
-        state = super().initial_state()
-        WATCH["built"].append(state["params"])
-        return state
+    def __init__(self, data, lr):
+        super().__init__(data, lr)
+        WATCH["built"].append(self.params)
 
-    def step(self, state, step):
-        WATCH["stepped"].append((step, state["params"]))
-        return super().step(state, step)
+    def load_state_dict(self, arrays):
+        WATCH["loaded"].append(arrays["params"])
+        super().load_state_dict(arrays)
+
+    def step(self, step):
+        WATCH["stepped"].append((step, self.params, self.params.copy()))
+        return super().step(step)
 
 
 def watched(data, lr):

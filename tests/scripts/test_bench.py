@@ -67,3 +67,22 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     assert result["targets"] and all(isinstance(v, bool) for v in result["targets"].values())
     assert all(p["two_thread_speedup"] > 0 for p in result["cpu_probe"].values())
     assert result["machine"]["cores"] >= 1 and result["state_bytes"] == 16 << 20
+
+
+def test_the_trainer_section_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
+    import pytest
+    pytest.importorskip("torch", reason="the trainer section needs torch")
+    out = tmp_path / "trainer.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench.py"), "--only", "trainer", "--trainer-dim", "64",
+         "--trainer-steps", "4", "--trainer-every", "2", "--repeat", "1", "--dir", str(tmp_path), "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trainer = json.loads(out.read_text())["trainer"]
+    for key in ("trainjob_run_s", "bare_run_s", "run_ratio", "trainjob_peak_mib", "bare_peak_mib"):
+        assert trainer[key]["median"] > 0, key
+    # N vs 2N steps cancel start-up; at 2 steps that difference can be noise of either sign.
+    assert {"trainjob_ms_per_step", "bare_ms_per_step", "step_ratio"} <= set(trainer)
+    assert set(trainer["peers_s"]) == {f"{op} {who}" for op in ("save", "load") for who in ("trainjob", "dcp", "torch")}
+    assert all(s["median"] > 0 for s in trainer["peers_s"].values())
+    assert len(trainer["targets"]) == 5 and all(isinstance(v, bool) for v in trainer["targets"].values())

@@ -33,6 +33,6 @@ def test_the_documented_trainer_resumes_after_a_kill_to_the_same_bytes(tmp_path)
     assert run(tmp_path / "clean").returncode == 0
     assert run(tmp_path / "killed", "--die-at", 3, "--world-size", 2).returncode == 75
     assert run(tmp_path / "killed", "--world-size", 2).returncode == 0
-    clean, killed = (tmp_path / p / "artifacts/model-v1.json" for p in ("clean", "killed"))
+    clean, killed = (tmp_path / p / "artifacts/model-v1.safetensors" for p in ("clean", "killed"))
     assert killed.read_bytes() == clean.read_bytes()
     assert events(tmp_path / "clean/log.jsonl")[-1][1].startswith("holdout: 98/100")

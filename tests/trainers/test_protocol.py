@@ -27,7 +27,7 @@ def run_with_helpers(pvc, *flags):
     ("user_trainers:missing", "has no callable missing"),
     ("user_trainers:NOT_CALLABLE", "has no callable NOT_CALLABLE"),
     ("user_trainers:no_arguments", "the factory must accept (data, lr)"),
-    ("user_trainers:not_a_trainer", "object does not fit the Trainer protocol; missing initial_state, step"),
+    ("user_trainers:not_a_trainer", "object does not fit the Trainer protocol; missing state_dict, load_state_dict, step"),
 ])
 @pytest.mark.process
 def test_a_bad_trainer_is_a_one_line_usage_error_before_the_pvc_is_touched(tmp_path, spec, says):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,34 +17,44 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, trainjob
+from conftest import ROOT, snapshot, trainjob
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
 pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
 
-from trainjob.trainers.torch_state import from_arrays, materialize_sgd, to_arrays  # noqa: E402
+from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict  # noqa: E402
 
 FLAGS = ("--trainer", "torch_digits:make", "--steps", "8", "--ckpt-every", "1", "--keep", "2",
          "--rank-timeout", "20")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
 
 
-def test_adapter_round_trips_module_and_momentum_without_pickle():
+def sgd_net(seed: int):
+    torch.manual_seed(seed)
     net = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     materialize_sgd(opt)
+    return net, opt
+
+
+def test_adapter_hands_out_the_live_tensors_and_loads_into_them_in_place():
+    net, opt = sgd_net(0)
     net(torch.ones(4, 3)).sum().backward()
     opt.step()
-    arrays = to_arrays(net, opt)
-    assert sorted(arrays) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight",
-                              "optim.0.momentum_buffer", "optim.1.momentum_buffer", "optim.2.momentum_buffer",
-                              "optim.3.momentum_buffer"]
-    assert all(isinstance(a, np.ndarray) and a.ndim >= 1 for a in arrays.values())
-    other = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))
-    other_opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
-    materialize_sgd(other_opt)
-    from_arrays(arrays, other, other_opt)
-    assert all(np.array_equal(arrays[k], b) for k, b in to_arrays(other, other_opt).items())
+    live = state_dict(net, opt)
+    assert sorted(live) == ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight",
+                            "optim.0.momentum_buffer", "optim.1.momentum_buffer", "optim.2.momentum_buffer",
+                            "optim.3.momentum_buffer"]
+    assert live["model.0.weight"].data_ptr() == net[0].weight.data_ptr()  # a view, not a copy
+    assert live["optim.3.momentum_buffer"].data_ptr() == opt.state[net[2].bias]["momentum_buffer"].data_ptr()
+    other, other_opt = sgd_net(1)
+    before = {k: v.data_ptr() for k, v in state_dict(other, other_opt).items()}
+    load_state_dict(live, other, other_opt)
+    after = state_dict(other, other_opt)
+    assert {k: v.data_ptr() for k, v in after.items()} == before  # copied into the same tensors
+    assert all(torch.equal(live[k], after[k]) for k in live)
+    with pytest.raises(KeyError, match="missing"):
+        load_state_dict({k: v for k, v in live.items() if k != "model.0.bias"}, other, other_opt)
 
 
 def torchrun(pvc: Path, data: Path) -> subprocess.Popen:
@@ -68,7 +79,7 @@ def newest_step(pvc: Path) -> int:
 
 
 def arrays(pvc: Path):
-    return json.loads((pvc / "artifacts/model-v1.json").read_text())["arrays"]
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
 @pytest.mark.process
@@ -98,3 +109,75 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp
     assert arrays(pvc) == arrays(tmp_path / "ref")
     manifest = json.loads((pvc / "checkpoints/step-00000008-a0001-w002/manifest.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
+
+
+# --- a torch trainer written to the Stateful protocol: bad state is bad input (exit 2) ---------------
+
+LAB = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers"), "OMP_NUM_THREADS": "1"}
+LAB_FLAGS = ("--trainer", "torch_trainers:make", "--steps", "3", "--ckpt-every", "1")
+
+
+def lab_torch(pvc: Path, *flags: str, bad: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *LAB_FLAGS, *flags],
+                          env={**LAB, "TRAINJOB_TEST_BAD": bad}, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def killed_at_1(tmp_path_factory) -> Path:
+    """A torch run killed after its step-1 checkpoint: the PVC the bad relaunches must not change."""
+    pvc = tmp_path_factory.mktemp("torch") / "pvc"
+    result = lab_torch(pvc, "--die-at", "1")
+    assert result.returncode == 75, result.stderr
+    return pvc
+
+
+def one_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("not_a_tensor", "expected a numpy array or a torch tensor, got list"),
+    ("non_contiguous", "a non-contiguous tensor"),
+    ("sparse", "a sparse tensor"),
+    ("load_raises", "load_state_dict raised ValueError: this trainer refuses every checkpoint"),
+])
+def test_a_state_that_cannot_be_checkpointed_or_loaded_exits_2_and_changes_nothing(tmp_path, killed_at_1, kind,
+                                                                                    says):
+    pvc = tmp_path / "pvc"
+    shutil.copytree(killed_at_1, pvc)
+    before = snapshot(pvc)
+    line = one_line(lab_torch(pvc, bad=f"{kind}@0"))
+    assert says in line and (kind == "load_raises" or "state_dict()['model.0.weight']" in line)
+    assert snapshot(pvc) == before
+
+
+@pytest.mark.parametrize("kind, says", [
+    ("renamed", "step 2: names changed (missing model.0.weight; new model.0.renamed)"),
+    ("reshaped", "step 2: state_dict()['model.0.weight'] is now F32[48], was F32[16, 3]"),
+    ("retyped", "step 2: state_dict()['model.0.weight'] is now F64[16, 3], was F32[16, 3]"),
+])
+def test_a_state_that_changes_between_checkpoints_exits_2_before_writing_any_of_it(tmp_path, killed_at_1, kind,
+                                                                                    says):
+    pvc = tmp_path / "pvc"
+    assert says in one_line(lab_torch(pvc, bad=f"{kind}@2"))
+    assert snapshot(pvc / "checkpoints") == snapshot(killed_at_1 / "checkpoints")  # step 1, no half of step 2
+
+
+def test_a_bfloat16_torch_trainer_killed_before_every_io_call_resumes_to_the_same_bytes(tmp_path):
+    """SIGKILL before each write, fsync and rename of a clean run (every one, counted), then a
+    relaunch: always the uninterrupted run's artifact, bit for bit (tests/forked_killpoints.py)."""
+    # Imported once, before the forks: torch.optim.SGD imports torch._dynamo, seconds per process.
+    env = {**LAB, "TRAINJOB_TEST_DTYPE": "bfloat16", "TRAINJOB_PRELOAD": "torch,torch._dynamo,torch_trainers"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/forked_killpoints.py"), str(tmp_path), "run",
+                           "--trainer", "torch_trainers:make", "--steps", "1", "--ckpt-every", "1", "--keep", "1"],
+                          env=env, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["clean"] == 0 and result["artifacts"] == ["model-v1.safetensors"] and result["count"] > 20
+    # A kill after "completed" reached the log leaves a finished job: its relaunch is refused (2) today.
+    wrong = [t for t in result["trials"] if t["killed"] != -signal.SIGKILL or not t["same_bytes"]
+             or t["relaunch"] not in ((0, 2) if t["logged_completed"] else (0,))]
+    assert not wrong, wrong

@@ -30,6 +30,12 @@ from ..tensors import dtype_code, np_dtype
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
 _MAX_HEADER = 100 << 20  # the safetensors format's own cap on the JSON header
 
+def byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (through uint8: the buffer protocol
+    knows no bfloat16)."""
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
 def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:
     """The safetensors bytes of ``tensors``, as a stream of chunks that views the arrays.
 
@@ -47,7 +53,7 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     text += b" " * (-len(text) % 8)
     yield len(text).to_bytes(8, "little") + text
     for a in arrays.values():
-        flat = memoryview(a.reshape(-1)).cast("B") if a.size else memoryview(b"")
+        flat = byte_view(a)
         for i in range(0, len(flat), CHUNK):
             yield flat[i:i + CHUNK]
 
@@ -206,7 +212,7 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
             out = dest[h.name]
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
-            view = memoryview(out.reshape(-1)).cast("B") if out.size else memoryview(b"")
+            view = byte_view(out)
             got = _read_exact(fd, view, digest)
             seen += got
             if got != len(view):
@@ -235,6 +241,21 @@ def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:
         if n < len(view):
             break
     return done
+
+
+def read_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file held in ``data``; ValueError when it is not one."""
+    n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
+    if not 0 <= n <= min(len(data) - 8, _MAX_HEADER):
+        raise ValueError("not a valid safetensors file (header length)")
+    try:
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except ValueError as exc:
+        raise ValueError(f"not a valid safetensors file ({exc})") from None
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("not a valid safetensors file (__metadata__ is not a map of strings)")
+    return meta
 
 
 def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:

@@ -14,6 +14,10 @@ Layout under ``P/checkpoints/`` (names are fixed width, so they sort by step):
     rejected-step-00000008-a0001-w002    set aside by a resume because it failed verification;
                                          kept for inspection, never loaded, never deleted by trainjob
 
+Three classes, by who calls them (as torch.distributed.checkpoint's StorageWriter says of each
+method, "(all ranks)" or "(coordinator)"): ``CheckpointStore`` reads (any process), ``ShardWriter``
+writes one rank's shard (every rank), ``Committer`` commits, rotates and cleans up (rank 0, the coordinator).
+
 This module does the I/O; every choice (what to resume from, what to delete, whether a manifest
 is consistent) is asked of the pure functions in ``plan.py``. Writes go through
 ``pvc.write_staged`` (shards and the manifest, inside a staging directory), ``pvc.atomic_write``
@@ -87,7 +91,11 @@ class Loaded:
 
 
 class CheckpointStore:
-    """The ``checkpoints/`` directory of one PVC."""
+    """The ``checkpoints/`` directory of one PVC, as any process reads it: list, verify, load.
+
+    Read-only (``trainjob verify`` uses it beside a running job). What a rank writes at a
+    checkpoint is ``ShardWriter``'s; what only rank 0 writes is ``Committer``'s.
+    """
 
     def __init__(self, pvc: Pvc) -> None:
         self.pvc = pvc
@@ -208,57 +216,57 @@ class CheckpointStore:
             raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
         return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors)
 
-    # --- writing: any rank writes its own shard; rank 0 commits ---------------------------------
-
     def staging(self, ref: Ref, generation: int) -> Path:
+        """Where launch ``generation`` builds checkpoint ``ref`` before rank 0 commits it."""
         return self.root / f"{TMP}{ref.name}.g{generation:08d}"
 
-    def create_staging(self, ref: Ref, generation: int) -> Path:
-        path = self.staging(ref, generation)
-        # No fsync here: the staging directory need not survive a power loss, and commit_dir
-        # fsyncs it and its parent before the checkpoint counts.
-        with os_errors(path, "cannot create"):
-            make_dir(path)
-        return path
+    def receipt_path(self, staging: Path, rank: int, world_size: int) -> Path:
+        return staging / (plan.shard_file(rank, world_size) + RECEIPT)
+
+    def pointer(self, m: Manifest, ref: Ref, sha: str) -> CheckpointPointer:
+        return CheckpointPointer(step=m.step, attempt=m.attempt, world_size=m.world_size,
+                                 loss_milli=m.loss_milli, dir=f"checkpoints/{ref.name}", manifest_sha256=sha)
+
+
+class ShardWriter(CheckpointStore):
+    """What every rank does at a checkpoint (all ranks), as torch.distributed.checkpoint's
+    StorageWriter splits it. In order, for one checkpoint:
+
+    1. (rank 0) ``Committer.create_staging``; ranks >= 1 wait for the directory to appear.
+    2. (all ranks) ``write_shard``: this rank's slice of the state, into the staging directory.
+    3. (ranks >= 1) ``write_receipt``: the shard's size and sha256, for rank 0 to gather.
+    4. (rank 0) ``Committer.read_receipt`` for every other rank, then ``commit``, then ``rotate``.
+    """
 
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
                     tensors: Mapping[str, np.ndarray]) -> ShardEntry:
-        """Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
+        """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
         holds = plan.plan_shards(tensor_specs(tensors), world_size)[rank]
         return self.write_slices(staging, rank, world_size, step, holds,
                                  {h.name: tensors[h.name][h.rows] for h in holds})
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray]) -> ShardEntry:
-        """Write rank ``rank``'s shard holding ``mine`` (described by ``holds``) into ``staging``."""
+        """(all ranks; reshard writes every rank's) Write rank ``rank``'s shard holding ``mine``
+        (described by ``holds``) into ``staging``."""
         name = plan.shard_file(rank, world_size)
         meta = {"rank": str(rank), "world_size": str(world_size), "step": str(step)}
         written = write_staged(staging / name, shards.encode(mine, meta))
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
+        """(ranks >= 1) Tell rank 0 this rank's shard is written, with its size and sha256."""
         atomic_write(staging / (entry.file + RECEIPT), (dumps(entry) + "\n").encode())
 
-    def receipt_path(self, staging: Path, rank: int, world_size: int) -> Path:
-        return staging / (plan.shard_file(rank, world_size) + RECEIPT)
 
-    def read_receipt(self, staging: Path, rank: int, world_size: int) -> ShardEntry:
-        path = self.receipt_path(staging, rank, world_size)
-        entry = self.pvc.read_record(path, ShardEntry)
-        if entry is None or entry.rank != rank or entry.file != plan.shard_file(rank, world_size):
-            raise InputError(f"{path}: missing or not rank {rank}'s receipt")
-        return entry
-
-    def commit(self, staging: Path, ref: Ref, manifest: Manifest) -> str:
-        """Write the manifest last and rename the directory into place; return the manifest's sha256."""
-        for shard in manifest.shards:  # receipts were for rank 0 only; the manifest now says it all
-            (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
-        written = write_staged(staging / MANIFEST, (dumps(manifest) + "\n").encode())
-        commit_dir(staging, self.path(ref))
-        return written.sha256
+class Committer(ShardWriter):
+    """What only rank 0 does (rank 0; also ``trainjob reshard``, which runs alone under the job
+    lock): create the staging directory, gather receipts, commit, rotate, and keep the directory
+    tidy (set aside rejected checkpoints, remove what killed writers left). The order of one
+    checkpoint is in ``ShardWriter``'s docstring; ``check_space`` comes before all of it."""
 
     def check_space(self, needed: int) -> None:
-        """Refuse a save that cannot fit (75), before anything is written or deleted."""
+        """(rank 0, first) Refuse a save that cannot fit (75), before anything is written or deleted."""
         with os_errors(self.root, "cannot check free space"):
             free = shutil.disk_usage(self.root if self.root.is_dir() else self.pvc.root).free
         if free < needed:
@@ -266,7 +274,32 @@ class CheckpointStore:
                           "(the size of the last one); free some space or lower --keep, then relaunch "
                           "(every checkpoint already on the PVC was kept)")
 
-    # --- removal: rotation, rejected checkpoints, abandoned staging --------------------------------
+    def create_staging(self, ref: Ref, generation: int) -> Path:
+        """(rank 0, before any shard) The directory every rank writes its shard into."""
+        path = self.staging(ref, generation)
+        # No fsync here: the staging directory need not survive a power loss, and commit_dir
+        # fsyncs it and its parent before the checkpoint counts.
+        with os_errors(path, "cannot create"):
+            make_dir(path)
+        return path
+
+    def read_receipt(self, staging: Path, rank: int, world_size: int) -> ShardEntry:
+        """(rank 0, after its own shard) Rank ``rank``'s receipt, once ``receipt_path`` exists."""
+        path = self.receipt_path(staging, rank, world_size)
+        entry = self.pvc.read_record(path, ShardEntry)
+        if entry is None or entry.rank != rank or entry.file != plan.shard_file(rank, world_size):
+            raise InputError(f"{path}: missing or not rank {rank}'s receipt")
+        return entry
+
+    def commit(self, staging: Path, ref: Ref, manifest: Manifest) -> str:
+        """(rank 0, after every receipt) Write the manifest last and rename the directory into
+        place; return the manifest's sha256."""
+        for shard in manifest.shards:  # receipts were for rank 0 only; the manifest now says it all
+            (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
+        written = write_staged(staging / MANIFEST, (dumps(manifest) + "\n").encode())
+        commit_dir(staging, self.path(ref))
+        return written.sha256
+
 
     def _remove(self, path: Path) -> bool:
         """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
@@ -292,6 +325,7 @@ class CheckpointStore:
         return False  # left for the next start's cleanup
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
+        """(rank 0, after the commit and the pointer) Delete the oldest so that ``keep`` remain."""
         removed = []
         for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
             if self._remove(self.path(ref)):
@@ -299,7 +333,7 @@ class CheckpointStore:
         return removed
 
     def set_aside(self, ref: Ref) -> str:
-        """Move a checkpoint that failed verification out of the way of new commits."""
+        """(rank 0, at a resume) Move a checkpoint that failed verification out of the way of new commits."""
         src = self.path(ref)
         dest = self.root / f"{REJECTED}{ref.name}"
         n = 1
@@ -314,16 +348,10 @@ class CheckpointStore:
         return self.rel(dest)
 
     def cleanup(self) -> list[str]:
-        """Delete what killed writers left (under the job lock): tmp files on the PVC, staging
+        """(rank 0, at its first transition) Delete what killed writers left (under the job lock): tmp files on the PVC, staging
         and trash directories. Returns the paths removed, relative to the PVC."""
         removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
         for name in self.entries():
             if name.startswith((TMP, TRASH)) and self._remove(self.root / name):
                 removed.append(f"checkpoints/{name}")
         return removed
-
-    # --- the pointer -----------------------------------------------------------------------------
-
-    def pointer(self, m: Manifest, ref: Ref, sha: str) -> CheckpointPointer:
-        return CheckpointPointer(step=m.step, attempt=m.attempt, world_size=m.world_size,
-                                 loss_milli=m.loss_milli, dir=f"checkpoints/{ref.name}", manifest_sha256=sha)

@@ -9,9 +9,10 @@ and writes its own shard of each checkpoint. Both share ``train``, the step loop
 ``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
 The engine never writes a file or a log line itself.
 
-The model is a ``Trainer`` (trainers/protocol.py): the engine asks it for an initial state, a step, and
-two scores, and knows nothing else about it. The state is a dict of named arrays (model and
-optimizer); the engine checkpoints all of it and keeps only the step and the loss itself.
+The model is a ``Trainer`` (trainers/protocol.py), a Stateful object: the engine asks it for a
+step, two scores and its exported arrays, and reads its ``state_dict()`` (model and optimizer)
+only when a checkpoint is due, through ``snapshot.HostState`` (host arrays, no copy of what is
+already in host memory); it keeps no copy between checkpoints, only the step and the loss.
 
 Every rank computes the same full update (SGD over the same samples in the same order is
 sequential, so splitting the arithmetic would change the numbers); each rank *persists* only its
@@ -22,18 +23,22 @@ weights bit-for-bit equal at every world size.
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 from collections import ChainMap
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 import attrs
 from transitions import EventData
 
 from . import decisions
 from ..checkpoint import plan
+from ..checkpoint import shards
 from . import machine
-from ..checkpoint.store import CheckpointStore, Loaded
+from ..checkpoint.store import Committer, Loaded, ShardWriter
 from ..defaults import BACKOFF_LIMIT
 from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
@@ -42,9 +47,11 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordination, Coordinator, Follower
 from ..ranks.peers import PvcCoordinator, PvcFollower
-from ..records import MANIFEST_SCHEMA, Artifact, Manifest, NamedArray, RunState, Session, dumps, load
-from ..states import State as JobState  # State alone is the trainer's arrays here
-from ..trainers.protocol import State, Trainer, check_loss, check_resumable, specs
+from ..records import (MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, Session, dumps,
+                       load)
+from ..checkpoint.snapshot import HostState
+from ..states import State as JobState
+from ..trainers.protocol import Trainer, check_loss, check_resumable, restore
 
 
 @attrs.frozen
@@ -86,6 +93,26 @@ class RunConfig:
                 f"data={data_sha256[:16]} trainer={self.trainer}")
 
 
+ARTIFACT_FORMATS = ("json", "safetensors")
+ARTIFACT_KEY = "trainjob.artifact"  # the safetensors header's metadata key holding the Artifact record
+
+
+def artifact_names(attempt: int) -> tuple[str, str]:
+    """The artifact attempt ``attempt`` publishes, in each format (ARTIFACT_FORMATS' order)."""
+    return f"model-v{attempt}.json", f"model-v{attempt}.safetensors"
+
+
+def read_artifact_record(data: bytes, where: str) -> Artifact:
+    """The Artifact record of a published file: the JSON itself, or a safetensors header's metadata."""
+    if where.endswith(".json"):
+        return load(data, Artifact, where=where)
+    try:
+        meta = shards.read_metadata(data)
+    except ValueError as exc:
+        raise InputError(f"{where}: {exc}") from None
+    return load(meta.get(ARTIFACT_KEY, ""), Artifact, where=f"{where} (metadata {ARTIFACT_KEY})")
+
+
 class StopFlag:
     """Records SIGTERM/SIGINT so the loop can checkpoint and exit 75 at the next step boundary."""
 
@@ -106,7 +133,7 @@ class MachineModel:
     (``machine.NOTED_WITHIN``) before its own event."""
 
     def __init__(self, pvc: Pvc, log: EventLog) -> None:
-        self.pvc, self.log, self.store = pvc, log, CheckpointStore(pvc)
+        self.pvc, self.log, self.store = pvc, log, Committer(pvc)
         self.notes: list[tuple[str, dict[str, Any]]] = []  # announced within the next transition
 
     def persist_cleanup(self, _ev: EventData) -> None:
@@ -125,11 +152,31 @@ class Job(MachineModel):
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Coordinator,
-                 initial: State | None = None) -> None:
+    def __init__(self, cfg: RunConfig, pvc: Pvc, log: EventLog, data_sha256: str, peers: Coordinator) -> None:
+        """Nothing is read here: ``read`` is the explicit step that reads and verifies the PVC."""
         super().__init__(pvc, log)
         self.cfg, self.data_sha256, self.peers = cfg, data_sha256, peers
-        self.initial = initial  # the trainer's initial state: a resume reads the checkpoint into it
+        self.last: RunState | None = None
+        self.completion_announced = False
+        self.pointer: CheckpointPointer | None = None
+        self.attempts_started = 0  # the PVC's counter, once ``read``
+        self.attempt = 1
+        self.from_step = 0
+        self.persisted_state: str | None = None
+        self.artifact: dict[str, Any] = {}
+        self.rejected: list[tuple[Ref, str]] = []
+        self.loaded: Loaded | None = None
+        self.last_size = 0
+        machine.build(self)
+
+    def read(self, into: dict[str, np.ndarray] | None = None) -> None:
+        """Read what the PVC holds (state, log, pointer, attempts) and, when an attempt is in
+        flight, verify and load its newest sound checkpoint, reading it into ``into``'s arrays
+        where they fit (the trainer's own: see ``CheckpointStore.verify``; lent only when the
+        attempt will resume, since a verification that fails leaves them undefined). Call once, before
+        ``start``; it writes nothing. Raises AlreadyCompleted, WorldSizeMismatch or
+        NoVerifiedCheckpoint (each exit 2) or InputError for a corrupt PVC file."""
+        pvc, log = self.pvc, self.log
         self.last = pvc.read_state()
         self.completion_announced = decisions.completion_announced(
             self.last.state if self.last else None, log.last_event() == "completed")
@@ -141,17 +188,12 @@ class Job(MachineModel):
         self.pointer = pvc.read_checkpoint()
         self.attempts_started = pvc.read_attempts()  # the PVC's counter: attempts begun so far
         self.attempt = max(self.attempts_started, 1)  # the one this process runs; set by the start
-        self.from_step = 0
-        self.persisted_state: str | None = self.last.state if self.last else None
-        self.artifact: dict[str, Any] = {}
-        self.rejected: list[tuple[Ref, str]] = []
-        self.loaded: Loaded | None = None
-        self.last_size = 0
+        self.persisted_state = self.last.state if self.last else None
         if self.last is None or self.last.state not in decisions.ATTEMPT_ENDED:
-            self._discover(self.last.attempt if self.last else self.attempt)  # verify before any write
-        machine.build(self)
+            # Verify before any write. Without a run record the resume depends on the step found.
+            self._discover(self.last.attempt if self.last else self.attempt, into if self.last else None)
 
-    def _discover(self, attempt: int) -> None:
+    def _discover(self, attempt: int, into: dict[str, np.ndarray] | None) -> None:
         """Find the newest checkpoint of ``attempt`` that verifies; refuse loudly if there is none."""
         pointer = self.pointer if self.pointer is not None and self.pointer.attempt == attempt else None
         named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
@@ -160,7 +202,7 @@ class Job(MachineModel):
 
         def verify(ref: Ref) -> str | None:
             verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True,
-                                              into=self.initial)
+                                              into=into)
             return verdicts[ref].reason
 
         pick = plan.pick_resume(refs, attempt, self.cfg.world_size, verify)
@@ -191,7 +233,7 @@ class Job(MachineModel):
             self.last.state if self.last else None, self.completion_announced
         )
 
-    def should_resume(self, _ev: EventData) -> bool:
+    def should_resume(self, _ev: EventData | None = None) -> bool:
         return decisions.should_resume(
             self.last.state if self.last else None, self.loaded.manifest.step if self.loaded else None,
             self.cfg.steps
@@ -270,7 +312,7 @@ class Job(MachineModel):
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
-                            loss_milli=kw["loss_milli"], tensors=specs(tensors), shards=entries)
+                            loss_milli=kw["loss_milli"], tensors=kw["specs"], shards=entries)
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
         self.last_size = sum(e.size for e in entries)
@@ -280,19 +322,24 @@ class Job(MachineModel):
     def recall_artifact(self, _ev: EventData) -> None:
         """Re-read the artifact the killed predecessor published, to announce it truthfully."""
         self.attempt = self.last.attempt
-        name = f"model-v{self.attempt}.json"
-        data = self.pvc.read_artifact(name)
-        record = load(data, Artifact, where=str(self.pvc.artifacts / name))
+        names = artifact_names(self.attempt)
+        name = next((n for n in names if os.path.lexists(self.pvc.artifacts / n)), names[0])
+        data = self.pvc.read_artifact(name)  # says what is missing, refuses a symlink
+        record = read_artifact_record(data, str(self.pvc.artifacts / name))
         self.artifact = {"sha256": hashlib.sha256(data).hexdigest(), "path": f"artifacts/{name}",
                          "holdout": record.holdout, "baseline": record.baseline}
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer,
-                          arrays=tuple(NamedArray.of(n, a) for n, a in sorted(kw["exported"].items())),
+        exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
+        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
                           holdout=kw["holdout"], baseline=kw["baseline"])
-        data = (dumps(record) + "\n").encode()
-        name = f"model-v{self.attempt}.json"
+        if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
+            record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
+            name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()
+        else:  # safetensors: the tensors as raw bytes, the record (without arrays) in the header
+            name = artifact_names(self.attempt)[1]
+            data = b"".join(shards.encode(exported, {ARTIFACT_KEY: dumps(record)}))
         # The hash of the very bytes written (computed while writing), not a re-serialisation.
         self.artifact = {"sha256": self.pvc.write_artifact(name, data), "path": f"artifacts/{name}"}
 
@@ -314,17 +361,18 @@ class Job(MachineModel):
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
 
 
-Save = Callable[[int, State, int, bool], None]
-End = Callable[[str, int, State], str]
+Save = Callable[[int, int, bool], None]
+End = Callable[[str, int], str]
 Progress = Callable[[int, int], None]
 
 
-def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, state: State, save: Save, end: End,
+def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, save: Save, end: End,
           progress: Progress | None = None) -> str:
     """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
-    A stop (SIGTERM here or at any other rank) is agreed through ``peers``: every rank trains on
-    to the largest step any rank had reached, saves it, and ends there.
+    The state stays in the trainer; ``save`` reads it when a checkpoint is due. A stop (SIGTERM
+    here or at any other rank) is agreed through ``peers``: every rank trains on to the largest
+    step any rank had reached, saves it, and ends there.
     """
     last_saved, target, loss = step, None, 0
     peers.step = step
@@ -334,36 +382,30 @@ def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, stat
         if step >= (cfg.steps if target is None else target):
             break
         step += 1
-        state, mean_loss = trainer.step(state, step)
-        loss = decisions.loss_milli(check_loss(mean_loss, step))
+        loss = decisions.loss_milli(check_loss(trainer.step(step), step))
         peers.step = step
         if progress is not None:
             progress(step, loss)
         if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
-            save(step, state, loss, step == target)
+            save(step, loss, step == target)
             last_saved = step
         if cfg.die_at == step:
-            return end("die", step, state)
+            return end("die", step)
     if target is None and peers.stop_wanted():  # the stop came during the last step
         target = peers.agree_stop()
     if target is None:
-        return end("done", step, state)
+        return end("done", step)
     if step > last_saved:  # save the step we finished before obeying the stop
-        save(step, state, loss, True)
-    return end("stop", step, state)
+        save(step, loss, True)
+    return end("stop", step)
 
 
-def _start_state(initial: State, loaded: Loaded | None, where: str) -> State:
-    """The trainer's initial state, or the checkpoint's when it holds exactly the same arrays.
-
-    When nothing was loaded, ``initial`` is untouched: a verification that wrote into it and
-    failed either gave way to a checkpoint that verified (which overwrote every byte) or ended
-    the run (NoVerifiedCheckpoint)."""
-    expected = specs(initial)
-    if loaded is None:
-        return initial
-    check_resumable(expected, loaded.manifest.tensors, where)
-    return loaded.tensors
+def resume_into(trainer: Trainer, host: HostState, loaded: Loaded, where: str) -> None:
+    """Hand a verified checkpoint to the trainer, once it is known to hold exactly its arrays
+    (host arrays that were read in place are the trainer's own memory: its copy is a no-op)."""
+    assert host.specs is not None
+    check_resumable(host.specs, loaded.manifest.tensors, where)
+    restore(trainer, host.live(loaded.tensors))
 
 
 def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFlag,
@@ -373,19 +415,28 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
     if cfg.force_weights is not None and not callable(force):
         raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
                          "(a teaching hook of the linear trainer)")
+    artifact_format = getattr(trainer, "artifact_format", "safetensors")
+    if artifact_format not in ARTIFACT_FORMATS:
+        raise UsageError(f"trainer {cfg.trainer!r}: artifact_format is {artifact_format!r}; "
+                         f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
     peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    initial = trainer.initial_state()
-    job = Job(cfg, pvc, log, trainer.data_sha256, peers, initial)
-    # Before any write: a checkpoint holding other arrays than this trainer's is refused.
-    start = _start_state(initial, job.loaded, job.store.rel(job.store.path(job.loaded.ref)) if job.loaded else "")
+    host = HostState()
+    initial = host.snapshot(trainer.state_dict(), 0)  # checks the state; host views of it
+    job = Job(cfg, pvc, log, trainer.data_sha256, peers)
+    job.read(into=initial)
+    # Before any write: a checkpoint holding other arrays than this trainer's, or a
+    # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
+    if job.loaded is not None and job.should_resume():
+        resume_into(trainer, host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
+    del initial  # the engine holds no reference to the state between checkpoints
     job.start()
     loaded = job.loaded if job.state == JobState.resumed else None
+    checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
+    job.loaded = loaded = None  # its arrays are the trainer's now (or were never used)
     if not peers.solo:
         peers.publish(lambda g: Session(
             generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
-            checkpoint=loaded.ref.name if loaded else None,
-            manifest_sha256=loaded.manifest_sha256 if loaded else None,
-            settings=cfg.settings(trainer.data_sha256)))
+            checkpoint=checkpoint, manifest_sha256=sha, settings=cfg.settings(trainer.data_sha256)))
     try:
         joined = peers.wait_joined()
         if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
@@ -396,26 +447,24 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
             peers.finish(job.state)
             return job.state
         peers.begin()
-        # ``start`` is the checkpoint's state when resuming from it, else the initial state; a
-        # checkpoint found but not resumed (a fresh attempt) must not leak into the new attempt.
-        state = start if loaded is job.loaded else trainer.initial_state()
 
-        def save(step: int, state: State, loss: int, force: bool) -> None:
-            job.checkpoint(step=step, state=state, loss_milli=loss, force=force)
+        def save(step: int, loss: int, force: bool) -> None:
+            arrays = host.snapshot(trainer.state_dict(), step)
+            job.checkpoint(step=step, state=arrays, specs=host.specs, loss_milli=loss, force=force)
 
-        def end(kind: str, step: int, state: State) -> str:
+        def end(kind: str, step: int) -> str:
             if kind == "die":
                 job.kill(at_step=step)
             elif kind == "stop":
                 job.kill(at_step=step, signal=stop.signal or peers.peer_signal())
             else:
                 if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
-                    state = force(state, cfg.force_weights)
-                job.gate(exported=trainer.export(state), holdout=trainer.evaluate(state),
+                    force(cfg.force_weights)
+                job.gate(exported=trainer.export(), format=artifact_format, holdout=trainer.evaluate(),
                          baseline=trainer.baseline())
             return job.state
 
-        final = train(cfg, trainer, peers, job.from_step, state, save, end, progress)
+        final = train(cfg, trainer, peers, job.from_step, save, end, progress)
     except BaseException as exc:
         peers.finish("error", f"{type(exc).__name__}: {exc}")
         raise
@@ -429,7 +478,7 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
     Returns the state rank 0 ended the launch in; this rank's exit code follows it.
     """
     peers = PvcFollower(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    store = CheckpointStore(pvc)
+    store = ShardWriter(pvc)
     settings, skip = cfg.settings(trainer.data_sha256), set()
     while True:
         session = peers.join(settings, skip)
@@ -441,27 +490,32 @@ def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int
             skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
 
 
-def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: CheckpointStore,
+def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: ShardWriter,
                        session: Session, rank: int) -> str:
-    initial = trainer.initial_state()
+    host = HostState()
+    initial = host.snapshot(trainer.state_dict(), 0)
     # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
     # before this rank's first shard: a checkpoint that fails here really is damaged.
-    loaded = (store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                         into=initial) if session.checkpoint else None)
-    state = _start_state(initial, loaded, session.checkpoint or "")
+    if session.checkpoint:
+        loaded = store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                            into=initial)
+        resume_into(trainer, host, loaded, session.checkpoint)
+        del loaded
+    del initial
 
-    def save(step: int, state: State, loss: int, force: bool) -> None:
+    def save(step: int, _loss: int, _force: bool) -> None:
+        arrays = host.snapshot(trainer.state_dict(), step)  # before the staging directory: bad input writes nothing
         ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
         staging = store.staging(ref, session.generation)
         peers.wait_staging(staging, step)
         try:
-            entry = store.write_shard(staging, rank, cfg.world_size, step, state)
+            entry = store.write_shard(staging, rank, cfg.world_size, step, arrays)
             store.write_receipt(staging, entry)
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise
 
-    def end(_kind: str, _step: int, _state: State) -> str:
+    def end(_kind: str, _step: int) -> str:
         return peers.wait_outcome().state
 
-    return train(cfg, trainer, peers, session.from_step, state, save, end)
+    return train(cfg, trainer, peers, session.from_step, save, end)

@@ -10,7 +10,7 @@ Layout of a PVC directory (all paths relative to it):
     checkpoint.json            pointer to the newest committed checkpoint (``.step`` and more)
     checkpoints/               one directory per committed checkpoint (see checkpoint/store.py)
     ranks/                     how ranks coordinate through the PVC (see ranks/peers.py)
-    artifacts/model-vN.json    the model published by attempt N
+    artifacts/model-vN.json    the model published by attempt N (.safetensors: any trainer but linear)
     log.jsonl                  the decision log, unless ``--log`` points elsewhere
 
 Every file write goes through ``atomic_write``, except the files of a checkpoint being built,

@@ -8,9 +8,9 @@ descent), so the gate has a real model to compare against. Only ``gen`` needs sc
 
 Trainer (``--trainer digits``): softmax regression trained by mini-batch SGD with momentum. One
 step is one epoch of mini-batches in an order drawn from the step number alone, so a step is a
-pure function of (state, step). The state is the model (``W``, ``b``) AND the momentum buffers
-(``vW``, ``vb``): drop the buffers from a checkpoint and a resumed run computes other weights
-(tests/trainers/test_digits.py shows it).
+pure function of (state, step). The state, kept on the trainer and updated in place, is the model
+(``W``, ``b``) AND the momentum buffers (``vW``, ``vb``): drop the buffers from ``state_dict`` and
+a resumed run computes other weights (tests/trainers/test_digits.py shows it).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from safetensors.numpy import save as st_save
 from .data import files_sha256, read_data_file
 from ..errors import InputError, UsageError
 from ..records import Score
-from .protocol import State
 
 FILES = ("train.safetensors", "holdout.safetensors", "baseline.safetensors")
 FEATURES, CLASSES = 64, 10
@@ -112,33 +111,38 @@ class DigitsTrainer:
         if self.base["W"].shape != (FEATURES, CLASSES) or self.base["b"].shape != (CLASSES,):
             raise InputError(f"{directory / FILES[2]}: expected W[64, 10] and b[10]")
         self.data_sha256 = files_sha256(raw, FILES)
+        self.W, self.b = np.zeros((FEATURES, CLASSES)), np.zeros(CLASSES)
+        self.vW, self.vb = np.zeros((FEATURES, CLASSES)), np.zeros(CLASSES)
 
-    def initial_state(self) -> State:
-        return {"W": np.zeros((FEATURES, CLASSES)), "b": np.zeros(CLASSES),
-                "vW": np.zeros((FEATURES, CLASSES)), "vb": np.zeros(CLASSES)}
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "b": self.b, "vW": self.vW, "vb": self.vb}
 
-    def step(self, state: State, step: int) -> tuple[State, float]:
-        W, b, vW, vb = (state[k].copy() for k in ("W", "b", "vW", "vb"))
+    def load_state_dict(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, live in self.state_dict().items():
+            live[...] = arrays[name]
+
+    def step(self, step: int) -> float:
+        W, b, vW, vb = self.W, self.b, self.vW, self.vb
         order = np.random.default_rng([SEED, step]).permutation(len(self.y))
         losses = []
         for i in range(0, len(order), BATCH):
             idx = order[i:i + BATCH]
             loss, gW, gb = loss_and_grads(W, b, self.x[idx], self.y[idx])
             losses.append(loss)
-            vW = MOMENTUM * vW - self.lr * gW
-            vb = MOMENTUM * vb - self.lr * gb
+            vW[...] = MOMENTUM * vW - self.lr * gW  # in place, the same arithmetic as a new array
+            vb[...] = MOMENTUM * vb - self.lr * gb
             W += vW
             b += vb
-        return {"W": W, "b": b, "vW": vW, "vb": vb}, float(np.mean(losses))
+        return float(np.mean(losses))
 
-    def evaluate(self, state: State) -> Score:
-        return accuracy(state["W"], state["b"], self.hx, self.hy)
+    def evaluate(self) -> Score:
+        return accuracy(self.W, self.b, self.hx, self.hy)
 
     def baseline(self) -> Score:
         return accuracy(self.base["W"], self.base["b"], self.hx, self.hy)
 
-    def export(self, state: State) -> State:
-        return {"W": state["W"], "b": state["b"]}  # the momentum buffers are not part of the model
+    def export(self) -> dict[str, np.ndarray]:
+        return {"W": self.W, "b": self.b}  # the momentum buffers are not part of the model
 
 
 def make(data: Path | None, lr: float) -> DigitsTrainer:

@@ -1,25 +1,33 @@
 """The Trainer protocol: the whole of what the engine knows about a model.
 
-A trainer is built by a *factory* ``factory(data: Path | None, lr: float) -> Trainer`` (a class or
-a function whose parameters are named ``data`` and ``lr``: it is checked before it is called, and
-called by those names; whatever else it raises is a usage error naming it) and then driven by the
-engine, on every rank alike:
+A trainer is a *Stateful* object, as torch.distributed.checkpoint calls one: it keeps its own
+state (model AND optimizer) and hands it out only when asked. It is built by a *factory*
+``factory(data: Path | None, lr: float) -> Trainer`` (a class or a function whose parameters are
+named ``data`` and ``lr``: it is checked before it is called, and called by those names; whatever
+else it raises is a usage error naming it) and driven by the engine, on every rank alike:
 
-    state = trainer.initial_state()           # named arrays: model AND optimizer state
-    state, loss = trainer.step(state, step)    # one step (numbered from 1); mean loss, a float >= 0
-    trainer.evaluate(state)                    # Score on the holdout set
-    trainer.baseline()                         # Score of the frozen reference model
-    trainer.export(state)                      # the arrays to publish (usually without optimizer state)
-    trainer.data_sha256                        # a resume refuses to continue on other data
+    trainer.state_dict()            # the live state: named numpy arrays or torch tensors (any device)
+    trainer.load_state_dict(arrays) # at a resume only: copy a checkpoint's arrays into the live state
+    loss = trainer.step(step)       # one step (numbered from 1) in place; mean loss, a float >= 0
+    trainer.evaluate()              # Score on the holdout set
+    trainer.baseline()              # Score of the frozen reference model
+    trainer.export()                # the arrays to publish (usually without optimizer state)
+    trainer.data_sha256             # a resume refuses to continue on other data
 
-The state is a ``dict[str, np.ndarray]``: every array the next step depends on, or a kill changes
-the result. Everything the engine checkpoints is in it; the scalars it keeps itself are the step
-and the loss, so a step must be a pure function of ``(state, step)`` (derive shuffles from the step
-number, never from a generator that lives outside the state). A trainer's own scalars go in as
-arrays of shape ``(1,)``. Each array is split across ranks along its first axis (checkpoint/plan.py).
+The engine reads ``state_dict()`` only when a checkpoint is due (and once at the start, to learn
+its shape), writes it and lets go: it never keeps a copy between checkpoints. Everything a kill
+must not lose is in it; the scalars the engine keeps itself are the step and the loss, so a step
+must be a pure function of (the state, the step number): derive shuffles from the step number,
+never from a generator that lives outside the state. A trainer's own scalars go in as arrays of
+shape ``(1,)``. Each array is split across ranks along its first axis (checkpoint/plan.py).
 
-Optional capability: ``force_weights(state, values) -> state`` (the linear trainer's teaching hook
-behind ``--force-weights``). Trainers without it refuse that flag.
+``load_state_dict`` receives the types ``state_dict`` handed out (a torch tensor for a tensor, on
+the CPU), already checked against the manifest: the same names, shapes and dtypes.
+
+Optional capabilities: ``force_weights(values)`` (the linear trainer's teaching hook behind
+``--force-weights``; trainers without it refuse that flag), and ``artifact_format = "json"``
+(publish ``model-vN.json`` as the lab does, for a model of a few float64 numbers; the default is
+``model-vN.safetensors``).
 
 This module loads trainers and checks what they return; it does no training and no I/O.
 """
@@ -38,10 +46,10 @@ from ..errors import InputError, TrainJobError, UsageError
 from ..records import Score, TensorSpec, is_sha256_hex
 from ..tensors import tensor_specs
 
-State = dict[str, np.ndarray]
+State = Mapping[str, Any]  # name -> numpy array or torch tensor
 
 BUILTIN = {"linear": "trainjob.trainers.linear:make", "digits": "trainjob.trainers.digits:make"}
-METHODS = ("initial_state", "step", "evaluate", "baseline", "export")
+METHODS = ("state_dict", "load_state_dict", "step", "evaluate", "baseline", "export")
 
 
 class Trainer(Protocol):
@@ -49,15 +57,17 @@ class Trainer(Protocol):
 
     data_sha256: str
 
-    def initial_state(self) -> State: ...
+    def state_dict(self) -> State: ...
 
-    def step(self, state: State, step: int) -> tuple[State, float]: ...
+    def load_state_dict(self, arrays: State) -> None: ...
 
-    def evaluate(self, state: State) -> Score: ...
+    def step(self, step: int) -> float: ...
+
+    def evaluate(self) -> Score: ...
 
     def baseline(self) -> Score: ...
 
-    def export(self, state: State) -> State: ...
+    def export(self) -> State: ...
 
 
 Factory = Callable[[Path | None, float], Trainer]
@@ -108,18 +118,6 @@ def build(spec: str, data: Path | None, lr: float) -> Trainer:
     return trainer
 
 
-def specs(state: Mapping[str, np.ndarray]) -> tuple[TensorSpec, ...]:
-    """The state's arrays as the manifest describes them, checking each can be checkpointed."""
-    for name, array in state.items():
-        if not isinstance(array, np.ndarray) or array.ndim < 1:
-            raise UsageError(f"trainer state {name!r}: expected a numpy array with at least one axis "
-                             f"(store a scalar as shape (1,)), got {type(array).__name__}")
-    try:
-        return tensor_specs(state)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise UsageError(f"trainer state: cannot be checkpointed: {exc}") from None
-
-
 def check_resumable(expected: tuple[TensorSpec, ...], found: tuple[TensorSpec, ...], where: str) -> None:
     """A checkpoint resumes only into a trainer whose initial state has exactly its arrays."""
     if expected != found:
@@ -134,3 +132,13 @@ def check_loss(loss: float, step: int) -> float:
         raise UsageError(f"step {step}: the trainer's loss is {loss!r}, not a finite number >= 0 "
                          "(training diverged: lower --lr)")
     return float(loss)
+
+
+def restore(trainer: Trainer, arrays: State) -> None:
+    """Hand a verified checkpoint to the trainer; its failure is bad input (exit 2), not a bug."""
+    try:
+        trainer.load_state_dict(arrays)
+    except Exception as exc:  # whatever the trainer's own code raises, said in one line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UsageError(f"load_state_dict raised {type(exc).__name__}: {first}; it must accept the "
+                         "arrays its own state_dict() returns (same names, shapes, dtypes)") from None

@@ -1,24 +1,26 @@
-"""PyTorch adapter: a module's and an optimizer's ``state_dict`` <-> trainjob's named arrays.
+"""PyTorch adapter: a module's and an optimizer's live tensors as one trainjob state, and back.
 
-Needs the optional ``torch`` extra. Checkpoints stay safetensors shards: tensors are copied to
-numpy arrays here, and nothing is ever pickled (``torch.save`` is never called).
+Needs the optional ``torch`` extra. ``state_dict`` hands out the live tensors themselves (no copy,
+any device): trainjob reads them only when a checkpoint is due and writes them into safetensors
+shards from host memory (checkpoint/snapshot.py copies device tensors once, into reusable
+buffers). ``load_state_dict`` copies a checkpoint's tensors into the live ones in place, so the
+module and optimizer keep their tensors (and anything that holds them). Nothing is pickled.
 
 Names: ``model.<state_dict key>`` for the module and ``optim.<param index>.<key>`` for the
-optimizer's per-parameter state (for SGD with momentum, ``optim.3.momentum_buffer``). A 0-d
-tensor (Adam's ``step``) is stored with shape ``(1,)``; shapes are restored from the live
-module and optimizer, so loading needs them built exactly as when the state was taken.
-``param_groups`` (lr, momentum, ...) are settings, not state: the trainer rebuilds them.
+optimizer's per-parameter state (for SGD with momentum, ``optim.3.momentum_buffer``), indexed as
+``optimizer.state_dict()`` indexes parameters. A 0-d tensor (Adam's ``step``) is handed out as a
+shape-``(1,)`` view of itself. ``param_groups`` (lr, momentum, ...) are settings, not state: the
+trainer rebuilds them.
 
 torch creates optimizer state lazily at the first step, but trainjob checkpoints the *initial*
-state too, so the arrays must exist from step 0: ``materialize_sgd`` gives SGD zero momentum
+state too, so the tensors must exist from step 0: ``materialize_sgd`` gives SGD zero momentum
 buffers, which is exactly what torch's lazy first step computes when dampening is 0.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 try:
     import torch
@@ -28,36 +30,30 @@ except ImportError as exc:  # a user trainer importing this without the extra: s
 MODEL, OPTIM = "model.", "optim."
 
 
-def to_arrays(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, np.ndarray]:
-    """Copies of every tensor in the module's and the optimizer's state, as named numpy arrays."""
-    out = {MODEL + k: _array(v) for k, v in module.state_dict().items()}
+def state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """The live tensors of the module's and the optimizer's state, by name (views, never copies)."""
+    out = {MODEL + k: _axis(v) for k, v in module.state_dict().items()}
     if optimizer is not None:
-        for index, per_param in optimizer.state_dict()["state"].items():
-            for key, value in per_param.items():
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, p in enumerate(params):
+            for key, value in optimizer.state.get(p, {}).items():
                 if not isinstance(value, torch.Tensor):
                     raise TypeError(f"optimizer state {index}.{key} is {type(value).__name__}, not a tensor")
-                out[f"{OPTIM}{index}.{key}"] = _array(value)
+                out[f"{OPTIM}{index}.{key}"] = _axis(value)
     return out
 
 
-def from_arrays(arrays: dict[str, np.ndarray], module: torch.nn.Module,
-                optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load ``arrays`` (from ``to_arrays``) into the module and the optimizer, strictly."""
-    live = module.state_dict()
-    module.load_state_dict({k: _tensor(arrays[MODEL + k], v) for k, v in live.items()}, strict=True)
-    if optimizer is None:
-        return
-    sd = optimizer.state_dict()
-    state: dict[int, dict[str, Any]] = {}
-    for name, array in arrays.items():
-        if name.startswith(OPTIM):
-            index, key = name[len(OPTIM):].split(".", 1)
-            template = sd["state"].get(int(index), {}).get(key)
-            state.setdefault(int(index), {})[key] = _tensor(array, template)
-    extra = set(arrays) - {MODEL + k for k in live} - {f"{OPTIM}{i}.{k}" for i, d in state.items() for k in d}
-    if extra:
-        raise KeyError(f"arrays the module and optimizer do not have: {sorted(extra)}")
-    optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+def load_state_dict(arrays: Mapping[str, Any], module: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Copy ``arrays`` (tensors or numpy arrays named as ``state_dict`` names them) into the live
+    tensors, in place; KeyError naming what is missing or extra."""
+    live = state_dict(module, optimizer)
+    if set(arrays) != set(live):
+        missing, extra = sorted(set(live) - set(arrays)), sorted(set(arrays) - set(live))
+        raise KeyError(f"arrays do not match the module and optimizer: missing {missing}, extra {extra}")
+    with torch.no_grad():
+        for name, t in live.items():
+            t.copy_(torch.as_tensor(arrays[name]).reshape(t.shape))
 
 
 def materialize_sgd(optimizer: torch.optim.SGD) -> None:
@@ -69,11 +65,5 @@ def materialize_sgd(optimizer: torch.optim.SGD) -> None:
             optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p, memory_format=torch.preserve_format))
 
 
-def _array(t: torch.Tensor) -> np.ndarray:
-    a = t.detach().cpu().numpy().copy()
-    return a.reshape(1) if a.ndim == 0 else a
-
-
-def _tensor(array: np.ndarray, template: torch.Tensor | None) -> torch.Tensor:
-    t = torch.from_numpy(np.array(array, copy=True))
-    return t.reshape(template.shape).to(template.dtype) if template is not None else t
+def _axis(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(1) if t.dim() == 0 else t.detach()

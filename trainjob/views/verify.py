@@ -20,6 +20,7 @@ import attrs
 from ..checkpoint import plan
 from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
 from ..engine import decisions
+from ..engine.job import artifact_names
 from ..engine.machine import parse_detail
 from ..errors import ArtifactUnverified, InputError
 from ..storage.eventlog import EventLog, read_log
@@ -150,8 +151,10 @@ def completed_job(pvc: Pvc, log_path: Path) -> Completion | None:
                                           EventLog(log_path).last_event() == "completed"):
         return None
     assert last is not None  # completion_announced needs a state
-    rel = f"artifacts/model-v{last.attempt}.json"
-    item = _check_artifact(pvc, rel, _logged_artifacts(log_path).get(rel))
+    logged = _logged_artifacts(log_path)
+    names = [f"artifacts/{name}" for name in artifact_names(last.attempt)]  # json for the lab's model
+    rel = next((r for r in names if r in logged), names[0])
+    item = _check_artifact(pvc, rel, logged.get(rel))
     if item.verdict != "ok":
         raise ArtifactUnverified(
             f"{pvc.root}: the job completed (attempt {last.attempt}) but {rel} is {item.verdict}: {item.detail}; "

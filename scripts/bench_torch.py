@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""The torch side of scripts/bench.py's trainer section: one model, trained by trainjob and bare.
+
+The model: one ``Linear(DIM, DIM)`` (``BENCH_TORCH_DIM``, default 4096: a 64 MiB weight) trained by
+SGD with momentum (a second 64 MiB), batch 64 of synthetic data drawn from the step number, one
+thread. The state is the weight, the bias and their momentum buffers: 128 MiB at the default.
+
+    PYTHONPATH=scripts trainjob run --pvc P --trainer bench_torch:make      # trainjob drives it
+    python scripts/bench_torch.py bare STEPS EVERY DIR                       # the same loop, bare
+    python scripts/bench_torch.py peers DIR REPEAT                           # save/load peers, one state
+
+``bare`` trains STEPS steps and, when EVERY > 0, saves model and optimizer with ``torch.save`` and
+fsyncs every EVERY steps and the model once at the end (what a user writes without trainjob).
+``peers`` saves and loads the same live state with trainjob (what a checkpoint and a resume do:
+shard write, commit; verified read into the live tensors), torch.distributed.checkpoint and
+torch.save/torch.load, interleaved, and prints the seconds of each as JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from bench import fsync_path
+from trainjob import Score
+from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+
+DIM = int(os.environ.get("BENCH_TORCH_DIM", "4096"))
+BATCH = 64
+
+
+class BigTorch:
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        self.net = torch.nn.Linear(DIM, DIM)
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=1e-3, momentum=0.9)
+        materialize_sgd(self.opt)
+        self.data_sha256 = hashlib.sha256(f"bench-torch-{DIM}".encode()).hexdigest()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return state_dict(self.net, self.opt)
+
+    def load_state_dict(self, arrays) -> None:
+        load_state_dict(arrays, self.net, self.opt)
+
+    def step(self, step: int) -> float:
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH, DIM, generator=g)
+        self.opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(self.net(x), x)
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+    def evaluate(self) -> Score:
+        return Score(correct=1, total=1)
+
+    def baseline(self) -> Score:
+        return Score(correct=1, total=1)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.state_dict().items() if k.startswith("model.")}
+
+
+def make(data: object, lr: float) -> BigTorch:
+    return BigTorch()
+
+
+def bare(steps: int, every: int, directory: Path) -> None:
+    """The loop a user writes without trainjob; torch.save + fsync every ``every`` steps."""
+    model = BigTorch()
+    for step in range(1, steps + 1):
+        model.step(step)
+        if every and (step % every == 0 or step == steps):
+            path = directory / f"ckpt-{step}.pt"
+            torch.save({"model": model.net.state_dict(), "optim": model.opt.state_dict()}, path)
+            fsync_path(path)
+            fsync_path(directory)
+    if every:
+        torch.save(model.net.state_dict(), directory / "model.pt")
+        fsync_path(directory / "model.pt")
+
+
+def peers(directory: Path, repeat: int) -> dict[str, list[float]]:
+    """Save and load one live state with each contender, interleaved, ``repeat`` times."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainjob.checkpoint.plan import Ref
+    from trainjob.checkpoint.snapshot import HostState
+    from trainjob.checkpoint.store import Committer
+    from trainjob.records import MANIFEST_SCHEMA, Manifest
+    from trainjob.storage.pvc import Pvc
+    from trainjob.trainers.protocol import restore
+
+    warnings.simplefilter("ignore")  # DCP warns that no process group is initialised: one process is the point
+    model = BigTorch()
+    model.step(1)
+    live = model.state_dict()
+    times: dict[str, list[float]] = {}
+
+    def clock(name: str, fn) -> None:
+        t0 = time.perf_counter()
+        fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+
+    for rep in range(repeat):
+        root = directory / f"rep{rep}"
+        pvc = Pvc(root / "trainjob")
+        pvc.create()
+        store, ref, host = Committer(pvc), Ref(attempt=1, step=rep + 1, world_size=1), HostState()
+
+        def trainjob_save() -> None:  # what persist_checkpoint does at W=1, minus the pointer and log
+            arrays = host.snapshot(model.state_dict(), ref.step)
+            staging = store.create_staging(ref, 1)
+            entry = store.write_shard(staging, 0, 1, ref.step, arrays)
+            store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=1, world_size=1,
+                                                loss_milli=0, tensors=host.specs, shards=[entry]))
+
+        def trainjob_load() -> None:  # what a resume does: verified read into the live tensors, then restore
+            into = HostState().snapshot(model.state_dict(), 0)
+            loaded = store.load(ref, into=into)
+            restore(model, host.live(loaded.tensors))
+
+        torch_path = root / "state.pt"
+
+        def torch_save() -> None:
+            torch.save(live, torch_path)
+            fsync_path(torch_path)
+            fsync_path(root)
+
+        def torch_load() -> None:
+            model.load_state_dict(torch.load(torch_path, weights_only=True))
+
+        order = [("trainjob", trainjob_save, trainjob_load), ("dcp", lambda: dcp.save(live, checkpoint_id=root / "dcp"),
+                                                               lambda: dcp.load(live, checkpoint_id=root / "dcp")),
+                 ("torch", torch_save, torch_load)]
+        order = order[rep % 3:] + order[:rep % 3]  # each contender first in turn
+        for name, save, _ in order:
+            clock(f"save {name}", save)
+        for name, _, load in order:
+            clock(f"load {name}", load)
+        shutil.rmtree(root)
+    times["state_bytes"] = [float(sum(t.numel() * t.element_size() for t in live.values()))]
+    return times
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "bare":
+        bare(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    elif mode == "peers":
+        print(json.dumps(peers(Path(sys.argv[2]), int(sys.argv[3]))))
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

@@ -1,0 +1,93 @@
+"""Snapshots of a live state into host arrays (checkpoint/snapshot.py): no copy of what is already
+on the host, one reusable buffer for what is not, bfloat16 bit for bit, and one-line refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from trainjob.checkpoint import shards
+from trainjob.checkpoint.plan import plan_shards
+from trainjob.checkpoint.snapshot import HostState, specs_of
+from trainjob.errors import UsageError
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool]
+
+
+def test_numpy_arrays_and_cpu_tensors_are_written_from_their_own_memory():
+    w, t = np.arange(6.0).reshape(2, 3), torch.arange(4, dtype=torch.float32)
+    host = HostState()
+    out = host.snapshot({"w": w, "t": t}, 0)
+    assert out["w"] is w  # no copy
+    assert out["t"].ctypes.data == t.data_ptr() and not host.buffers  # a view of the tensor itself
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_copying_snapshot_reuses_one_buffer_per_tensor(device):
+    t = torch.arange(8, dtype=torch.float32, device=device)
+    host = HostState(copy=True)
+    first = host.snapshot({"t": t}, 1)["t"]
+    t += 1  # the trainer steps on: the snapshot keeps the bytes it took
+    assert first.tolist() == list(range(8))
+    second = host.snapshot({"t": t}, 2)["t"]
+    assert second is first and second.tolist() == list(range(1, 9))  # the same buffer, refilled
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips_through_a_shard_bit_for_bit(tmp_path, device, dtype):
+    torch.manual_seed(0)
+    source = (torch.randn(5, 3) * 100).to(dtype).to(device)
+    host = HostState()
+    arrays = host.snapshot({"t": source}, 1)
+    (holds,) = plan_shards(host.specs, 1)
+    path = tmp_path / "shard.safetensors"
+    path.write_bytes(b"".join(bytes(c) for c in shards.encode(arrays, {})))
+    back = {"t": np.empty((5, 3), dtype=shards.np_dtype(host.specs[0].dtype))}
+    assert shards.read_verified(path, holds, back) is None
+    restored = host.live(back)["t"]
+    assert restored.dtype == dtype and restored.device.type == "cpu"
+    as_bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
+    if dtype is torch.bool:
+        assert torch.equal(restored, source.cpu())
+    else:
+        assert torch.equal(restored.view(as_bits), source.cpu().view(as_bits))  # bits, NaN and -0.0 included
+    if dtype is torch.bfloat16:  # and what other readers see: safetensors' own loader agrees
+        from safetensors.torch import load_file
+        assert torch.equal(load_file(path)["t"].view(torch.int16), source.cpu().view(torch.int16))
+
+
+W = torch.zeros(4, 3)
+
+
+@pytest.mark.parametrize("value, says", [
+    ([1.0, 2.0], "expected a numpy array or a torch tensor, got list"),
+    (torch.tensor(1.0), "a 0-d tensor; return it as .reshape(1)"),
+    (np.float64(1.0), "expected a numpy array or a torch tensor"),
+    (np.zeros((4, 3)).T, "a non-contiguous array"),
+    (W.t(), "a non-contiguous tensor"),
+    (W.to_sparse(), "a sparse tensor"),
+    (torch.zeros(2, dtype=torch.complex64), "dtype torch.complex64 cannot be stored in a shard"),
+])
+def test_a_value_that_cannot_be_checkpointed_is_refused_naming_it(value, says):
+    with pytest.raises(UsageError, match="state_dict\\(\\)\\['w'\\]") as info:
+        specs_of({"w": value})
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("later, says", [
+    ({"w": W, "extra": W}, "names changed (new extra)"),
+    ({"v": W}, "names changed (missing w; new v)"),
+    ({"w": W.reshape(-1)}, "state_dict()['w'] is now F32[12], was F32[4, 3]"),
+    ({"w": W.double()}, "state_dict()['w'] is now F64[4, 3], was F32[4, 3]"),
+])
+def test_a_state_that_changes_between_checkpoints_is_refused_naming_the_array(later, says):
+    host = HostState()
+    host.snapshot({"w": W}, 0)
+    with pytest.raises(UsageError) as info:
+        host.snapshot(later, 3)
+    assert str(info.value).startswith("step 3: ") and says in str(info.value)

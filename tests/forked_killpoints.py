@@ -1,0 +1,67 @@
+"""Kill ``trainjob run ARGS`` before every one of its I/O calls, each in a fork of one process.
+
+    python tests/forked_killpoints.py PVC_ROOT run ARGS...     (ARGS without --pvc)
+
+The same harness as tests/killpoint.py (SIGKILL just before the Nth write, fsync or rename), for
+trainers whose import is slow (torch): this process imports trainjob and the trainer's modules
+once, and every trial is a fork: a clean run to count the calls and keep its artifact, then for
+each N a run killed before call N and a relaunch. Nothing is computed here before a fork, so no
+thread pool is inherited. Prints one JSON object: the count and, per N, how the killed run ended,
+whether its log already said ``completed``, the relaunch's exit code and whether the artifacts
+are then the clean run's bytes.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from killpoint import arm
+from trainjob import cli
+
+root, argv = Path(sys.argv[1]), sys.argv[2:]
+for module in os.environ.get("TRAINJOB_PRELOAD", "").split(","):
+    if module:
+        __import__(module)  # the trainer's imports, paid once
+
+
+def forked(pvc: Path, kill_at: int | None) -> tuple[int, int]:
+    """Run the CLI on ``pvc`` in a child; (exit code or -signal, I/O calls made)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        real_write = os.write
+        counted = arm(-1 if kill_at is None else kill_at)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        code = 70
+        try:
+            code = cli.main([argv[0], "--pvc", str(pvc), *argv[1:]])
+        finally:
+            real_write(write, str(counted()).encode())
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    counted = os.read(read, 64)
+    os.close(read)
+    return os.waitstatus_to_exitcode(status), int(counted or b"-1")
+
+
+def artifacts(pvc: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((pvc / "artifacts").glob("*"))}
+
+
+code, count = forked(root / "clean", None)
+reference = artifacts(root / "clean")
+trials = []
+for n in range(count):
+    pvc = root / f"kill-{n:04d}"
+    killed, _ = forked(pvc, n)
+    log = pvc / "log.jsonl"
+    logged_completed = log.is_file() and '"event":"completed"' in log.read_text(errors="replace")
+    relaunch, _ = forked(pvc, None)
+    trials.append({"n": n, "killed": killed, "relaunch": relaunch, "logged_completed": logged_completed,
+                   "same_bytes": artifacts(pvc) == reference})
+print(json.dumps({"clean": code, "count": count, "artifacts": sorted(reference), "trials": trials}))

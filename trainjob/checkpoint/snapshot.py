@@ -1,0 +1,177 @@
+"""A trainer's live state as host arrays a shard can be written from, and back.
+
+A trainer's ``state_dict()`` hands out its live arrays: numpy arrays, or torch tensors on any
+device (float64/32/16, bfloat16, integers, bool). ``HostState.snapshot`` turns them into numpy
+arrays on the host without copying what is already there (a numpy array is itself; a CPU
+tensor is a view of its own memory, bfloat16 through ``ml_dtypes``), and copies what is on a
+device once into a host buffer it keeps for the next checkpoint (pinned when CUDA is present).
+``live`` turns host arrays read from a checkpoint back into the types the trainer handed out,
+for its ``load_state_dict``: a torch tensor viewing the host array, never a numpy round trip.
+
+It also holds the rules a state must keep between checkpoints (the same names, shapes and
+dtypes as at the first snapshot; dense, contiguous, at least one axis) and refuses a state that
+breaks one with a UsageError naming the array and what to change, before anything is written.
+
+torch is never imported here: a value is a tensor only if torch is already loaded (the trainer
+imported it). No I/O.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import shards
+from ..errors import UsageError
+from ..records import TensorSpec
+
+# torch dtype name -> safetensors code; the numpy side of each code is in shards.py.
+_TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_tensor(value: object) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _cpu_view(t: Any) -> np.ndarray:
+    """A numpy array sharing ``t``'s memory (``t`` on the CPU, dense, contiguous)."""
+    t = t.detach()
+    if str(t.dtype).removeprefix("torch.") == "bfloat16":  # numpy has no bfloat16: reinterpret the bits
+        return t.view(_torch().int16).numpy().view(shards.np_dtype("BF16"))
+    return t.numpy()
+
+
+def as_tensor(array: np.ndarray) -> Any:
+    """A CPU torch tensor viewing ``array``'s memory (bfloat16 included)."""
+    torch = _torch()
+    if array.dtype == shards.np_dtype("BF16"):
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _check(name: str, value: object) -> str:
+    """The safetensors dtype code of one state value; UsageError saying what to change."""
+    where = f"state_dict()[{name!r}]"
+    if is_tensor(value):
+        t: Any = value
+        if t.layout != _torch().strided:
+            raise UsageError(f"{where}: a sparse tensor ({t.layout}) cannot be checkpointed; "
+                             "return .to_dense() of it")
+        code = _TORCH_CODE.get(str(t.dtype).removeprefix("torch."))
+        if code is None:
+            raise UsageError(f"{where}: dtype {t.dtype} cannot be stored in a shard; "
+                             f"use one of {', '.join('torch.' + k for k in _TORCH_CODE)}")
+        if t.dim() < 1:
+            raise UsageError(f"{where}: a 0-d tensor; return it as .reshape(1) (a view, shape (1,))")
+        if not t.is_contiguous():
+            raise UsageError(f"{where}: a non-contiguous tensor (shape {list(t.shape)}, strides "
+                             f"{list(t.stride())}); keep the state in contiguous tensors (.contiguous())")
+        return code
+    if not isinstance(value, np.ndarray):
+        raise UsageError(f"{where}: expected a numpy array or a torch tensor, got {type(value).__name__}")
+    if value.ndim < 1:
+        raise UsageError(f"{where}: expected at least one axis (store a scalar as shape (1,))")
+    if not value.flags.c_contiguous:
+        raise UsageError(f"{where}: a non-contiguous array; keep the state in C-contiguous arrays "
+                         "(np.ascontiguousarray)")
+    try:
+        return shards.dtype_code(value)
+    except ValueError as exc:
+        raise UsageError(f"{where}: {exc}") from None
+
+
+def specs_of(state: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
+    """The state as the manifest describes it; UsageError for a value that cannot be checkpointed."""
+    if not isinstance(state, Mapping):
+        raise UsageError(f"state_dict() returned {type(state).__name__}, expected a mapping of names to arrays")
+    try:
+        return tuple(TensorSpec(name=n, dtype=_check(n, v), shape=tuple(v.shape)) for n, v in sorted(state.items()))
+    except (TypeError, ValueError) as exc:  # a name the manifest cannot hold
+        raise UsageError(f"state_dict(): cannot be checkpointed: {exc}") from None
+
+
+def _changes(first: tuple[TensorSpec, ...], now: tuple[TensorSpec, ...]) -> str:
+    """What differs between two descriptions of the state, for a one-line message."""
+    was, got = {t.name: t for t in first}, {t.name: t for t in now}
+    if set(was) != set(got):
+        gone, new = sorted(set(was) - set(got)), sorted(set(got) - set(was))
+        return (f"names changed ({'missing ' + ', '.join(gone) if gone else ''}"
+                f"{'; ' if gone and new else ''}{'new ' + ', '.join(new) if new else ''}); "
+                "return the same names at every checkpoint")
+    name = next(n for n in sorted(was) if was[n] != got[n])
+    return (f"state_dict()[{name!r}] is now {got[name].dtype}{list(got[name].shape)}, was "
+            f"{was[name].dtype}{list(was[name].shape)}; keep every array's shape and dtype")
+
+
+class HostState:
+    """The host side of one trainer's state: what the first snapshot looked like, which values
+    were torch tensors, and the reusable host buffers for those that live on a device.
+
+    ``copy=True`` copies even host-resident values into the buffers (a snapshot that must not
+    change while the trainer steps on, as an asynchronous save needs); the default copies only
+    what is not already in host memory.
+    """
+
+    def __init__(self, copy: bool = False) -> None:
+        self.copy = copy
+        self.specs: tuple[TensorSpec, ...] | None = None
+        self.tensors: set[str] = set()  # names whose live value is a torch tensor
+        self.buffers: dict[str, np.ndarray] = {}
+
+    def _buffer(self, name: str, spec: TensorSpec, like: Any) -> np.ndarray:
+        buf = self.buffers.get(name)
+        if buf is None:
+            dtype = shards.np_dtype(spec.dtype)
+            if is_tensor(like):
+                torch = _torch()
+                pinned = torch.cuda.is_available()  # page-locked: the device copies by DMA
+                host = torch.empty(spec.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+                buf = _cpu_view(host)
+            else:
+                buf = np.empty(spec.shape, dtype=dtype)
+            self.buffers[name] = buf
+        return buf
+
+    def snapshot(self, state: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
+        """Host arrays holding ``state`` (a trainer's ``state_dict()``) as it is now.
+
+        The first call fixes the names, shapes and dtypes; a later state that differs is a
+        UsageError naming the array (``step`` says when). Raises before anything is written."""
+        specs = specs_of(state)
+        if self.specs is None:
+            self.specs = specs
+            self.tensors = {n for n, v in state.items() if is_tensor(v)}
+        elif specs != self.specs:
+            raise UsageError(f"step {step}: {_changes(self.specs, specs)}")
+        out: dict[str, np.ndarray] = {}
+        device_copies = False
+        for spec in specs:
+            value = state[spec.name]
+            on_host = not is_tensor(value) or value.device.type == "cpu"
+            if on_host and not self.copy:
+                out[spec.name] = _cpu_view(value) if is_tensor(value) else value
+                continue
+            buf = self._buffer(spec.name, spec, value)
+            if is_tensor(value):
+                as_tensor(buf).copy_(value.detach(), non_blocking=not on_host)
+                device_copies = device_copies or not on_host
+            else:
+                np.copyto(buf, value)
+            out[spec.name] = buf
+        if device_copies:
+            _torch().cuda.synchronize()  # the non-blocking copies above must land before a write
+        return out
+
+    def live(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        """``arrays`` (host arrays read from a checkpoint) as the types the trainer's state holds:
+        a CPU tensor viewing the same memory where its value was a tensor, else the array."""
+        return {n: as_tensor(a) if n in self.tensors else a for n, a in arrays.items()}
