@@ -21,6 +21,8 @@ import pytest
 
 from conftest import ROOT, snapshot, trainjob
 
+pytestmark = pytest.mark.process  # every test here runs the CLI or torchrun in a subprocess
+
 MEMORY = 1 << 30  # address space of each child: far above a healthy run, far below the harm
 HELPERS = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests/helpers"), os.environ.get("PYTHONPATH", "")])}
 

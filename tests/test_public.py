@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [
     "__version__",
     "Factory", "Score", "State", "Trainer",
-    "AlreadyCompleted", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy", "RankTimeout",
+    "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
+    "RankTimeout",
     "Refused", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).

@@ -9,8 +9,8 @@ modules are public too, because ``import trainjob`` must not need their extras:
 """
 
 from .defaults import VERSION as __version__
-from .errors import (AlreadyCompleted, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed, PvcBusy, RankTimeout,
-                     Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
+from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
+                     PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
 from .records import Score
 from .trainers.protocol import Factory, State, Trainer
 
@@ -23,6 +23,7 @@ __all__ = [
     "Trainer",
     # The errors, one tree (errors.py draws it); cli.py maps its two bases to exit codes 2 and 75.
     "AlreadyCompleted",
+    "ArtifactUnverified",
     "InputError",
     "NoSpace",
     "NoVerifiedCheckpoint",

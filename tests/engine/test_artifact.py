@@ -28,6 +28,7 @@ def logged(pvc) -> dict[str, str]:
     return dict(part.split("=", 1) for part in detail.split())
 
 
+@pytest.mark.process
 def test_a_trainer_other_than_the_lab_model_publishes_safetensors_hashed_as_written(tmp_path):
     pvc = tmp_path / "pvc"
     assert run(pvc, "--trainer", "minimal_trainer:make").returncode == 0
@@ -45,6 +46,7 @@ def test_a_trainer_other_than_the_lab_model_publishes_safetensors_hashed_as_writ
     assert "corrupt" in trainjob("verify", "--pvc", pvc).stdout
 
 
+@pytest.mark.process
 def test_a_completion_cut_short_before_its_log_lines_re_announces_the_safetensors_artifact(tmp_path):
     pvc = tmp_path / "pvc"
     assert run(pvc, "--trainer", "minimal_trainer:make").returncode == 0
@@ -57,6 +59,7 @@ def test_a_completion_cut_short_before_its_log_lines_re_announces_the_safetensor
     assert events(log)[-1] == ("completed", "holdout: 98/100 vs baseline 89/100")
 
 
+@pytest.mark.process
 def test_a_bfloat16_model_is_published_bit_for_bit(tmp_path):
     torch = pytest.importorskip("torch")
     from safetensors.torch import load_file
@@ -71,6 +74,7 @@ def test_a_bfloat16_model_is_published_bit_for_bit(tmp_path):
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor.view(torch.int16), final[name].view(torch.int16))
 
 
+@pytest.mark.process
 def test_an_unknown_artifact_format_is_a_one_line_usage_error(tmp_path):
     helper = tmp_path / "odd_format.py"
     helper.write_text("from trainjob.trainers.linear import make as linear\n\n"

@@ -293,6 +293,7 @@ def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(t
     assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=0 signal=SIGTERM@rank1")
 
 
+@pytest.mark.process
 def test_a_sigterm_after_rank_0_completed_leaves_the_launch_completed(tmp_path, short_reference):
     # tests/latesignal.py signals the launcher just after a rank exited 0, which a rank does only
     # once rank 0 has logged `completed`: the launch reports what happened, not the signal.
@@ -305,6 +306,7 @@ def test_a_sigterm_after_rank_0_completed_leaves_the_launch_completed(tmp_path, 
     assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
 
 
+@pytest.mark.process
 def test_each_rank_relaunched_after_its_launch_completed_exits_0_at_once(tmp_path):
     """An Indexed Job recreates one index (its pod was evicted after the launch completed): that
     rank must exit 0 on its own, not wait for a rank 0 that will never lead another launch."""

@@ -69,6 +69,7 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     assert result["machine"]["cores"] >= 1 and result["state_bytes"] == 16 << 20
 
 
+@pytest.mark.process
 def test_the_trainer_section_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     import pytest
     pytest.importorskip("torch", reason="the trainer section needs torch")

@@ -24,6 +24,8 @@ pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not in
 
 from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict  # noqa: E402
 
+pytestmark = pytest.mark.process  # every test here runs the CLI or torchrun in a subprocess
+
 FLAGS = ("--trainer", "torch_digits:make", "--steps", "8", "--ckpt-every", "1", "--keep", "2",
          "--rank-timeout", "20")
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "examples"), "OMP_NUM_THREADS": "1"}
@@ -82,7 +84,6 @@ def arrays(pvc: Path):
     return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
-@pytest.mark.process
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path):
     data = tmp_path / "data"
     assert trainjob("gen", "--dataset", "digits", data).returncode == 0
