@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from ..records import PLAIN_NAME, Manifest, TensorSlice, TensorSpec
+from ..tensors import np_dtype
 
 MANIFEST = "manifest.json"
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
@@ -165,9 +166,9 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
 
 
 def slice_bytes(s: TensorSlice) -> int:
-    """The bytes a slice's data takes in a shard (its header aside). A safetensors dtype code
-    names its width in bits (F64, I8, U8), BOOL is one byte."""
-    return (1 if s.dtype == "BOOL" else int(s.dtype[1:]) // 8) * math.prod(s.shape)
+    """The bytes a slice's data takes in a shard (its header aside), from the one dtype table
+    (a code's digits are not always its width alone: BF16)."""
+    return np_dtype(s.dtype).itemsize * math.prod(s.shape)
 
 
 # --- which checkpoint to resume from -----------------------------------------------------------
