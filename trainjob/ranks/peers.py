@@ -89,6 +89,7 @@ class PvcPeers:
         return self.world_size == 1
 
     def gen_dir(self, generation: int | None = None) -> Path:
+        """Where a generation's notes live (this rank's generation by default)."""
         return self.root / f"g{self.generation if generation is None else generation:08d}"
 
     def _note_path(self, kind: str, rank: int, generation: int | None = None) -> Path:
@@ -99,15 +100,15 @@ class PvcPeers:
         # for a generation rank 0 has removed fails here instead of leaving litter behind.
         atomic_write(path, (dumps(record) + "\n").encode())
 
-    def read_session(self) -> Session | None:
+    def _read_session(self) -> Session | None:
         return self.pvc.read_record(self.session_path, Session)
 
     def poll(self) -> None:
         """(all ranks) Run during every wait: pass on a stop."""
-        if self.stopping_note is None and (self.stop_signal() or self.peer_stopping()):
-            self.note_stop()
+        if self.stopping_note is None and (self.stop_signal() or self._peer_stopping()):
+            self._note_stop()
 
-    def peer_stopping(self) -> bool:
+    def _peer_stopping(self) -> bool:
         return not self.solo and any(p.name.startswith("stop-") for p in self._listdir())
 
     def _listdir(self) -> list[Path]:
@@ -116,20 +117,20 @@ class PvcPeers:
         except FileNotFoundError:
             return []
 
-    def note_stop(self) -> None:
+    def _note_stop(self) -> None:
         self.stopping_note = RankNote(rank=self.rank, step=self.step, signal=self.stop_signal() or "")
         if not self.solo:
             self._write(self._note_path("stop", self.rank), self.stopping_note)
 
     def stop_wanted(self) -> bool:
         """(all ranks, after each step) Did a signal reach this rank, or did any rank note a stop?"""
-        return self.stopping_note is not None or bool(self.stop_signal()) or self.peer_stopping()
+        return self.stopping_note is not None or bool(self.stop_signal()) or self._peer_stopping()
 
     def agree_stop(self) -> int:
         """(all ranks, once a stop is wanted) The step every rank stops after: the largest step any
         rank had reached when it noted the stop."""
         if self.stopping_note is None:
-            self.note_stop()
+            self._note_stop()
         if self.solo:
             return self.step
         notes = wait_for(self._all_stop_notes, self.timeout, lambda: "every rank to note the stop", self.poll)
@@ -151,7 +152,7 @@ class PvcCoordinator(PvcPeers):
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, first) Start a new generation; older ones are removed."""
-        last = self.read_session()
+        last = self._read_session()
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
         self.step = session.from_step
@@ -234,7 +235,7 @@ class PvcFollower(PvcPeers):
         seen: list[str] = []
 
         def joinable() -> Session | None:
-            s = self.read_session()
+            s = self._read_session()
             if s is None or s.generation in skip:
                 return None
             if self.read_outcome(s.generation) is not None or self.begun(s.generation):
@@ -288,7 +289,7 @@ class PvcFollower(PvcPeers):
     def check_current(self) -> None:
         """(ranks >= 1, during every wait and when a write fails) Superseded if rank 0 started a
         newer generation: this rank drops what it was doing and rejoins."""
-        s = self.read_session()
+        s = self._read_session()
         if s is None or s.generation != self.generation:
             raise Superseded(f"generation {self.generation} was superseded")
 
