@@ -85,6 +85,14 @@ class Piece:
     dest_row: int
     rows: int
 
+    @property
+    def src_rows(self) -> slice:
+        return slice(self.src_row, self.src_row + self.rows)
+
+    @property
+    def dest_rows(self) -> slice:
+        return slice(self.dest_row, self.dest_row + self.rows)
+
 
 def plan_reshard(source: Manifest, world_size: int) -> list[tuple[Piece, ...]]:
     """For each destination rank, the pieces of source shards that make up its new shard.

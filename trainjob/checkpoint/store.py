@@ -187,7 +187,7 @@ class CheckpointStore:
             return Verification(None, None, str(exc))
         if expect_sha256 is not None and sha != expect_sha256:
             return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
-                                          f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
+                                               f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
         reason = self.check_files(ref, manifest, full)
         return Verification(manifest, sha, reason, full if reason is None else None)

@@ -85,7 +85,7 @@ class Reshard(MachineModel):
         for rank, pieces in enumerate(layout.plan_reshard(src, n)):
             mine = {h.name: np.empty(h.shape, dtype=shards.np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
-                mine[p.tensor][p.dest_row:p.dest_row + p.rows] = parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
+                mine[p.tensor][p.dest_rows] = parts[p.src_rank][p.tensor][p.src_rows]
             entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine))
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,

@@ -63,8 +63,8 @@ class Story:
     verdicts: list[GateVerdict] = attrs.Factory(list)
 
 
-def _number(run: RunPath, step: Step, key: str) -> int:
-    value = (parse_detail(step.event, step.detail) or {}).get(key)
+def _number(run: RunPath, step: Step, fields: dict, key: str) -> int:
+    value = fields.get(key)
     if value is None:
         raise InputError(f"{run.log}:{step.line}: {step.event} detail has no {key}=<number>: {step.detail!r}")
     return value
@@ -76,16 +76,16 @@ def story(run: RunPath) -> Story:
     for s in run.steps:
         fields = parse_detail(s.event, s.detail) or {}
         if s.event == "job_started":
-            attempt, step = _number(run, s, "attempt"), 0
+            attempt, step = _number(run, s, fields, "attempt"), 0
         step = next((fields[k] for k in STEP_FIELDS if k in fields), step)
         if s.event == "checkpointed":
-            told.losses.setdefault(attempt, []).append((step, _number(run, s, "loss_milli")))
+            told.losses.setdefault(attempt, []).append((step, _number(run, s, fields, "loss_milli")))
             continue
         told.markers.append(Marker(s.line, s.event, attempt, step))
         if "holdout.correct" in fields:  # completed or drift_failed: the gate's verdict
             told.verdicts.append(GateVerdict(attempt, s.event, fields["holdout.correct"], fields["holdout.total"],
-                                         fields["baseline.correct"], fields["baseline.total"],
-                                         fields.get("max_drop")))
+                                             fields["baseline.correct"], fields["baseline.total"],
+                                             fields.get("max_drop")))
     return told
 
 
