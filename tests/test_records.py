@@ -82,3 +82,9 @@ def test_every_manifest_dtype_is_one_a_shard_can_be_loaded_as():
     assert structure({"name": "w", "dtype": "BF16", "shape": [2]}, TensorSpec, where="m").dtype == "BF16"  # ml_dtypes
     with pytest.raises(InputError, match="dtype"):  # safetensors has it, numpy cannot load it: refused, not a crash
         structure({"name": "w", "dtype": "F8_E4M3", "shape": [2]}, TensorSpec, where="manifest.json")
+
+
+def test_each_dtypes_width_is_numpys_itemsize():
+    from trainjob.records import DTYPE_BYTES, DTYPES
+    from trainjob.tensors import np_dtype
+    assert DTYPE_BYTES == {code: np_dtype(code).itemsize for code in DTYPES}

@@ -98,6 +98,9 @@ MANIFEST_SCHEMA = 1
 # load time.
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bfloat16", "I64": "<i8", "I32": "<i4",
           "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
+# Bytes per element of each, for the bounds a manifest is checked against without numpy
+# (`k8s render` imports those checks); tests/test_records.py pins it to numpy's itemsize.
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def _shape() -> Any:

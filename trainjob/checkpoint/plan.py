@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from ..records import PLAIN_NAME, Manifest, TensorSlice, TensorSpec
-from ..tensors import np_dtype
+from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, TensorSlice, TensorSpec
 
 MANIFEST = "manifest.json"
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
@@ -166,9 +165,9 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
 
 
 def slice_bytes(s: TensorSlice) -> int:
-    """The bytes a slice's data takes in a shard (its header aside), from the one dtype table
-    (a code's digits are not always its width alone: BF16)."""
-    return np_dtype(s.dtype).itemsize * math.prod(s.shape)
+    """The bytes a slice's data takes in a shard (its header aside). Widths come from
+    records.DTYPE_BYTES, not from a code's digits (BF16's are not its width alone)."""
+    return DTYPE_BYTES[s.dtype] * math.prod(s.shape)
 
 
 # --- which checkpoint to resume from -----------------------------------------------------------
