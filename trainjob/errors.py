@@ -13,6 +13,7 @@
         ├── NoSpace               the PVC (or a checkpoint about to be saved) is out of space
         ├── RankTimeout           a bounded wait for another rank ran out
         ├── PeerFailed            the coordinator (rank 0) stopped on error
+        ├── WriteTimeout          a background checkpoint write did not end in its bounded wait
         └── Superseded            a newer launch took over (a rank rejoins it; only escapes
                                   by mistake)
 
@@ -104,6 +105,11 @@ class RankTimeout(TryAgainLater):
 
 class PeerFailed(TryAgainLater):
     """Rank 0 ended this launch with an error; the other ranks stop too."""
+
+
+class WriteTimeout(TryAgainLater):
+    """A background (``--async-checkpoint``) write did not end within its bounded wait; the
+    previous checkpoint stands."""
 
 
 class Superseded(TryAgainLater):

@@ -1,0 +1,128 @@
+"""Asynchronous checkpoints: one write in flight, on a thread, behind reusable host staging buffers.
+
+``BackgroundSaver`` is the whole of it, for one rank. At a due step the training loop calls
+``hand_off``: the trainer's live state is copied into host staging buffers (``HostState`` with
+``copy=True``, buffers kept and reused at every checkpoint, so the memory cost is one copy of
+the state), and a thread runs the caller's ``write`` on that copy (write, hash, fsync, commit:
+whatever a synchronous save does) while the loop trains on. The copy is the only stall, unless
+the previous write is still running: then ``hand_off`` first waits for it (back-pressure: at
+most one checkpoint in flight, so the buffers are never overwritten under a write), and that wait
+is counted in ``stall_seconds`` too.
+
+The loop asks at each step boundary (``done``, then ``landed``): ``landed`` says the write ended
+well (``take`` then hands its result over and frees the slot), or re-raises the error it ended with (an ``OSError`` already translated to the
+errors tree by the store, e.g. ``NoSpace``): an error is kept until the loop has seen it, never
+dropped, and never raised on the writer thread alone (torch.distributed.checkpoint's async_save
+could lose one there). ``wait`` is the bounded join: ``TryAgainLater`` when the write did not end
+within its timeout, never a hang.
+
+Must not: touch the state machine (``transitions`` is not thread-safe: triggers are fired on the
+main thread by whoever calls ``landed``), log anything, or write a file itself (``write`` does,
+through the store). The writer thread never handles signals (Python runs handlers on the main
+thread), so a SIGTERM is the loop's to act on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ..errors import WriteTimeout
+from .snapshot import HostState
+
+T = TypeVar("T")
+Write = Callable[[dict[str, np.ndarray]], T]
+
+
+class BackgroundSaver(Generic[T]):
+    """One rank's asynchronous checkpoints: staging buffers, one writer thread at a time, its
+    outcome kept for the main thread. Every method is for the main thread."""
+
+    def __init__(self, timeout: float, name: str = "trainjob-checkpoint-writer") -> None:
+        self.host = HostState(copy=True)  # the staging buffers, reused by every checkpoint
+        self.timeout, self.name = timeout, name
+        self.step: int | None = None  # the step whose write is in flight (or ended, not yet landed)
+        self.stall_seconds = 0.0  # the loop's time in hand_off and wait: copies and back-pressure
+        self.copies = 0
+        self._thread: threading.Thread | None = None
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        """A write was handed off and its outcome not yet taken by ``landed``."""
+        return self.step is not None
+
+    def hand_off(self, state: Mapping[str, Any], step: int, write: Write[T]) -> None:
+        """Copy ``state`` (a trainer's ``state_dict()``) into the staging buffers and start
+        ``write`` on them in the background. The previous write must have landed (``landed``):
+        the table allows no second checkpoint in flight, so this is a caller's bug otherwise.
+        Raises what the snapshot raises (UsageError) before anything is started."""
+        if self.in_flight:
+            raise RuntimeError(f"checkpoint step {step} handed off while step {self.step} is in flight")
+        began = time.perf_counter()
+        arrays = self.host.snapshot(state, step)  # the stall: one copy of the state, into buffers kept
+        self.copies += 1
+        self._result, self._error, self.step = None, None, step
+
+        def run() -> None:
+            try:
+                self._result = write(arrays)
+            except BaseException as exc:  # kept for the main thread, which raises it at its boundary
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name=f"{self.name}-{step}", daemon=True)
+        self._thread.start()
+        self.stall_seconds += time.perf_counter() - began
+
+    def done(self) -> bool:
+        """Has the write in flight ended (well or not)? False when none is in flight. Cheap: the
+        loop asks after every step."""
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the write in flight ends (back-pressure, draining before the end of a run);
+        counted as stall. WriteTimeout after ``timeout`` seconds (default: the saver's)."""
+        if self._thread is None:
+            return
+        began = time.perf_counter()
+        limit = self.timeout if timeout is None else timeout
+        self._thread.join(limit)
+        self.stall_seconds += time.perf_counter() - began
+        if self._thread.is_alive():
+            raise WriteTimeout(f"the background write of checkpoint step {self.step} did not end within "
+                               f"{limit:g}s; relaunch (the previous checkpoint stands)")
+
+    def landed(self) -> bool:
+        """Did the write in flight end well? False while it runs (or when none is in flight).
+        Re-raises its error when it failed, and frees the slot: the error is reported exactly
+        once, on the main thread, at the boundary that asked."""
+        if not self.done():
+            return False
+        assert self._thread is not None
+        self._thread.join()  # already ended: makes its writes to _result/_error visible, in order
+        if self._error is not None:
+            error = self._error
+            self._thread, self._result, self._error, self.step = None, None, None, None
+            raise error
+        return True
+
+    def take(self) -> T:
+        """The result of the write that ``landed``; frees the slot for the next ``hand_off``."""
+        if not self.landed():
+            raise RuntimeError("take() before the write in flight landed")
+        result = self._result
+        self._thread, self._result, self.step = None, None, None
+        return result
+
+    def close(self, timeout: float) -> None:
+        """On the way out after an error elsewhere: give the write in flight up to ``timeout``
+        seconds to end, and drop its outcome (the error being raised is the one to report; a
+        write cut short leaves only a staging directory the next start removes)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._thread, self._result, self._error, self.step = None, None, None, None
