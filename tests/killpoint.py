@@ -13,20 +13,27 @@ decided and logged (an OOM kill or a lost node in the instant after ``completed`
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 
 
 def arm(target: int) -> Callable[[], int]:
     """SIGKILL this process just before its I/O call number ``target`` (never when negative);
-    returns a function that says how many calls were made so far."""
+    returns a function that says how many calls were made so far.
+
+    The wrappers replace the ``os`` functions themselves, so they see every thread's calls (an
+    --async-checkpoint writer thread's included); the lock makes each call count exactly once
+    when two threads make one at the same instant."""
     calls = 0
+    lock = threading.Lock()
 
     def deadly(real):
         def wrapper(*args, **kwargs):
             nonlocal calls
-            if calls == target:
-                os.kill(os.getpid(), signal.SIGKILL)
-            calls += 1
+            with lock:
+                if calls == target:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                calls += 1
             return real(*args, **kwargs)
 
         return wrapper

@@ -19,6 +19,7 @@ PUBLIC = [
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
     "RankTimeout",
     "Refused", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
+    "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
 PUBLIC_MODULES = {"trainjob", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}

@@ -10,7 +10,8 @@ modules are public too, because ``import trainjob`` must not need their extras:
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
-                     PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch)
+                     PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
+                     WriteTimeout)
 from .records import Score
 from .trainers.protocol import Factory, State, Trainer
 
@@ -36,4 +37,5 @@ __all__ = [
     "TryAgainLater",
     "UsageError",
     "WorldSizeMismatch",
+    "WriteTimeout",
 ]

@@ -64,7 +64,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 # one of these bases). A bare TrainJobError is unclassified: a bug, never an honest failure.
 EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
     Refused: EXIT_USAGE,           # UsageError, InputError and its kin: retrying cannot help
-    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, Superseded
+    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, WriteTimeout, Superseded
     TrainJobError: EXIT_INTERNAL,
 }
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this process's rank (default: $RANK, else $JOB_COMPLETION_INDEX); 0 coordinates")
     r.add_argument("--rank-timeout", type=float, default=d.rank_timeout,
                    help="seconds any wait for another rank may take before exiting 75")
+    r.add_argument("--async-checkpoint", action="store_true",
+                   help="write each checkpoint on a background thread while training goes on (one extra copy "
+                        "of the state in host memory; README: when to choose it)")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
                         "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
@@ -247,7 +250,8 @@ def _check_log(path: Path) -> None:
 def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
     return RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
                      backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights,
-                     keep=args.keep, world_size=world_size, rank_timeout=args.rank_timeout, trainer=args.trainer)
+                     keep=args.keep, world_size=world_size, rank_timeout=args.rank_timeout, trainer=args.trainer,
+                     async_checkpoint=args.async_checkpoint)
 
 
 def _log_path(args: argparse.Namespace) -> Path:

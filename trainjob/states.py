@@ -20,6 +20,7 @@ class State(enum.StrEnum):
     started = "started"
     resumed = "resumed"
     checkpointed = "checkpointed"
+    snapshotted = "snapshotted"
     killed = "killed"
     drift_failed = "drift_failed"
     job_failed = "job_failed"

@@ -70,18 +70,33 @@ def reference(tmp_path_factory) -> bytes:
     return (pvc / "artifacts" / "model-v1.json").read_bytes()
 
 
-def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference):
-    total = io_calls("run", "--pvc", tmp_path / "count", *FLAGS)
+ASYNC = ["--async-checkpoint"]
+
+
+def test_the_kill_harness_counts_the_background_writers_io_calls(tmp_path):
+    """Without this, an async run's kill points would skip every write, fsync and rename the
+    writer thread makes: the async run makes exactly the synchronous run's calls, plus one log
+    append (a write and an fsync) for each `snapshotted` (steps 2 and 3)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        sync, asynchronous = pool.map(lambda mode: io_calls("run", "--pvc", tmp_path / mode[0], *FLAGS, *mode[1:]),
+                                      [["sync"], ["async", *ASYNC]])
+    assert asynchronous == sync + 2 * 2
+
+
+@pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
+def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference, mode):
+    flags = [*FLAGS, *mode]  # async: the writer thread's calls are kill points too (test above)
+    total = io_calls("run", "--pvc", tmp_path / "count", *flags)
     assert total > 20  # the harness really intercepts the engine's I/O
 
     def trial(n: int) -> str | None:
         pvc = tmp_path / f"k{n}"
-        died = killpoint(n, "run", "--pvc", pvc, *FLAGS)
+        died = killpoint(n, "run", "--pvc", pvc, *flags)
         if died.returncode != -signal.SIGKILL:
             return f"kill point {n}: harness exited {died.returncode}: {died.stderr[-300:]}"
         if n == total and events(pvc / "log.jsonl")[-1][0] != "completed":
             return f"kill point {n}: the exit-path kill landed before `completed` was logged"
-        code = finish(pvc, *FLAGS)
+        code = finish(pvc, *flags)
         found = ([f"relaunch exited {code}"] if code else []) + problems_after_recovery(pvc, reference)
         return f"kill point {n}: {found}" if found else None
 

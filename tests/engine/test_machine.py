@@ -16,9 +16,9 @@ from trainjob.records import Score
 class FakeJob:
     """A model with settable guards that records persistence and announcements in memory."""
 
-    def __init__(self, resume=False, budget=True, passes=True):
+    def __init__(self, resume=False, budget=True, passes=True, asynchronous=False):
         self.guards = {"should_resume": resume, "within_backoff": budget, "drift_passes": passes,
-                       "completion_unannounced": False}
+                       "completion_unannounced": False, "async_save": asynchronous, "commit_landed": False}
         self.record: list[str] = []
         self.fail_persist = False
         machine.build(self)
@@ -28,7 +28,7 @@ class FakeJob:
             raise AttributeError(name)
         if name in self.guards:
             return lambda ev: self.guards[name]
-        if name.startswith(("persist_", "recall_")):
+        if name.startswith(("persist_", "recall_", "hand_off")):
             def persist(ev):
                 if self.fail_persist:
                     raise OSError("disk full")
@@ -42,10 +42,11 @@ class FakeJob:
         return ev.kwargs.get("force", False) or ev.kwargs["step"] % 2 == 0
 
 
-def test_states_are_the_lab_states_plus_pending_and_resharded():
-    # resharded: where a `trainjob reshard` process ends (its own edge from pending).
+def test_states_are_the_lab_states_plus_pending_resharded_and_snapshotted():
+    # resharded: where a `trainjob reshard` process ends (its own edge from pending);
+    # snapshotted: an --async-checkpoint write in flight.
     assert set(machine.STATES) == {"pending", "started", "resumed", "checkpointed", "killed",
-                                   "drift_failed", "job_failed", "completed", "resharded"}
+                                   "drift_failed", "job_failed", "completed", "resharded", "snapshotted"}
 
 
 def test_every_state_but_pending_announces_an_event_with_a_detail_format():
@@ -222,3 +223,62 @@ def test_a_failed_persist_leaves_the_state_and_announces_nothing():
         job.checkpoint(step=2)
     assert job.state == "started"
     assert job.record == []
+
+
+# --- --async-checkpoint: the loop and the writer part at `checkpoint` and meet at `land` ---------
+
+def test_async_checkpoint_parts_at_the_due_step_and_logs_checkpointed_only_when_the_commit_landed():
+    job = FakeJob(budget=True, asynchronous=True)
+    job.start()
+    job.record.clear()
+    assert job.checkpoint(step=1) is False and job.state == "started"  # not due: no snapshot
+    job.checkpoint(step=2)
+    assert job.state == "snapshotted"
+    assert job.land(step=2) is False and job.state == "snapshotted"  # the write is in flight
+    job.guards["commit_landed"] = True
+    job.land(step=2)
+    assert job.state == "checkpointed"
+    assert job.record == ["persist snapshotted (state still started)", "announce announce in snapshotted",
+                          "persist checkpointed (state still snapshotted)", "announce announce in checkpointed"]
+
+
+@pytest.mark.parametrize("illegal", ["checkpoint", "gate"])
+def test_no_second_checkpoint_nor_gate_while_a_write_is_in_flight(illegal):
+    job = FakeJob(budget=True, asynchronous=True)
+    job.start()
+    job.checkpoint(step=2)
+    with pytest.raises(MachineError):
+        getattr(job, illegal)(step=4)
+
+
+def test_a_kill_may_land_while_a_write_is_in_flight():
+    job = FakeJob(budget=True, asynchronous=True)
+    job.start()
+    job.checkpoint(step=2)
+    job.kill(at_step=3)
+    assert job.state == "killed"
+
+
+def test_a_failed_background_write_raised_by_the_guard_leaves_the_write_state_and_logs_nothing():
+    job = FakeJob(budget=True, asynchronous=True)
+    job.start()
+    job.checkpoint(step=2)
+    job.record.clear()
+
+    def failed(ev):
+        raise OSError("disk full")
+
+    job.guards = {**job.guards}
+    job.commit_landed = failed
+    with pytest.raises(OSError):
+        job.land(step=2)
+    assert job.state == "snapshotted" and job.record == []
+
+
+def test_the_synchronous_table_is_unchanged_for_a_synchronous_job():
+    job = FakeJob(budget=True, asynchronous=False)
+    job.start()
+    job.checkpoint(step=2)
+    assert job.state == "checkpointed"
+    with pytest.raises(MachineError):
+        job.land(step=2)

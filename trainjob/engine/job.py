@@ -38,8 +38,10 @@ from . import decisions
 from ..checkpoint import plan
 from ..checkpoint import shards
 from . import machine
+from .overlap import AsyncCheckpoints
+from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.store import Committer, Loaded, ShardWriter
-from ..defaults import BACKOFF_LIMIT
+from ..defaults import ASYNC_CLOSE_GRACE, ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
                      UsageError, WorldSizeMismatch)
 from ..storage.eventlog import EventLog
@@ -67,6 +69,7 @@ class RunConfig:
     world_size: int = 1
     rank_timeout: float = 60.0
     trainer: str = "linear"
+    async_checkpoint: bool = False  # write checkpoints on a thread while training goes on (overlap.py)
 
     def check(self) -> None:
         """Raise UsageError for settings that cannot work, naming the flag and what to change."""
@@ -147,7 +150,7 @@ class MachineModel:
         self.notes.clear()
 
 
-class Job(MachineModel):
+class Job(MachineModel, AsyncCheckpoints):
     """The state machine's model for rank 0 (the coordinator) of one launch."""
 
     state: str  # set by transitions.Machine
@@ -167,6 +170,8 @@ class Job(MachineModel):
         self.rejected: list[tuple[Ref, str]] = []
         self.loaded: Loaded | None = None
         self.last_size = 0
+        if cfg.async_checkpoint:
+            self.enable_async(ASYNC_WRITE_TIMEOUT)
         machine.build(self)
 
     def read(self, into: dict[str, np.ndarray] | None = None) -> None:
@@ -302,22 +307,27 @@ class Job(MachineModel):
         self.pvc.write_attempts(self.attempt)
 
     def persist_checkpoint(self, ev: EventData) -> None:
-        """Write rank 0's shard, gather the others' receipts, commit, point, rotate (in that order)."""
-        kw, world = ev.kwargs, self.cfg.world_size
-        ref = Ref(attempt=self.attempt, step=kw["step"], world_size=world)
-        tensors = kw["state"]
-        self.store.check_space(self.last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
+        kw = ev.kwargs
+        self.last_size = self.write_checkpoint(kw["step"], kw["loss_milli"], kw["state"], kw["specs"], self.last_size)
+        self._write_state(JobState.checkpointed)
+
+    def write_checkpoint(self, step: int, loss_milli: int, tensors: dict[str, np.ndarray], specs: Any,
+                         last_size: int) -> int:
+        """Write rank 0's shard, gather the others' receipts, commit, point, rotate (in that order);
+        return the checkpoint's size. No machine, no log: the async writer thread runs it too."""
+        world = self.cfg.world_size
+        ref = Ref(attempt=self.attempt, step=step, world_size=world)
+        self.store.check_space(last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
         entries = [self.store.write_shard(staging, 0, world, ref.step, tensors)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
-                            loss_milli=kw["loss_milli"], tensors=kw["specs"], shards=entries)
+                            loss_milli=loss_milli, tensors=specs, shards=entries)
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
-        self.last_size = sum(e.size for e in entries)
         self.store.rotate(self.cfg.keep, world, protect=ref)
-        self._write_state(JobState.checkpointed)
+        return sum(e.size for e in entries)
 
     def recall_artifact(self, _ev: EventData) -> None:
         """Re-read the artifact the killed predecessor published, to announce it truthfully."""
@@ -362,17 +372,19 @@ class Job(MachineModel):
 
 
 Save = Callable[[int, int, bool], None]
+Between = Callable[[], None]
 End = Callable[[str, int], str]
 Progress = Callable[[int, int], None]
 
 
 def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, save: Save, end: End,
-          progress: Progress | None = None) -> str:
+          progress: Progress | None = None, between: Between | None = None) -> str:
     """The step loop every rank runs: the same updates everywhere, saves at the same steps.
 
     The state stays in the trainer; ``save`` reads it when a checkpoint is due. A stop (SIGTERM
     here or at any other rank) is agreed through ``peers``: every rank trains on to the largest
-    step any rank had reached, saves it, and ends there.
+    step any rank had reached, saves it, and ends there. ``between`` runs after every step (an
+    asynchronous checkpoint's landing is noticed there).
     """
     last_saved, target, loss = step, None, 0
     peers.step = step
@@ -386,6 +398,8 @@ def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, save
         peers.step = step
         if progress is not None:
             progress(step, loss)
+        if between is not None:
+            between()
         if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
             save(step, loss, step == target)
             last_saved = step
@@ -449,10 +463,15 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
         peers.begin()
 
         def save(step: int, loss: int, force: bool) -> None:
+            if job.saver is not None:  # --async-checkpoint: hand the state to the writer thread
+                job.settle()  # at most one in flight: wait for the previous one and announce it
+                job.checkpoint(step=step, live=trainer.state_dict(), loss_milli=loss, force=force)
+                return
             arrays = host.snapshot(trainer.state_dict(), step)
             job.checkpoint(step=step, state=arrays, specs=host.specs, loss_milli=loss, force=force)
 
         def end(kind: str, step: int) -> str:
+            job.settle()  # a write in flight lands (and is logged) before the run ends
             if kind == "die":
                 job.kill(at_step=step)
             elif kind == "stop":
@@ -464,8 +483,11 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
                          baseline=trainer.baseline())
             return job.state
 
-        final = train(cfg, trainer, peers, job.from_step, save, end, progress)
+        final = train(cfg, trainer, peers, job.from_step, save, end, progress,
+                      job.at_boundary if job.saver is not None else None)
     except BaseException as exc:
+        if job.saver is not None:  # let a write in flight end (the next start removes what it left)
+            job.saver.close(ASYNC_CLOSE_GRACE)
         peers.finish("error", f"{type(exc).__name__}: {exc}")
         raise
     peers.finish(final)
@@ -503,8 +525,7 @@ def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store:
         del loaded
     del initial
 
-    def save(step: int, _loss: int, _force: bool) -> None:
-        arrays = host.snapshot(trainer.state_dict(), step)  # before the staging directory: bad input writes nothing
+    def write(step: int, arrays: dict[str, np.ndarray]) -> int:
         ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
         staging = store.staging(ref, session.generation)
         peers.wait_staging(staging, step)
@@ -514,8 +535,33 @@ def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store:
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise
+        return entry.size
+
+    saver = BackgroundSaver[int](ASYNC_WRITE_TIMEOUT) if cfg.async_checkpoint else None
+
+    def settle() -> None:  # --async-checkpoint: wait for the write in flight; raise its error
+        if saver is not None and saver.in_flight:
+            saver.wait()
+            saver.take()
+
+    def save(step: int, _loss: int, _force: bool) -> None:
+        if saver is not None:  # at most one in flight: the staging buffers are reused
+            settle()
+            saver.hand_off(trainer.state_dict(), step, lambda arrays: write(step, arrays))
+            return
+        write(step, host.snapshot(trainer.state_dict(), step))  # before the staging directory: bad input writes nothing
+
+    def between() -> None:
+        if saver is not None and saver.landed():  # raises a failed write's error at this boundary
+            saver.take()
 
     def end(_kind: str, _step: int) -> str:
+        settle()
         return peers.wait_outcome().state
 
-    return train(cfg, trainer, peers, session.from_step, save, end)
+    try:
+        return train(cfg, trainer, peers, session.from_step, save, end, None, between)
+    except BaseException:
+        if saver is not None:
+            saver.close(ASYNC_CLOSE_GRACE)
+        raise

@@ -34,8 +34,12 @@ from transitions import State as MachineState
 from ..states import State
 
 INITIAL = State.pending
-# Where an attempt can be while it trains; a kill can land in any of them.
-TRAINING = [State.started, State.resumed, State.checkpointed]
+# Where an attempt can be while it trains with no checkpoint write in flight: a checkpoint may
+# begin from any of them.
+STEPPING = [State.started, State.resumed, State.checkpointed]
+# Where an attempt can be while it trains; a kill can land in any of them. In ``snapshotted``
+# (--async-checkpoint) a checkpoint's write is in flight on the writer thread.
+TRAINING = [*STEPPING, State.snapshotted]
 FINAL = [State.killed, State.drift_failed, State.job_failed, State.completed, State.resharded]
 STATES = [INITIAL, *TRAINING, *FINAL]
 
@@ -54,8 +58,19 @@ TRANSITIONS: list[dict[str, Any]] = [
     dict(trigger="start", source=INITIAL, dest=State.job_failed, unless=["should_resume", "within_backoff"],
          before=["persist_cleanup", "persist_state"], after="announce_notes"),
     # Training: after each step, a checkpoint when due; a kill between any two steps.
-    dict(trigger="checkpoint", source=TRAINING, dest=State.checkpointed,
-         conditions="should_checkpoint", before="persist_checkpoint"),
+    dict(trigger="checkpoint", source=STEPPING, dest=State.checkpointed,
+         conditions="should_checkpoint", unless="async_save", before="persist_checkpoint"),
+    # --async-checkpoint: the loop and the writer part here. The state is copied into host
+    # staging buffers and a writer thread writes, hashes, fsyncs and commits it while the loop
+    # trains on; nothing is claimed on disk yet (snapshotted is not persisted in state.json).
+    # No checkpoint begins from snapshotted: at most one is in flight.
+    dict(trigger="checkpoint", source=STEPPING, dest=State.snapshotted,
+         conditions=["should_checkpoint", "async_save"], before="hand_off"),
+    # ...and meet here, at the first step boundary after the commit is durable (or at a due
+    # checkpoint, the gate or a stop, which wait for it): only now is `checkpointed` logged. A
+    # write that failed raises its error from the guard, on the main thread: exit 75.
+    dict(trigger="land", source=State.snapshotted, dest=State.checkpointed,
+         conditions="commit_landed", before="persist_landed"),
     dict(trigger="kill", source=TRAINING, dest=State.killed, before="persist_state"),
     # The gate: publish only a model that holds up against the baseline.
     dict(trigger="gate", source=[State.resumed, State.checkpointed], dest=State.completed,
@@ -75,6 +90,8 @@ GUARD_LABELS = {
     "should_resume": ("attempt in flight", "no attempt in flight"),
     "within_backoff": ("attempts <= backoff_limit", "attempts > backoff_limit"),
     "should_checkpoint": ("step % ckpt_every == 0, last step or SIGTERM", "checkpoint not due"),
+    "async_save": ("--async-checkpoint", "synchronous"),
+    "commit_landed": ("writer committed, durable", "write in flight"),
     "drift_passes": ("correct*100 >= bcorrect*(100-max_drop)", "correct*100 < bcorrect*(100-max_drop)"),
 }
 
@@ -108,6 +125,7 @@ DETAIL: dict[str, tuple[str, ...]] = {
     "resumed": ("from_step={from_step:int}",),
     "job_failed": ("attempts={attempts:int} backoffLimit={backoff_limit:int}",),
     "checkpointed": ("step={step:int} loss_milli={loss_milli:int}",),
+    "snapshotted": ("step={step:int} loss_milli={loss_milli:int}",),
     "killed": ("at_step={at_step:int} signal={signal}", "at_step={at_step:int}"),
     "artifact_written": ("sha256={sha256} path={path}",),
     "completed": (_VERDICT,),

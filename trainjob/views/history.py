@@ -41,6 +41,7 @@ at all once the PVC says ``completed`` and the log's last event says so too. For
     started, killed             resumed
     resumed, checkpointed       resumed, job_started, job_failed; artifact_written (announcing a
                                 completion its predecessor committed but never logged)
+    snapshotted                 resumed (a background write in flight is never a completion)
     drift_failed, job_failed    job_started, job_failed; resumed (a job_started never logged)
     artifact_written            artifact_written (completed, if the same process goes on)
     completed                   nothing
