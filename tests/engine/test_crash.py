@@ -141,9 +141,9 @@ def test_any_sequence_of_kills_resumes_to_the_same_bytes(tmp_path_factory, refer
     assert problems_after_recovery(pvc, reference) == []
 
 
-def start_long_run(pvc: Path, steps: int = 100_000) -> subprocess.Popen:
+def start_long_run(pvc: Path, steps: int = 100_000, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc),
-                             "--steps", str(steps), "--ckpt-every", "1"],
+                             "--steps", str(steps), "--ckpt-every", "1", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -157,8 +157,10 @@ def wait_for_checkpoints(pvc: Path, count: int, timeout: float = 30) -> None:
     raise AssertionError("run made no progress")
 
 
-def test_sigterm_checkpoints_and_exits_75(pvc):
-    proc = start_long_run(pvc)
+@pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
+def test_sigterm_checkpoints_and_exits_75(pvc, mode):
+    """Async: the write in flight lands, then the step reached is saved and lands, then killed."""
+    proc = start_long_run(pvc, 100_000, *mode)
     wait_for_checkpoints(pvc, 3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 75
@@ -169,16 +171,17 @@ def test_sigterm_checkpoints_and_exits_75(pvc):
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == at_step
 
 
+@pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_signal_mid_run_then_relaunch_gives_the_uninterrupted_bytes(tmp_path, sig):
+def test_signal_mid_run_then_relaunch_gives_the_uninterrupted_bytes(tmp_path, sig, mode):
     steps = "400"
     ref, pvc = tmp_path / "ref", tmp_path / "pvc"
     assert trainjob("run", "--pvc", ref, "--steps", steps, "--ckpt-every", "1").returncode == 0
-    proc = start_long_run(pvc, int(steps))
+    proc = start_long_run(pvc, int(steps), *mode)
     wait_for_checkpoints(pvc, 3)
     proc.send_signal(sig)
     assert proc.wait(timeout=30) == (75 if sig == signal.SIGTERM else -sig)
-    assert trainjob("run", "--pvc", pvc, "--steps", steps, "--ckpt-every", "1").returncode == 0
+    assert trainjob("run", "--pvc", pvc, "--steps", steps, "--ckpt-every", "1", *mode).returncode == 0
     assert snapshot(ref / "artifacts") == snapshot(pvc / "artifacts")
     assert (pvc / "attempts").read_text().strip() == "1"
 

@@ -1,0 +1,136 @@
+"""--async-checkpoint through the engine, in process: the log claims a checkpoint only once its
+commit is durable, one write is in flight at most, a writer's I/O error ends the run with exit 75
+at a step boundary (never lost, never torn), and a stop lands the write in flight first."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+
+from conftest import events, snapshot, trainjob
+from trainjob import cli
+from trainjob.storage import eventlog, pvc as pvc_module
+
+FLAGS = ["--steps", "10", "--ckpt-every", "2"]
+ASYNC = ["--async-checkpoint"]
+
+
+def on_writer_thread() -> str | None:
+    name = threading.current_thread().name
+    return name if name.startswith("trainjob-checkpoint-writer") else None
+
+
+@pytest.fixture
+def slow_commits(monkeypatch):
+    """Each background commit takes 30 ms, so the loop really runs ahead of the writer."""
+    real = pvc_module.commit_dir
+
+    def slow(staging, final):
+        if on_writer_thread():
+            time.sleep(0.03)
+        return real(staging, final)
+
+    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", slow)
+
+
+@pytest.fixture
+def log_watch(monkeypatch):
+    """Each appended event with whether its checkpoint was committed on disk at that instant."""
+    seen: list[tuple[str, str, bool, str]] = []
+    real = eventlog.EventLog.append
+
+    def append(self, event, detail):
+        if event in ("snapshotted", "checkpointed"):
+            step = int(detail.split()[0].removeprefix("step="))
+            root = self.path.parent / "checkpoints"
+            committed = any((d / "manifest.json").exists() for d in root.glob(f"step-{step:08d}-*"))
+            seen.append((event, detail, committed, threading.current_thread().name))
+        return real(self, event, detail)
+
+    monkeypatch.setattr(eventlog.EventLog, "append", append)
+    return seen
+
+
+def test_checkpointed_is_logged_only_once_the_commit_is_durable_and_from_the_main_thread(
+        tmp_path, slow_commits, log_watch):
+    assert cli.main(["run", "--pvc", str(tmp_path / "pvc"), *FLAGS, "--ckpt-every", "1", *ASYNC]) == 0
+    assert log_watch, "no checkpoint was logged"
+    for event, detail, committed, thread in log_watch:
+        assert thread == "MainThread"  # the machine's triggers, and so the log, stay on one thread
+        assert committed == (event == "checkpointed"), (event, detail)
+    # At most one in flight: every snapshot lands before the next begins, in step order.
+    kinds = [event for event, *_ in log_watch]
+    assert kinds == ["snapshotted", "checkpointed"] * 10
+    assert [d for _, d, *_ in log_watch[::2]] == [d for _, d, *_ in log_watch[1::2]]
+
+
+def test_an_async_run_publishes_the_synchronous_runs_bytes(tmp_path, slow_commits):
+    assert cli.main(["run", "--pvc", str(tmp_path / "sync"), *FLAGS]) == 0
+    assert cli.main(["run", "--pvc", str(tmp_path / "async"), *FLAGS, *ASYNC]) == 0
+    assert snapshot(tmp_path / "sync" / "artifacts") == snapshot(tmp_path / "async" / "artifacts")
+    sync, asynchronous = (events(tmp_path / p / "log.jsonl") for p in ("sync", "async"))
+    assert [e for e in asynchronous if e[0] != "snapshotted"] == sync  # the same story, parted and met
+
+
+@pytest.mark.parametrize("code, text", [(errno.ENOSPC, "No space left on device"), (errno.EIO, "Input/output error")])
+def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_the_previous_checkpoint_stands(
+        tmp_path, monkeypatch, capsys, code, text):
+    pvc = tmp_path / "pvc"
+    assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *FLAGS]) == 0
+    real = os.fsync
+
+    def failing(fd):
+        if on_writer_thread() == "trainjob-checkpoint-writer-4":  # the second checkpoint's first fsync
+            raise OSError(code, os.strerror(code))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC]) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and text in err[0] and "shard-00000-of-00001" in err[0], err
+    logged = events(pvc / "log.jsonl")
+    assert logged[-1] == ("snapshotted", "step=4 loss_milli=241")  # never claimed as checkpointed
+    committed = sorted(p.name for p in (pvc / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert committed == ["step-00000002-a0001-w001"]  # the previous checkpoint stands, nothing torn
+
+    monkeypatch.setattr(os, "fsync", real)
+    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC]) == 0  # the relaunch resumes from it
+    assert ("resumed", "from_step=2") in events(pvc / "log.jsonl")
+    assert snapshot(pvc / "artifacts") == snapshot(tmp_path / "ref" / "artifacts")
+
+
+def test_a_stop_finishes_the_write_in_flight_then_saves_the_step_reached_and_exits_75(tmp_path, monkeypatch):
+    pvc, stopped = tmp_path / "pvc", []
+    real = pvc_module.commit_dir
+
+    def commit_then_signal(staging, final):
+        real(staging, final)
+        if on_writer_thread() and not stopped:  # SIGTERM arrives while the first write is in flight
+            stopped.append(True)
+            time.sleep(0.05)
+            os.kill(os.getpid(), 15)
+
+    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", commit_then_signal)
+    # A fresh StopFlag is installed by the CLI: its handler takes the signal on the main thread.
+    assert cli.main(["run", "--pvc", str(pvc), "--steps", "100000", "--ckpt-every", "3", *ASYNC]) == 75
+    logged = events(pvc / "log.jsonl")
+    assert logged[-1][0] == "killed" and logged[-1][1].endswith("signal=SIGTERM")
+    at_step = int(logged[-1][1].split()[0].removeprefix("at_step="))
+    assert logged[-3:-1] == [("snapshotted", logged[-2][1]), ("checkpointed", logged[-2][1])]
+    assert logged[-2][1].startswith(f"step={at_step} ")  # the step reached, saved and landed
+    assert ("checkpointed", logged[1][1]) in logged  # the write that was in flight landed too
+
+
+@pytest.mark.process
+def test_two_ranks_writing_in_the_background_publish_the_one_rank_synchronous_bytes(tmp_path):
+    """Rank 0's writer gathers rank 1's receipts while both train on; the result is bit-equal."""
+    assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *FLAGS]) == 0
+    result = trainjob("run", "--pvc", tmp_path / "pvc", *FLAGS, "--ckpt-every", "1", *ASYNC, "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert snapshot(tmp_path / "pvc" / "artifacts") == snapshot(tmp_path / "ref" / "artifacts")
+    logged = [e for e, _ in events(tmp_path / "pvc" / "log.jsonl")]
+    assert logged.count("checkpointed") == logged.count("snapshotted") == 10
