@@ -40,6 +40,13 @@ at a fast moment, by up to 1.4x.)
   on the same live state in one process: trainjob's save (snapshot, shard, commit) and load
   (every sha256 verified, into the live tensors), torch.distributed.checkpoint's save/load (one
   process, no process group) and torch.save/torch.load.
+- async (needs torch; ``--only async`` runs it alone): the same model run by ``trainjob run`` three
+  ways in each repeat, fresh processes: no checkpoint but the final one, synchronous and
+  ``--async-checkpoint`` every ``--async-every`` steps. The loop's stall per checkpoint is timed on
+  the loop's own thread (bench_torch.py engine) against one in-memory copy of the state (the copy
+  limit) and the synchronous save; the async run's wall time against the run without checkpoints;
+  peak RSS against the bare loop's; and, on one live state, trainjob's background saver against
+  torch.distributed.checkpoint's async_save (stall and end to end).
 """
 
 from __future__ import annotations
@@ -406,6 +413,108 @@ def trainer_section(work: Path, repeat: int, dim: int, steps: int, every: int) -
     return out
 
 
+# --- --async-checkpoint: the loop's stall and the run's time against the same run without ----------
+
+def async_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> dict:
+    """The torch trainer run three ways in each repeat, in fresh processes, interleaved: with no
+    checkpoint but the final one every run writes (``--ckpt-every STEPS``), synchronous and
+    asynchronous with a checkpoint every ``every`` steps; and the bare loop for peak RSS. The loop's
+    own time in its checkpoint calls is timed inside the process (bench_torch.py engine). Then
+    the copy limit and DCP's async_save on one live state (bench_torch.py async-peers)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+           "BENCH_TORCH_DIM": str(dim), "OMP_NUM_THREADS": "1"}
+
+    def engine(mode: str, ckpt_every: int) -> tuple[dict, int]:
+        directory, out = work / f"async-{mode}", work / f"async-{mode}.json"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        _, peak = measured([sys.executable, str(HERE / "bench_torch.py"), "engine", mode, str(directory), str(steps),
+                            str(ckpt_every), str(out)], env)
+        shutil.rmtree(directory, ignore_errors=True)
+        return json.loads(out.read_text()), peak
+
+    runs: dict[str, list[float]] = {}
+    add = lambda k, v: runs.setdefault(k, []).append(v)
+    for rep in range(repeat):
+        none, _ = engine("sync", steps)
+        sync, _ = engine("sync", every)
+        asy, asy_peak = engine("async", every)
+        directory = work / "async-bare"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        _, bare_peak = measured([sys.executable, str(HERE / "bench_torch.py"), "bare", str(steps), "0",
+                                 str(directory)], env)
+        # Intermediate checkpoints only: the last one (the final step's) is in every run alike.
+        n = len(asy["save_s"]) - 1
+        stall = (sum(asy["save_s"][:-1]) + asy["between_s"]) / n
+        add("async_stall_ms", stall * 1e3)
+        add("sync_save_ms", statistics.median(sync["save_s"][:-1]) * 1e3)
+        add("stall_vs_sync", stall / statistics.median(sync["save_s"][:-1]))
+        add("async_run_s", asy["wall_s"])
+        add("sync_run_s", sync["wall_s"])
+        add("none_run_s", none["wall_s"])
+        add("async_run_ratio", asy["wall_s"] / none["wall_s"])
+        add("sync_run_ratio", sync["wall_s"] / none["wall_s"])
+        add("ms_per_step", (none["wall_s"] - none["end_s"]) / steps * 1e3)
+        add("async_peak_mib", asy_peak / MiB)
+        add("bare_peak_mib", bare_peak / MiB)
+        print(f"async repeat {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
+    directory = work / "async-peers"
+    directory.mkdir(exist_ok=True)
+    proc = subprocess.run([sys.executable, str(HERE / "bench_torch.py"), "async-peers", str(directory), str(repeat)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"async peers failed: {proc.stderr[-2000:]}")
+    peers = json.loads(proc.stdout.splitlines()[-1])
+    state = peers.pop("state_bytes")[0]
+    copy_ms = statistics.median(peers["copy"]) * 1e3
+    out = {"dim": dim, "steps": steps, "every": every, "state_mib": state / MiB, "copy_ms": copy_ms,
+           **{k: summary(v) for k, v in runs.items()},
+           "peers_s": {k: summary(v) for k, v in peers.items()}}
+    out["stall_vs_copy"] = summary([s / copy_ms for s in runs["async_stall_ms"]])
+    # The writer's share of the time between two checkpoints: below 1, the disk keeps up.
+    out["writer_busy"] = summary([statistics.median(peers["end-to-end trainjob"]) * 1e3 / (every * ms)
+                                  for ms in runs["ms_per_step"]])
+    budget = [b + (1.1 * state) / MiB + 64 for b in runs["bare_peak_mib"]]
+    out["targets"] = {
+        "async: loop stall per checkpoint <= 1.5x one in-memory copy of the state":
+            out["stall_vs_copy"]["median"] <= 1.5,
+        "async: loop stall per checkpoint <= 0.2x the synchronous save": out["stall_vs_sync"]["median"] <= 0.2,
+        f"async: run checkpointing every {every} steps <= 1.1x the run without": out["async_run_ratio"]["median"] <= 1.1,
+        "async: peak RSS <= 2.1x state + 64MiB (above the bare loop's own, which holds the state once)":
+            all(t <= b for t, b in zip(runs["async_peak_mib"], budget)),
+        "async: stall no worse than DCP async_save": (out["peers_s"]["stall trainjob"]["median"]
+                                                       <= out["peers_s"]["stall dcp"]["median"]),
+    }
+    return out
+
+
+def async_table(a: dict, targets: bool = True) -> str:
+    p = a["peers_s"]
+    lines = [f"async: the trainer section's model, {a['state_mib']:.0f} MiB of state, {a['steps']} steps, a "
+             f"checkpoint every {a['every']} ({fmt(a['ms_per_step'], 0)} ms per step; the writer is busy "
+             f"{fmt(a['writer_busy'])} of the time between two checkpoints: below 1 the disk keeps up); "
+             "median (min..max)", "",
+             "| | figure | ratio |", "| --- | --- | --- |",
+             f"| one in-memory copy of the state (the copy limit), ms | {a['copy_ms']:.0f} | |",
+             f"| loop stall per checkpoint, async (copy, log, landing, back-pressure), ms | "
+             f"{fmt(a['async_stall_ms'], 0)} | {fmt(a['stall_vs_copy'])}x the copy |",
+             f"| synchronous save per checkpoint, ms | {fmt(a['sync_save_ms'], 0)} | stall {fmt(a['stall_vs_sync'], 3)}x |",
+             f"| run, async, s | {fmt(a['async_run_s'], 1)} | {fmt(a['async_run_ratio'], 3)}x no checkpoints |",
+             f"| run, synchronous, s | {fmt(a['sync_run_s'], 1)} | {fmt(a['sync_run_ratio'], 3)}x no checkpoints |",
+             f"| run, no checkpoint but the final one, s | {fmt(a['none_run_s'], 1)} | |",
+             f"| peak RSS, async run / bare loop, MiB | {fmt(a['async_peak_mib'], 0)} / {fmt(a['bare_peak_mib'], 0)} | |",
+             "", "| peers on the same live state, seconds | stall | end to end | verified on load |",
+             "| --- | --- | --- | --- |",
+             f"| trainjob BackgroundSaver | {fmt(p['stall trainjob'], 3)} | {fmt(p['end-to-end trainjob'], 3)} | "
+             "yes: every sha256 |",
+             f"| torch.distributed.checkpoint.async_save | {fmt(p['stall dcp'], 3)} | {fmt(p['end-to-end dcp'], 3)} | "
+             "no: nothing to check against |"]
+    if targets:
+        lines += [""] + [f"- [{'x' if ok else ' '}] {name}" for name, ok in a["targets"].items()]
+    return "\n".join(lines)
+
+
 # --- status on a long log ------------------------------------------------------------------------
 
 STATUS_CHILD = """
@@ -536,8 +645,25 @@ def main(argv: list[str] | None = None) -> int:
                     help="trainer: the Linear's width (4096: a 128 MiB state with momentum; 0 skips the section)")
     ap.add_argument("--trainer-steps", type=int, default=40, help="trainer: steps in the whole run")
     ap.add_argument("--trainer-every", type=int, default=10, help="trainer: a checkpoint every this many steps")
-    ap.add_argument("--only", choices=("all", "trainer"), default="all", help="run every section, or one")
+    ap.add_argument("--async-steps", type=int, default=24, help="async: steps in each run")
+    ap.add_argument("--async-every", type=int, default=4,
+                    help="async: a checkpoint every this many steps (pick it so the writer keeps up: the table says)")
+    ap.add_argument("--only", choices=("all", "trainer", "async"), default="all", help="run every section, or one")
     args = ap.parse_args(argv)
+    if args.only == "async":
+        if not have_torch():
+            raise SystemExit("--only async needs torch (pip install 'trainjob[torch]')")
+        work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
+        try:
+            asy = async_section(work, args.repeat, args.trainer_dim, args.async_steps, args.async_every)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+                  "machine": machine(args.dir), "repeat": args.repeat, "async": asy}
+        print(async_table(asy))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.only == "trainer":
         if not have_torch():
             raise SystemExit("--only trainer needs torch (pip install 'trainjob[torch]')")
@@ -601,6 +727,8 @@ def main(argv: list[str] | None = None) -> int:
         status = status_bench(work, args.log_lines)
         trainer = (trainer_section(work, args.repeat, args.trainer_dim, args.trainer_steps, args.trainer_every)
                    if torch_ok and args.trainer_dim > 0 else None)
+        asy = (async_section(work, args.repeat, args.trainer_dim, args.async_steps, args.async_every)
+               if torch_ok and args.trainer_dim > 0 else None)
         probes.append(cpu_probe())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -645,6 +773,9 @@ def main(argv: list[str] | None = None) -> int:
     if trainer is not None:
         out["trainer"] = trainer
         out["targets"].update(trainer["targets"])
+    if asy is not None:
+        out["async"] = asy
+        out["targets"].update(asy["targets"])
     if 2 in worlds:
         s2 = out["save"]["2"]
         out["targets"]["W=2 save faster than gather"] = (s2["trainjob"]["ratio_to_limit"]["median"]
@@ -682,6 +813,8 @@ def table(out: dict) -> str:
     lines.append(f"status on {s['lines']:,} lines: {s['seconds']:.1f} s, peak RSS {s['peak_mib']:.0f} MiB")
     if "trainer" in out:
         lines += ["", trainer_table(out["trainer"], targets=False)]
+    if "async" in out:
+        lines += ["", async_table(out["async"], targets=False)]
     lines.append("")
     lines += [f"- [{'x' if ok else ' '}] {name}" for name, ok in out["targets"].items()]
     for when, p in out["cpu_probe"].items():

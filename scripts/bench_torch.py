@@ -8,12 +8,23 @@ thread. The state is the weight, the bias and their momentum buffers: 128 MiB at
     PYTHONPATH=scripts trainjob run --pvc P --trainer bench_torch:make      # trainjob drives it
     python scripts/bench_torch.py bare STEPS EVERY DIR                       # the same loop, bare
     python scripts/bench_torch.py peers DIR REPEAT                           # save/load peers, one state
+    python scripts/bench_torch.py engine MODE DIR STEPS EVERY OUT            # trainjob run, loop timed
+    python scripts/bench_torch.py async-peers DIR REPEAT                     # async save peers, one state
 
 ``bare`` trains STEPS steps and, when EVERY > 0, saves model and optimizer with ``torch.save`` and
 fsyncs every EVERY steps and the model once at the end (what a user writes without trainjob).
 ``peers`` saves and loads the same live state with trainjob (what a checkpoint and a resume do:
 shard write, commit; verified read into the live tensors), torch.distributed.checkpoint and
 torch.save/torch.load, interleaved, and prints the seconds of each as JSON.
+``engine`` runs ``trainjob run`` in this process (MODE ``sync`` or ``async``: --async-checkpoint) and
+times, on the training loop's own thread, each call it makes at a due step (``save``: a whole
+synchronous save, or an async hand-off including any back-pressure wait) and after every step
+(the async landing), and the run's end (the gate, and the async drain); JSON to OUT.
+``async-peers`` times, on the same live state: one in-memory copy of it into buffers kept (the
+copy limit), trainjob's ``BackgroundSaver`` (stall: the hand-off; end to end: until the commit)
+and ``torch.distributed.checkpoint.async_save`` (stall: until it returns; end to end: its
+future), interleaved, and whether each checkpoint verifies on load (trainjob's: every sha256; DCP
+has no check, so its "verified" is whether the load raised).
 """
 
 from __future__ import annotations
@@ -153,8 +164,120 @@ def peers(directory: Path, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def engine(mode: str, directory: Path, steps: int, every: int, out: Path) -> None:
+    """``trainjob run`` on this model in this process, its loop's checkpoint calls timed."""
+    from trainjob import cli
+    from trainjob.engine import job
+
+    timed: dict = {"save_s": [], "between_s": 0.0, "end_s": 0.0}
+    real_train = job.train
+
+    def train(cfg, trainer, peers, step, save, end, progress=None, between=None):
+        def timed_save(*args):
+            t0 = time.perf_counter()
+            save(*args)
+            timed["save_s"].append(time.perf_counter() - t0)
+
+        def timed_between():
+            t0 = time.perf_counter()
+            between()
+            timed["between_s"] += time.perf_counter() - t0
+
+        def timed_end(*args):
+            t0 = time.perf_counter()
+            try:
+                return end(*args)
+            finally:
+                timed["end_s"] = time.perf_counter() - t0
+
+        return real_train(cfg, trainer, peers, step, timed_save, timed_end, progress,
+                          timed_between if between is not None else None)
+
+    job.train = train
+    flags = ["--async-checkpoint"] if mode == "async" else []
+    t0 = time.perf_counter()
+    code = cli.main(["run", "--pvc", str(directory / "pvc"), "--steps", str(steps), "--ckpt-every", str(every),
+                     "--keep", "2", "--trainer", "bench_torch:make", *flags])
+    timed["wall_s"] = time.perf_counter() - t0
+    if code != 0:
+        raise SystemExit(f"trainjob run exited {code}")
+    out.write_text(json.dumps(timed))
+
+
+def async_peers(directory: Path, repeat: int) -> dict[str, list[float]]:
+    """The copy limit, trainjob's background saver and DCP's async_save on one live state."""
+    import torch.distributed.checkpoint as dcp
+
+    from trainjob.checkpoint.background import BackgroundSaver
+    from trainjob.checkpoint.plan import Ref
+    from trainjob.checkpoint.snapshot import HostState
+    from trainjob.checkpoint.store import Committer
+    from trainjob.records import MANIFEST_SCHEMA, Manifest
+    from trainjob.storage.pvc import Pvc
+
+    warnings.simplefilter("ignore")
+    model = BigTorch()
+    model.step(1)
+    live = model.state_dict()
+    times: dict[str, list[float]] = {}
+    copier, saver = HostState(copy=True), BackgroundSaver[str](timeout=600)
+    copier.snapshot(live, 0)  # the buffers are allocated once, as the engine's are
+
+    def add(name: str, seconds: float) -> None:
+        times.setdefault(name, []).append(seconds)
+
+    for rep in range(repeat):
+        root = directory / f"rep{rep}"
+        pvc = Pvc(root / "trainjob")
+        pvc.create()
+        store, ref = Committer(pvc), Ref(attempt=1, step=rep + 1, world_size=1)
+
+        def write(arrays) -> str:  # what the engine's writer thread does at W=1, minus pointer and rotation
+            staging = store.create_staging(ref, 1)
+            entry = store.write_shard(staging, 0, 1, ref.step, arrays)
+            return store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=1,
+                                                       world_size=1, loss_milli=0, tensors=saver.host.specs,
+                                                       shards=[entry]))
+
+        def copy() -> None:
+            t0 = time.perf_counter()
+            copier.snapshot(model.state_dict(), rep + 1)
+            add("copy", time.perf_counter() - t0)
+
+        def trainjob_async() -> None:
+            t0 = time.perf_counter()
+            saver.hand_off(model.state_dict(), ref.step, write)
+            add("stall trainjob", time.perf_counter() - t0)
+            saver.wait()
+            saver.take()
+            add("end-to-end trainjob", time.perf_counter() - t0)
+            loaded = store.load(ref)  # raises unless every sha256 matches
+            add("verified trainjob", float(loaded.manifest.step == ref.step))
+
+        def dcp_async() -> None:
+            t0 = time.perf_counter()
+            future = dcp.async_save(live, checkpoint_id=root / "dcp")
+            add("stall dcp", time.perf_counter() - t0)
+            future.result()
+            add("end-to-end dcp", time.perf_counter() - t0)
+            add("verified dcp", 0.0)  # DCP stores no hash of what it wrote: a load cannot tell damage
+
+        order = [copy, trainjob_async, dcp_async]
+        for fn in order[rep % 3:] + order[:rep % 3]:  # each contender first in turn
+            fn()
+        shutil.rmtree(root)
+    times["state_bytes"] = [float(sum(t.numel() * t.element_size() for t in live.values()))]
+    return times
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "engine":
+        engine(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
+        sys.exit(0)
+    if mode == "async-peers":
+        print(json.dumps(async_peers(Path(sys.argv[2]), int(sys.argv[3]))))
+        sys.exit(0)
     if mode == "bare":
         bare(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
     elif mode == "peers":
