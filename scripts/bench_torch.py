@@ -222,6 +222,7 @@ def async_peers(directory: Path, repeat: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {}
     copier, saver = HostState(copy=True), BackgroundSaver[str](timeout=600)
     copier.snapshot(live, 0)  # the buffers are allocated once, as the engine's are
+    saver.prepare(live)  # as the engine does before its loop
 
     def add(name: str, seconds: float) -> None:
         times.setdefault(name, []).append(seconds)

@@ -47,6 +47,9 @@ STEPS = ["--steps", "100", "--ckpt-every", "1"]
 RACE_STEPS = ["--steps", "1000", "--ckpt-every", "1"]
 # Two ranks coordinate every checkpoint through the PVC, so a step costs more: fewer of them.
 W2_STEPS = ["--steps", "60", "--ckpt-every", "1", "--world-size", "2"]
+# --async-checkpoint: the same runs with every checkpoint written by a background thread.
+ASYNC = "--async-checkpoint"
+ASYNC_STEPS, W2_ASYNC_STEPS = [*STEPS, ASYNC], [*W2_STEPS, ASYNC]
 LITTER = ("*.tmp.*", ".tmp-*", ".trash-*")
 AS_DEPLOYED = "--idempotent"  # what supervise and the rendered Job add to every `trainjob run`
 
@@ -57,6 +60,12 @@ def one_rank(flags: list[str]) -> list[str]:
         return flags
     i = flags.index("--world-size")
     return flags[:i] + flags[i + 2:]
+
+
+def label(name: str, flags: list[str]) -> str:
+    """A section's name: what it injects, at which world size, sync or async."""
+    world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
+    return f"{name} W={world}{' async' if ASYNC in flags else ''}"
 
 
 def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
@@ -160,8 +169,7 @@ class Campaign:
     # --- sections ----------------------------------------------------------------------------------
 
     def kill_storm(self, trials: int, flags: list[str] = STEPS, kills_per_trial: int = 3) -> Section:
-        world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
-        section = Section(f"kill storm W={world}")
+        section = Section(label("kill storm", flags))
         seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
@@ -193,8 +201,7 @@ class Campaign:
         return section
 
     def sigterm_storm(self, trials: int, flags: list[str] = STEPS) -> Section:
-        world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
-        section = Section(f"sigterm W={world}", note="signal sent once the run has logged its start")
+        section = Section(label("sigterm", flags), note="signal sent once the run has logged its start")
         seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
@@ -218,8 +225,12 @@ class Campaign:
             self.recover(section, trial, pvc, flags)
         return section
 
-    def io_faults(self, trials: int) -> Section:
-        section = Section("io faults")
+    def io_faults(self, trials: int, flags: list[str] = STEPS) -> Section:
+        """With ``ASYNC`` in ``flags``, a fault in a checkpoint's write, fsync or rename lands in
+        the writer thread (libfiu fails the call whichever thread makes it): it must still end the
+        run with exit 75 and one line, and never a torn checkpoint. The note counts those."""
+        section = Section("io faults" + (" async" if ASYNC in flags else ""))
+        in_writer = 0
         if not shutil.which("fiu-run") or not shutil.which("fiu-ctrl"):
             section.note = "skipped: fiu-run/fiu-ctrl not installed (apt-get install fiu-utils)"
             return section
@@ -229,7 +240,7 @@ class Campaign:
             point = points[trial % len(points)]
             pvc = self.pvc("fiu")
             ctrl = self.work / f"fiu-{trial}"
-            proc = spawn("run", "--pvc", pvc, *STEPS, prefix=("fiu-run", "-x", "-f", str(ctrl)))
+            proc = spawn("run", "--pvc", pvc, *flags, prefix=("fiu-run", "-x", "-f", str(ctrl)))
             # Arm the fault only once the run is under way: failing the interpreter's own imports
             # would test Python, not trainjob.
             while last_event(pvc) is None and proc.poll() is None:
@@ -242,6 +253,8 @@ class Campaign:
             stderr = proc.stderr.read()
             if armed.returncode == 0:
                 section.injected += 1
+            if ASYNC in flags and code == 75 and "checkpoints/" in stderr:
+                in_writer += 1  # the failed call was the writer thread's: a shard, a commit, a rotation
             if code not in (0, 75):
                 section.violation(trial, f"{point} p={probability}: exit {code}: {stderr.strip()[-200:]}")
             elif code == 75 and point in ("posix/io/sync/fsync", "posix/io/dir/rename"):
@@ -254,7 +267,9 @@ class Campaign:
                     json.loads(checkpoint.read_text())
                 except ValueError:
                     section.violation(trial, "checkpoint.json no longer parses after a fault")
-            self.recover(section, trial, pvc)
+            self.recover(section, trial, pvc, flags)
+        if ASYNC in flags:
+            section.note = f"{in_writer} of the faults ended the run from the writer thread's checkpoint I/O"
         return section
 
     def full_disk(self) -> Section:
@@ -545,6 +560,8 @@ def main() -> int:
     parser.add_argument("--inputs", type=int, default=40)
     parser.add_argument("--races", type=int, default=2)
     parser.add_argument("--ranks", type=int, default=2, help="two-rank kill and SIGTERM trials, reshard kills")
+    parser.add_argument("--asyncs", type=int, default=2,
+                        help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
 
@@ -557,15 +574,20 @@ def main() -> int:
             campaign.sigterm_storm(args.ranks, W2_STEPS),
             campaign.reshard_kills(args.ranks * 2),
             campaign.io_faults(args.faults),
+            campaign.kill_storm(args.asyncs, ASYNC_STEPS),
+            campaign.kill_storm(args.asyncs, W2_ASYNC_STEPS),
+            campaign.sigterm_storm(args.asyncs, ASYNC_STEPS),
+            campaign.sigterm_storm(args.asyncs, W2_ASYNC_STEPS),
+            campaign.io_faults(args.asyncs * 2, ASYNC_STEPS),
             campaign.full_disk(),
             campaign.hostile_inputs(args.inputs),
             campaign.races(args.races),
             campaign.reshard_races(args.races),
             campaign.security(),
         ]
-    print(f"{'section':<16}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
+    print(f"{'section':<22}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
     for s in sections:
-        print(f"{s.name:<16}{s.trials:>8}{s.injected:>10}{s.late:>6}{len(s.violations):>12}{s.bytes_lost:>12}  "
+        print(f"{s.name:<22}{s.trials:>8}{s.injected:>10}{s.late:>6}{len(s.violations):>12}{s.bytes_lost:>12}  "
               f"{s.note}")
     violations = [v for s in sections for v in s.violations]
     for v in violations:

@@ -59,6 +59,16 @@ def test_staging_buffers_are_reused_by_every_checkpoint():
     assert not any(np.shares_memory(saver.host.buffers[n], state[n]) for n in state)
 
 
+def test_prepare_allocates_the_buffers_the_first_checkpoint_then_uses():
+    saver, held = BackgroundSaver(timeout=5), []
+    saver.prepare(live_state())
+    prepared = {n: b.ctypes.data for n, b in saver.host.buffers.items()}
+    saver.hand_off(live_state(), 2, lambda arrays: held.append({n: a.ctypes.data for n, a in arrays.items()}))
+    saver.wait()
+    saver.take()
+    assert held == [prepared]
+
+
 def test_a_second_checkpoint_cannot_start_while_one_is_in_flight():
     saver, release = BackgroundSaver(timeout=5), threading.Event()
     saver.hand_off(live_state(), 2, lambda arrays: release.wait(5))

@@ -52,6 +52,13 @@ class BackgroundSaver(Generic[T]):
         self._result: Any = None
         self._error: BaseException | None = None
 
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Allocate the staging buffers now, at the start of a run, by one copy of ``state``: the
+        first checkpoint then stalls for a copy only, not for allocating and faulting in a second
+        state's worth of pages (measured: about 3x a copy). Checks the state as a snapshot does."""
+        if not self.in_flight:
+            self.host.snapshot(state, 0)
+
     @property
     def in_flight(self) -> bool:
         """A write was handed off and its outcome not yet taken by ``landed``."""

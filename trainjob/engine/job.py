@@ -443,6 +443,8 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
     if job.loaded is not None and job.should_resume():
         resume_into(trainer, host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
     del initial  # the engine holds no reference to the state between checkpoints
+    if job.saver is not None:
+        job.saver.prepare(trainer.state_dict())  # the staging buffers, allocated before the loop
     job.start()
     loaded = job.loaded if job.state == JobState.resumed else None
     checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
@@ -538,6 +540,8 @@ def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store:
         return entry.size
 
     saver = BackgroundSaver[int](ASYNC_WRITE_TIMEOUT) if cfg.async_checkpoint else None
+    if saver is not None:
+        saver.prepare(trainer.state_dict())  # the staging buffers, allocated before the loop
 
     def settle() -> None:  # --async-checkpoint: wait for the write in flight; raise its error
         if saver is not None and saver.in_flight:
