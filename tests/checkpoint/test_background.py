@@ -122,3 +122,15 @@ def test_a_state_that_changed_shape_is_refused_before_any_write_starts():
     with pytest.raises(UsageError, match="step 4"):
         saver.hand_off(state, 4, started.append)
     assert len(started) == 1 and not saver.in_flight
+
+
+def test_release_drops_the_staging_copy_but_never_under_a_write_in_flight():
+    saver, release = BackgroundSaver(timeout=5), threading.Event()
+    saver.hand_off(live_state(), 2, lambda arrays: release.wait(5))
+    with pytest.raises(RuntimeError, match="in flight"):
+        saver.release()
+    release.set()
+    saver.wait()
+    saver.take()
+    saver.release()
+    assert saver.host.buffers == {}

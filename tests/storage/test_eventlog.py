@@ -29,3 +29,17 @@ def test_lines_with_unknown_fields_or_wrong_types_are_reported_not_fatal(tmp_pat
     path.write_text('{"ts":"t","event":"killed","detail":"at_step=4","extra":1}\n{"ts":1,"event":"x","detail":""}\n')
     problems = [line.problem for line in read_log(path)]
     assert "extra" in problems[0] and "ts" in problems[1]
+
+
+def test_an_append_is_fsynced_unless_its_event_claims_nothing_on_disk(tmp_path, monkeypatch):
+    import os
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real(fd))
+    log = EventLog(tmp_path / "log.jsonl")
+    log.append("checkpointed", "step=2 loss_milli=310")
+    assert len(synced) == 1
+    log.append("snapshotted", "step=4 loss_milli=241", fsync=False)
+    assert len(synced) == 1 and [line.event.event for line in read_log(tmp_path / "log.jsonl")] == [
+        "checkpointed", "snapshotted"]

@@ -126,6 +126,13 @@ class BackgroundSaver(Generic[T]):
         self._thread, self._result, self.step = None, None, None
         return result
 
+    def release(self) -> None:
+        """Drop the staging buffers once the last checkpoint landed (the run's end: the gate's
+        export should not find a second copy of the state still held). No write may be in flight."""
+        if self.in_flight:
+            raise RuntimeError(f"release() while checkpoint step {self.step} is in flight")
+        self.host.buffers.clear()
+
     def close(self, timeout: float) -> None:
         """On the way out after an error elsewhere: give the write in flight up to ``timeout``
         seconds to end, and drop its outcome (the error being raised is the one to report; a

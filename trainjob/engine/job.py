@@ -362,7 +362,8 @@ class Job(MachineModel, AsyncCheckpoints):
         return ChainMap(ev.kwargs, own)
 
     def _append(self, event: str, ev: EventData) -> None:
-        self.log.append(event, machine.format_detail(event, self._facts(ev)))
+        self.log.append(event, machine.format_detail(event, self._facts(ev)),
+                        fsync=machine.STATE_FOR_EVENT.get(event) not in machine.UNSYNCED)
 
     def announce_artifact(self, ev: EventData) -> None:
         self._append("artifact_written", ev)
@@ -474,6 +475,8 @@ def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFla
 
         def end(kind: str, step: int) -> str:
             job.settle()  # a write in flight lands (and is logged) before the run ends
+            if job.saver is not None:
+                job.saver.release()  # the gate's export needs memory; the staging copy is done
             if kind == "die":
                 job.kill(at_step=step)
             elif kind == "stop":

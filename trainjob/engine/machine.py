@@ -109,6 +109,11 @@ NOTED_WITHIN: dict[str, tuple[str, ...]] = {
     "cleaned_up": (State.completed, State.resumed, State.started, State.job_failed, State.resharded),
     "checkpoint_rejected": (State.resumed,),
 }
+# States whose event claims nothing on disk (the state was copied in memory for the writer
+# thread): appended without an fsync of its own, so the loop's stall is the copy, not a log
+# fsync too. The next event's fsync (its `checkpointed`, or `killed`) makes the line durable;
+# a power loss before that may drop it, and the log is then one legal step shorter.
+UNSYNCED = (State.snapshotted,)
 # States a process of its own reaches that leave the run's persisted state as it was: a
 # `trainjob reshard` may run between any two processes, so its event may appear there in a log.
 OUT_OF_BAND = (State.resharded,)

@@ -37,7 +37,10 @@ class EventLog:
         self.path = path
         self.source = source
 
-    def append(self, event: str, detail: str) -> Event:
+    def append(self, event: str, detail: str, fsync: bool = True) -> Event:
+        """Append one line and fsync it. ``fsync=False`` is for an event that claims nothing on
+        disk (the engine's ``machine.UNSYNCED``): its line is made durable by the next append's
+        fsync, and a power loss before that can drop or tear it, which the reader tolerates."""
         record = Event(ts=utc_now(), event=event, detail=detail, source=self.source)
         line = json.dumps(converter.unstructure(record), separators=(",", ":")) + "\n"
         with os_errors(self.path, "cannot append to log"):
@@ -46,7 +49,8 @@ class EventLog:
                 if _ends_mid_line(fd):
                     line = "\n" + line
                 os.write(fd, line.encode())
-                os.fsync(fd)
+                if fsync:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
         return record
