@@ -242,8 +242,8 @@ def test_async_checkpoint_parts_at_the_due_step_and_logs_checkpointed_only_when_
                           "persist checkpointed (state still snapshotted)", "announce announce in checkpointed"]
 
 
-@pytest.mark.parametrize("illegal", ["checkpoint", "gate"])
-def test_no_second_checkpoint_nor_gate_while_a_write_is_in_flight(illegal):
+@pytest.mark.parametrize("illegal", ["checkpoint", "gate", "kill"])
+def test_no_second_checkpoint_gate_or_logged_kill_while_a_write_is_in_flight(illegal):
     job = FakeJob(budget=True, asynchronous=True)
     job.start()
     job.checkpoint(step=2)
@@ -251,10 +251,12 @@ def test_no_second_checkpoint_nor_gate_while_a_write_is_in_flight(illegal):
         getattr(job, illegal)(step=4)
 
 
-def test_a_kill_may_land_while_a_write_is_in_flight():
+def test_a_landed_write_may_be_followed_by_a_kill():
     job = FakeJob(budget=True, asynchronous=True)
     job.start()
     job.checkpoint(step=2)
+    job.guards["commit_landed"] = True
+    job.land(step=2)
     job.kill(at_step=3)
     assert job.state == "killed"
 

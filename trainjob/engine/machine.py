@@ -34,14 +34,12 @@ from transitions import State as MachineState
 from ..states import State
 
 INITIAL = State.pending
-# Where an attempt can be while it trains with no checkpoint write in flight: a checkpoint may
-# begin from any of them.
-STEPPING = [State.started, State.resumed, State.checkpointed]
-# Where an attempt can be while it trains; a kill can land in any of them. In ``snapshotted``
-# (--async-checkpoint) a checkpoint's write is in flight on the writer thread.
-TRAINING = [*STEPPING, State.snapshotted]
+# Where an attempt can be while it trains with no checkpoint write in flight; a kill can land in
+# any of them. (In ``snapshotted``, --async-checkpoint's write is in flight; the loop lands it
+# before any other edge, so a logged kill always finds the write landed.)
+TRAINING = [State.started, State.resumed, State.checkpointed]
 FINAL = [State.killed, State.drift_failed, State.job_failed, State.completed, State.resharded]
-STATES = [INITIAL, *TRAINING, *FINAL]
+STATES = [INITIAL, *TRAINING, State.snapshotted, *FINAL]
 
 TRANSITIONS: list[dict[str, Any]] = [
     # A process begins, first clearing what killed writers left. Its predecessor may have been
@@ -58,16 +56,17 @@ TRANSITIONS: list[dict[str, Any]] = [
     dict(trigger="start", source=INITIAL, dest=State.job_failed, unless=["should_resume", "within_backoff"],
          before=["persist_cleanup", "persist_state"], after="announce_notes"),
     # Training: after each step, a checkpoint when due; a kill between any two steps.
-    dict(trigger="checkpoint", source=STEPPING, dest=State.checkpointed,
+    dict(trigger="checkpoint", source=TRAINING, dest=State.checkpointed,
          conditions="should_checkpoint", unless="async_save", before="persist_checkpoint"),
     # --async-checkpoint: the loop and the writer part here. The state is copied into host
     # staging buffers and a writer thread writes, hashes, fsyncs and commits it while the loop
     # trains on; nothing is claimed on disk yet (snapshotted is not persisted in state.json).
-    # No checkpoint begins from snapshotted: at most one is in flight.
-    dict(trigger="checkpoint", source=STEPPING, dest=State.snapshotted,
+    # Only `land` leaves snapshotted: at most one checkpoint in flight, and no gate or logged kill
+    # before it landed (a SIGKILL logs nothing; the previous checkpoint stands).
+    dict(trigger="checkpoint", source=TRAINING, dest=State.snapshotted,
          conditions=["should_checkpoint", "async_save"], before="hand_off"),
     # ...and meet here, at the first step boundary after the commit is durable (or at a due
-    # checkpoint, the gate or a stop, which wait for it): only now is `checkpointed` logged. A
+    # checkpoint, the gate or a stop, which wait for it: back-pressure): only now is `checkpointed` logged. A
     # write that failed raises its error from the guard, on the main thread: exit 75.
     dict(trigger="land", source=State.snapshotted, dest=State.checkpointed,
          conditions="commit_landed", before="persist_landed"),
