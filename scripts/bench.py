@@ -645,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="trainer: the Linear's width (4096: a 128 MiB state with momentum; 0 skips the section)")
     ap.add_argument("--trainer-steps", type=int, default=40, help="trainer: steps in the whole run")
     ap.add_argument("--trainer-every", type=int, default=10, help="trainer: a checkpoint every this many steps")
-    ap.add_argument("--async-steps", type=int, default=24, help="async: steps in each run")
+    ap.add_argument("--async-steps", type=int, default=32,
+                    help="async: steps in each run (enough checkpoints that the first landing's one-off state.json write is amortised)")
     ap.add_argument("--async-every", type=int, default=4,
                     help="async: a checkpoint every this many steps (pick it so the writer keeps up: the table says)")
     ap.add_argument("--only", choices=("all", "trainer", "async"), default="all", help="run every section, or one")
