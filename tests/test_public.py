@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import trainjob
 from trainjob import errors
@@ -15,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Adding a name is a promise to keep it: add it here too. Removing one breaks users.
 PUBLIC = [
     "__version__",
+    "Run", "Stateful",
     "Factory", "Score", "State", "Trainer",
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
     "RankTimeout",
@@ -30,6 +35,16 @@ def test_all_is_pinned():
 
 def test_every_public_name_resolves():
     assert [name for name in trainjob.__all__ if not hasattr(trainjob, name)] == []
+
+
+@pytest.mark.process
+def test_import_trainjob_loads_no_engine_until_run_is_used():
+    """``trainjob.Run`` is imported lazily: `trainjob k8s render` must start without numpy or
+    transitions (tests/test_layers.py), and the package's __init__ is imported first."""
+    code = ("import sys, trainjob; assert 'transitions' not in sys.modules, 'eager'; "
+            "trainjob.Run; assert 'transitions' in sys.modules; print(trainjob.Run.__module__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "trainjob.engine.run", done.stderr
 
 
 def test_every_error_trainjob_raises_is_public():
