@@ -167,33 +167,39 @@ def peers(directory: Path, repeat: int) -> dict[str, list[float]]:
 def engine(mode: str, directory: Path, steps: int, every: int, out: Path) -> None:
     """``trainjob run`` on this model in this process, its loop's checkpoint calls timed."""
     from trainjob import cli
-    from trainjob.engine import job
+    from trainjob.engine.run import Run
 
     timed: dict = {"save_s": [], "between_s": 0.0, "end_s": 0.0}
-    real_train = job.train
 
-    def train(cfg, trainer, peers, step, save, end, progress=None, between=None):
-        def timed_save(*args):
-            t0 = time.perf_counter()
-            save(*args)
-            timed["save_s"].append(time.perf_counter() - t0)
+    def timer(name: str, key: str, each: bool):
+        real = getattr(Run, name)
 
-        def timed_between():
-            t0 = time.perf_counter()
-            between()
-            timed["between_s"] += time.perf_counter() - t0
-
-        def timed_end(*args):
+        def wrapper(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return end(*args)
+                return real(*args, **kwargs)
             finally:
-                timed["end_s"] = time.perf_counter() - t0
+                if each:
+                    timed[key].append(time.perf_counter() - t0)
+                else:
+                    timed[key] += time.perf_counter() - t0
 
-        return real_train(cfg, trainer, peers, step, timed_save, timed_end, progress,
-                          timed_between if between is not None else None)
+        setattr(Run, name, wrapper)
 
-    job.train = train
+    timer("_save", "save_s", True)  # a due step: a whole synchronous save, or the hand-off + back-pressure
+    timer("_between", "between_s", False)  # after every step: the async landing
+    timer("gate", "end_s", False)  # the end: the gate ...
+    real_settle = Run._settle
+
+    def settle(self, release=False):  # ... and the async drain of the last checkpoint before it
+        t0 = time.perf_counter()  # (a settle without release is back-pressure, inside _save's time)
+        try:
+            return real_settle(self, release)
+        finally:
+            if release:
+                timed["end_s"] += time.perf_counter() - t0
+
+    Run._settle = settle
     flags = ["--async-checkpoint"] if mode == "async" else []
     t0 = time.perf_counter()
     code = cli.main(["run", "--pvc", str(directory / "pvc"), "--steps", str(steps), "--ckpt-every", str(every),

@@ -1,18 +1,20 @@
-"""Kill ``trainjob run ARGS`` before every one of its I/O calls, each in a fork of one process.
+"""Kill ``trainjob run ARGS`` (or a script) before every one of its I/O calls, each in a fork.
 
-    python tests/forked_killpoints.py PVC_ROOT run ARGS...     (ARGS without --pvc)
+    python tests/forked_killpoints.py PVC_ROOT run ARGS...          (ARGS without --pvc)
+    python tests/forked_killpoints.py PVC_ROOT SCRIPT.py ARGS...    (a script taking --pvc: an own loop)
 
 The same harness as tests/killpoint.py (SIGKILL just before the Nth write, fsync or rename), for
 trainers whose import is slow (torch): this process imports trainjob and the trainer's modules
 once, and every trial is a fork: a clean run to count the calls and keep its artifact, then for
 each N a run killed before call N and a relaunch. Nothing is computed here before a fork, so no
 thread pool is inherited. Prints one JSON object: the count and, per N, how the killed run ended,
-whether its log already said ``completed``, the relaunch's exit code and whether the artifacts
-are then the clean run's bytes.
+whether its log already said ``completed``, the relaunch's exit code, whether the artifacts
+are then the clean run's bytes, and the attempt number the PVC then holds.
 """
 
 import json
 import os
+import runpy
 import sys
 from pathlib import Path
 
@@ -38,7 +40,14 @@ def forked(pvc: Path, kill_at: int | None) -> tuple[int, int]:
         os.dup2(devnull, 2)
         code = 70
         try:
-            code = cli.main([argv[0], "--pvc", str(pvc), *argv[1:]])
+            if argv[0].endswith(".py"):  # a script: it ends with sys.exit(run.exit_code)
+                sys.argv = [argv[0], "--pvc", str(pvc), *argv[1:]]
+                try:
+                    runpy.run_path(argv[0], run_name="__main__")
+                except SystemExit as end:
+                    code = end.code if isinstance(end.code, int) else 70
+            else:
+                code = cli.main([argv[0], "--pvc", str(pvc), *argv[1:]])
         finally:
             real_write(write, str(counted()).encode())
             os._exit(code)
@@ -63,5 +72,5 @@ for n in range(count):
     logged_completed = log.is_file() and '"event":"completed"' in log.read_text(errors="replace")
     relaunch, _ = forked(pvc, None)
     trials.append({"n": n, "killed": killed, "relaunch": relaunch, "logged_completed": logged_completed,
-                   "same_bytes": artifacts(pvc) == reference})
+                   "same_bytes": artifacts(pvc) == reference, "attempts": (pvc / "attempts").read_text().strip()})
 print(json.dumps({"clean": code, "count": count, "artifacts": sorted(reference), "trials": trials}))

@@ -9,11 +9,11 @@ import pkgutil
 import pytest
 
 import trainjob
-from trainjob import cli
+from trainjob import cli, exits
 from trainjob.errors import (InputError, NoSpace, Refused, TrainJobError, TryAgainLater, UsageError,
                              os_errors)
 
-EXIT_BASES = [base for base in cli.EXIT_FOR_ERROR if base is not TrainJobError]
+EXIT_BASES = [base for base in exits.EXIT_FOR_ERROR if base is not TrainJobError]
 
 
 def every_error_class() -> list[type[TrainJobError]]:
@@ -38,13 +38,13 @@ def test_every_error_class_has_exactly_one_exit_code_base():
     for kind in classes:
         bases = [base for base in EXIT_BASES if issubclass(kind, base)]
         assert len(bases) == 1, f"{kind.__name__} has exit-code bases {bases}"
-        assert cli.exit_code_for(kind) == cli.EXIT_FOR_ERROR[bases[0]]
+        assert exits.exit_code_for(kind) == exits.EXIT_FOR_ERROR[bases[0]]
 
 
 def test_the_exit_codes_of_the_bases():
-    assert cli.exit_code_for(UsageError) == cli.exit_code_for(InputError) == cli.EXIT_USAGE == 2
-    assert cli.exit_code_for(NoSpace) == cli.EXIT_RELAUNCH == 75
-    assert cli.exit_code_for(TrainJobError) == cli.EXIT_INTERNAL == 70
+    assert exits.exit_code_for(UsageError) == exits.exit_code_for(InputError) == exits.EXIT_USAGE == 2
+    assert exits.exit_code_for(NoSpace) == exits.EXIT_RELAUNCH == 75
+    assert exits.exit_code_for(TrainJobError) == exits.EXIT_INTERNAL == 70
 
 
 def test_each_error_also_is_the_builtin_it_resembles():

@@ -4,8 +4,13 @@ the package metadata's, and the examples and docs import only what is public."""
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import trainjob
 from trainjob import errors
@@ -15,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # Adding a name is a promise to keep it: add it here too. Removing one breaks users.
 PUBLIC = [
     "__version__",
+    "Run", "Stateful",
     "Factory", "Score", "State", "Trainer",
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
     "RankTimeout",
@@ -33,6 +39,16 @@ def test_every_public_name_resolves():
     assert [name for name in trainjob.__all__ if not hasattr(trainjob, name)] == []
 
 
+@pytest.mark.process
+def test_import_trainjob_loads_no_engine_until_run_is_used():
+    """``trainjob.Run`` is imported lazily: `trainjob k8s render` must start without numpy or
+    transitions (tests/test_layers.py), and the package's __init__ is imported first."""
+    code = ("import sys, trainjob; assert 'transitions' not in sys.modules, 'eager'; "
+            "trainjob.Run; assert 'transitions' in sys.modules; print(trainjob.Run.__module__)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "trainjob.engine.run", done.stderr
+
+
 def test_every_error_trainjob_raises_is_public():
     tree = {name for name, obj in vars(errors).items() if isinstance(obj, type) and issubclass(obj, TrainJobError)}
     assert tree - set(trainjob.__all__) == set()
@@ -48,3 +64,48 @@ def test_examples_readme_and_docs_import_only_the_public_surface():
     imported = {(p.name, m) for p in texts
                 for m in re.findall(r"^\s*(?:from|import)\s+(trainjob[\w.]*)", p.read_text(), re.M)}
     assert {(name, m) for name, m in imported if m not in PUBLIC_MODULES} == set()
+
+
+USER_SCRIPT = """
+import sys
+import numpy as np
+import trainjob
+from trainjob import Run, Score, Stateful
+
+
+class Vector:
+    def __init__(self) -> None:
+        self.w = np.zeros(3)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"w": self.w}
+
+    def load_state_dict(self, arrays: trainjob.State) -> None:
+        self.w[...] = arrays["w"]
+
+
+state: Stateful = Vector()
+with Run("pvc", state=state, steps=STEPS, ckpt_every=1) as run:
+    for step in run:
+        run.report(float(step))
+    run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1), export=state.state_dict())
+code: int = run.exit_code
+sys.exit(code)
+"""
+
+
+@pytest.mark.process
+def test_the_public_api_type_checks_as_a_users_script_under_mypy_strict(tmp_path):
+    pytest.importorskip("mypy")
+
+    def mypy(steps: str) -> subprocess.CompletedProcess:
+        script = tmp_path / "own_loop.py"
+        script.write_text(USER_SCRIPT.replace("STEPS", steps))
+        return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent",
+                               "--cache-dir", str(tmp_path / "cache"), str(script)],
+                              env={**os.environ, "MYPYPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+
+    good = mypy("3")
+    assert good.returncode == 0, good.stdout
+    bad = mypy('"3"')  # the checker must see trainjob's hints, not Any
+    assert bad.returncode == 1 and 'Argument "steps" to "Run" has incompatible type "str"' in bad.stdout

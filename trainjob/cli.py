@@ -1,24 +1,13 @@
 """The command line: parses arguments, calls the engine, and turns every outcome into an exit code.
 
-This is the only place that knows exit codes:
+The codes themselves, and which error and which final state gets which, are ``exits.py``'s (the
+one table, shared with the engine's ``Run``). Output that cannot be written (stdout closed with
+``>&-``) is an error too. The same contract read the other ways lives here: how ``supervise``
+reads its child's exit code and which code it exits with, and which Job action ``k8s render``
+gives each code.
 
-    0   completed (``verify``: everything verifies; ``reshard``: the new checkpoint is committed)
-    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path,
-        replay, which still writes its page);
-        ``verify``: something that matters does not verify
-    2   usage or input error (bad flag, missing or invalid file, already-completed PVC, no
-        checkpoint verifies, world-size mismatch; under ``--idempotent``, a completed PVC whose
-        artifact fails its logged sha256)
-    75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in
-        time: safe to relaunch
-    70  an unexpected internal error (a bug in trainjob, never an honest failure), including an
-        error no exit-code base classifies
-
-Errors map to codes by the one exit-code base each subclasses (``EXIT_FOR_ERROR``; errors.py
-draws the tree). Output that cannot be written (stdout closed with ``>&-``) is an error too.
-
-The same contract read the other ways lives here too: how ``supervise`` reads its child's exit
-code and which code it exits with, and which Job action ``k8s render`` gives each code.
+``trainjob run`` is one client of the engine's ``Run`` (``train`` below drives a Trainer through
+it), as a user's own training script is another.
 """
 
 from __future__ import annotations
@@ -43,34 +32,22 @@ from .deploy import k8s
 from .views import plot, replay_page
 from .trainers import protocol
 from .trainers.datasets import DATASETS
-from .errors import (InputError, Refused, TrainJobError, TryAgainLater, UsageError, one_line, open_regular,
-                     os_errors)
-from .storage.eventlog import EventLog, more_skipped
-from .engine.job import RunConfig, StopFlag, follow, run
+from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
+from .storage.eventlog import EventLog, check_writable, more_skipped
+from .engine.job import ARTIFACT_FORMATS, RunConfig, StopFlag
+from .engine.run import DEFAULT_LOG, Run
 from .views.history import legal_path, replay
 from .engine.progress import Progress
-from .storage.pvc import Pvc, atomic_write, make_dir, refuse_symlink
+from .storage.pvc import Pvc, atomic_write, check_path, make_dir
 from .ranks.identity import resolve_rank
 from .ranks.launcher import launch_local
 from .engine.reshard import Reshard
 from .views.status import summarize
 from .deploy.supervise import SuperviseSettings, supervise
-from .views.verify import completed_job, verify_pvc
-from .states import State
+from .views.verify import verify_pvc
+from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
+                    exit_code_for)
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
-
-# Errors by the exit-code base they subclass (errors.py draws the tree; each class has exactly
-# one of these bases). A bare TrainJobError is unclassified: a bug, never an honest failure.
-EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
-    Refused: EXIT_USAGE,           # UsageError, InputError and its kin: retrying cannot help
-    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, WriteTimeout, Superseded
-    TrainJobError: EXIT_INTERNAL,
-}
-# Where the machine (or a log) ended -> exit code. Anything still training was cut short.
-EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, State.job_failed: EXIT_FAILED,
-                  State.killed: EXIT_RELAUNCH}
-DEFAULT_LOG = "log.jsonl"
 
 # `supervise` reads its child's exit code through this table; any other code (70, a signal, an
 # OOM kill) is a crash. It exits with the code for how the last start ended.
@@ -230,23 +207,6 @@ def cmd_gen(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _check_log(path: Path) -> None:
-    """Fail before anything is created, not at the first announcement, when the log can never be
-    written: a directory, a symlink, a device (/dev/null, /dev/full), a FIFO, a file that cannot
-    be fsynced. A log that does not exist yet is created by the first append."""
-    if path.is_dir():
-        raise InputError(f"{path}: --log must be a file, but this is a directory")
-    refuse_symlink(path)
-    if not os.path.lexists(path):
-        return
-    with os_errors(path, "cannot use as the log", InputError):
-        fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
-        try:
-            os.fsync(fd)  # a log that cannot be made durable breaks the log's one promise
-        finally:
-            os.close(fd)
-
-
 def _run_config(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
     return RunConfig(steps=args.steps, ckpt_every=args.ckpt_every, lr=args.lr, max_drop=args.max_drop,
                      backoff_limit=args.backoff_limit, die_at=args.die_at, force_weights=args.force_weights,
@@ -279,23 +239,37 @@ def cmd_run(args: argparse.Namespace) -> int:
     if spec.rank is None:
         return launch(spec.world_size, args.argv)
     stop = StopFlag()
-    stop.install()
-    model = protocol.build(args.trainer, args.data, cfg.lr)
-    pvc = Pvc(args.pvc)
-    log_path = _log_path(args)
-    _check_log(log_path)
-    pvc.create()
-    with os_errors(log_path.parent, "cannot create the log's directory", InputError):
-        make_dir(log_path.parent)
-    with pvc.lock(spec.rank):  # stray tmp files and directories are removed (and logged) by run
-        if args.idempotent and (done := completed_job(pvc, log_path)) is not None:
-            emit(f"trainjob run: {done.line()}")
-            return EXIT_OK
-        if spec.rank == 0:
-            final = run(cfg, pvc, EventLog(log_path), model, stop, Progress.for_stream(sys.stderr, cfg.steps))
-        else:
-            final = follow(cfg, pvc, model, stop, spec.rank)
-    return EXIT_FOR_STATE.get(final, EXIT_RELAUNCH)
+    stop.install()  # before the trainer is built: a SIGTERM while it loads still ends in a checkpoint and 75
+    trainer = protocol.build(args.trainer, args.data, cfg.lr)
+    force = getattr(trainer, "force_weights", None)
+    if cfg.force_weights is not None and not callable(force):
+        raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
+                         "(a teaching hook of the linear trainer)")
+    artifact_format = getattr(trainer, "artifact_format", "safetensors")
+    if artifact_format not in ARTIFACT_FORMATS:
+        raise UsageError(f"trainer {cfg.trainer!r}: artifact_format is {artifact_format!r}; "
+                         f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
+    run = Run(args.pvc, state=trainer, log=_log_path(args), rank=spec.rank, world_size=spec.world_size,
+              idempotent=args.idempotent, artifact_format=artifact_format, data_sha256=trainer.data_sha256,
+              progress=Progress.for_stream(sys.stderr, cfg.steps) if spec.rank == 0 else None,
+              raise_errors=True, stop=stop, **_run_settings(cfg))
+    with run:
+        for step in run:
+            run.report(trainer.step(step))
+        if run.gate_due:
+            if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
+                force(cfg.force_weights)
+            run.gate(export=trainer.export(), holdout=trainer.evaluate(), baseline=trainer.baseline())
+    if run.completion is not None:
+        emit(f"trainjob run: {run.completion.line()}")
+    return run.exit_code
+
+
+def _run_settings(cfg: RunConfig) -> dict[str, object]:
+    """``Run``'s settings from the command line's, by their names there."""
+    return dict(steps=cfg.steps, ckpt_every=cfg.ckpt_every, lr=cfg.lr, max_drop=cfg.max_drop,
+                backoff_limit=cfg.backoff_limit, die_at=cfg.die_at, keep=cfg.keep, rank_timeout=cfg.rank_timeout,
+                name=cfg.trainer, async_checkpoint=cfg.async_checkpoint)
 
 
 def launch(world_size: int, argv: Sequence[str]) -> int:
@@ -328,7 +302,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     pvc = Pvc(args.pvc)
     if not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
-    _check_log(_log_path(args))
+    check_writable(_log_path(args))
     with pvc.lock():
         job = Reshard(pvc, EventLog(_log_path(args)), spec.world_size, args.step)
         if job.target_exists():
@@ -338,11 +312,6 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     emit(f"wrote checkpoints/{job.target.name} (step {job.target.step}, world size {job.target.world_size}) "
          f"from checkpoints/{job.source.name}, which stays until rotation removes it")
     return EXIT_OK
-
-
-def exit_code_for(error: type[TrainJobError]) -> int:
-    """The exit code of the first exit-code base in the error's method resolution order."""
-    return next(EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR)
 
 
 def emit(output: str | Sequence[str] | bytes) -> None:
@@ -415,7 +384,7 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     settings.check()
     stop = StopFlag()
     stop.install()
-    _check_log(_log_path(run_args))
+    check_writable(_log_path(run_args))
     log = EventLog(_log_path(run_args), source=policy.SOURCE)
     # --idempotent: a start after the job completed (a late kill, a second supervisor) finds it
     # done and exits 0, instead of the refusal (2) a person at a terminal gets.
@@ -478,16 +447,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Every path argument, before any work: a name the OS refuses (a component longer than the
-    file system allows, a file where a directory should be, a symlink loop) is bad input, one
-    line and exit 2, not an OSError from deep inside. A path that does not exist yet is fine."""
+    """Every path argument, before any work (``pvc.check_path``)."""
     for value in vars(args).values():
         if isinstance(value, Path):
-            with os_errors(value, "unusable path", InputError):
-                try:
-                    os.lstat(value)
-                except FileNotFoundError:
-                    pass
+            check_path(value)
 
 
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,

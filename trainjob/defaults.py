@@ -16,5 +16,3 @@ BACKOFF_LIMIT = 2
 # --async-checkpoint: the longest the loop waits for a background write before it gives up with
 # exit 75 (the previous checkpoint stands): bounded, never a hang, yet above a slow disk's minutes.
 ASYNC_WRITE_TIMEOUT = 600.0
-# How long a run ending on an error lets a write in flight finish before it exits anyway.
-ASYNC_CLOSE_GRACE = 10.0

@@ -1,7 +1,9 @@
-"""The engine: the state machine and the job that drives it, one rank at a time.
+"""The engine: the state machine, and the launch that drives it from a training loop.
 
 Owns the transition table (``machine.py``, the single source of truth), the pure decisions its
-guards call (``decisions.py``), the job that persists before it announces and runs the training
-loop (``job.py``), ``trainjob reshard`` and the progress line. Must not map errors to exit codes
-(``cli.py`` does) nor know which trainer it drives beyond the protocol. Start with ``machine.py``.
+guards call (``decisions.py``), the job, the machine's model that persists before it announces
+(``job.py``), ``Run``, one launch around any training loop, the CLI's or a user's (``run.py``),
+the idempotent-completion check (``completion.py``), ``trainjob reshard`` and the progress line.
+Must not map errors to exit codes by itself (``exits.py`` does) nor know which model it drives
+beyond the Stateful protocol. Start with ``machine.py``, then ``run.py``.
 """

@@ -1,18 +1,13 @@
-"""The engine: drives one rank's share of a training job.
+"""The engine: the state machine's model for one job, and what a launch is configured with.
 
-``run`` is rank 0, the coordinator: it loads what the PVC holds, lets the machine decide how
-this launch begins, trains step by step, commits checkpoints and hands the result to the gate.
-``follow`` is every other rank: it joins rank 0's launch through the PVC, trains the same steps
-and writes its own shard of each checkpoint. Both share ``train``, the step loop.
+``Job`` is the machine's model for rank 0 (the coordinator): its guards ask the pure functions in
+``decisions.py``, its ``persist_*`` callbacks write to the PVC (checkpoints through the stores,
+state through ``Pvc``), and its ``announce*`` callbacks append log events. ``run.py`` drives it
+from a training loop; nothing else writes a file or a log line for a job.
 
-``Job`` is the machine's model: its guards ask the pure functions in ``decisions.py``, its
-``persist_*`` callbacks write to the PVC, and its ``announce*`` callbacks append log events.
-The engine never writes a file or a log line itself.
-
-The model is a ``Trainer`` (trainers/protocol.py), a Stateful object: the engine asks it for a
-step, two scores and its exported arrays, and reads its ``state_dict()`` (model and optimizer)
-only when a checkpoint is due, through ``snapshot.HostState`` (host arrays, no copy of what is
-already in host memory); it keeps no copy between checkpoints, only the step and the loss.
+The state a checkpoint holds is read from the trainer's ``state_dict()`` only when one is due,
+through ``snapshot.HostState`` (host arrays, no copy of what is already in host memory); the
+engine keeps no copy between checkpoints, only the step and the loss.
 
 Every rank computes the same full update (SGD over the same samples in the same order is
 sequential, so splitting the arithmetic would change the numbers); each rank *persists* only its
@@ -39,21 +34,16 @@ from ..checkpoint import plan
 from ..checkpoint import shards
 from . import machine
 from .overlap import AsyncCheckpoints
-from ..checkpoint.background import BackgroundSaver
-from ..checkpoint.store import Committer, Loaded, ShardWriter
-from ..defaults import ASYNC_CLOSE_GRACE, ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, Superseded, TryAgainLater,
-                     UsageError, WorldSizeMismatch)
+from ..checkpoint.store import Committer, Loaded
+from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
+from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, UsageError, WorldSizeMismatch
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
-from ..ranks.coordination import Coordination, Coordinator, Follower
-from ..ranks.peers import PvcCoordinator, PvcFollower
-from ..records import (MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, Session, dumps,
-                       load)
+from ..ranks.coordination import Coordinator
+from ..records import MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, dumps, load
 from ..checkpoint.snapshot import HostState
 from ..states import State as JobState
-from ..trainers.protocol import Trainer, check_loss, check_resumable, restore
 
 
 @attrs.frozen
@@ -71,13 +61,14 @@ class RunConfig:
     trainer: str = "linear"
     async_checkpoint: bool = False  # write checkpoints on a thread while training goes on (overlap.py)
 
-    def check(self) -> None:
-        """Raise UsageError for settings that cannot work, naming the flag and what to change."""
+    def check(self, lr_required: bool = True) -> None:
+        """Raise UsageError for settings that cannot work, naming the flag and what to change.
+        ``lr_required=False``: an own loop that names no learning rate (recorded as 0)."""
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
         if self.ckpt_every < 1:
             raise UsageError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
-        if not (self.lr > 0 and self.lr < float("inf")):
+        if (lr_required or self.lr != 0) and not (self.lr > 0 and self.lr < float("inf")):
             raise UsageError(f"--lr must be a positive finite number, got {self.lr}")
         if not 0 <= self.max_drop <= 100:
             raise UsageError(f"--max-drop is a percentage from 0 to 100, got {self.max_drop}")
@@ -122,9 +113,14 @@ class StopFlag:
     def __init__(self) -> None:
         self.signal: str | None = None
 
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+    def install(self) -> Callable[[], None]:
+        """Catch SIGTERM and SIGINT from now on; returns what puts the previous handlers back."""
+        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+        def uninstall() -> None:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return uninstall
 
     def _handle(self, signum: int, _frame: Any) -> None:
         self.signal = signal.Signals(signum).name
@@ -370,205 +366,3 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def announce(self, ev: EventData) -> None:
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
-
-
-Save = Callable[[int, int, bool], None]
-Between = Callable[[], None]
-End = Callable[[str, int], str]
-Progress = Callable[[int, int], None]
-
-
-def train(cfg: RunConfig, trainer: Trainer, peers: Coordination, step: int, save: Save, end: End,
-          progress: Progress | None = None, between: Between | None = None) -> str:
-    """The step loop every rank runs: the same updates everywhere, saves at the same steps.
-
-    The state stays in the trainer; ``save`` reads it when a checkpoint is due. A stop (SIGTERM
-    here or at any other rank) is agreed through ``peers``: every rank trains on to the largest
-    step any rank had reached, saves it, and ends there. ``between`` runs after every step (an
-    asynchronous checkpoint's landing is noticed there).
-    """
-    last_saved, target, loss = step, None, 0
-    peers.step = step
-    while True:
-        if target is None and peers.stop_wanted():
-            target = peers.agree_stop()
-        if step >= (cfg.steps if target is None else target):
-            break
-        step += 1
-        loss = decisions.loss_milli(check_loss(trainer.step(step), step))
-        peers.step = step
-        if progress is not None:
-            progress(step, loss)
-        if between is not None:
-            between()
-        if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
-            save(step, loss, step == target)
-            last_saved = step
-        if cfg.die_at == step:
-            return end("die", step)
-    if target is None and peers.stop_wanted():  # the stop came during the last step
-        target = peers.agree_stop()
-    if target is None:
-        return end("done", step)
-    if step > last_saved:  # save the step we finished before obeying the stop
-        save(step, loss, True)
-    return end("stop", step)
-
-
-def resume_into(trainer: Trainer, host: HostState, loaded: Loaded, where: str) -> None:
-    """Hand a verified checkpoint to the trainer, once it is known to hold exactly its arrays
-    (host arrays that were read in place are the trainer's own memory: its copy is a no-op)."""
-    assert host.specs is not None
-    check_resumable(host.specs, loaded.manifest.tensors, where)
-    restore(trainer, host.live(loaded.tensors))
-
-
-def run(cfg: RunConfig, pvc: Pvc, log: EventLog, trainer: Trainer, stop: StopFlag,
-        progress: Progress | None = None) -> str:
-    """Rank 0: run this launch of the job; return the state the machine ended in."""
-    force = getattr(trainer, "force_weights", None)
-    if cfg.force_weights is not None and not callable(force):
-        raise UsageError(f"--force-weights: trainer {cfg.trainer!r} does not support it "
-                         "(a teaching hook of the linear trainer)")
-    artifact_format = getattr(trainer, "artifact_format", "safetensors")
-    if artifact_format not in ARTIFACT_FORMATS:
-        raise UsageError(f"trainer {cfg.trainer!r}: artifact_format is {artifact_format!r}; "
-                         f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
-    peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    host = HostState()
-    initial = host.snapshot(trainer.state_dict(), 0)  # checks the state; host views of it
-    job = Job(cfg, pvc, log, trainer.data_sha256, peers)
-    job.read(into=initial)
-    # Before any write: a checkpoint holding other arrays than this trainer's, or a
-    # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
-    if job.loaded is not None and job.should_resume():
-        resume_into(trainer, host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
-    del initial  # the engine holds no reference to the state between checkpoints
-    if job.saver is not None:
-        job.saver.prepare(trainer.state_dict())  # the staging buffers, allocated before the loop
-    job.start()
-    loaded = job.loaded if job.state == JobState.resumed else None
-    checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
-    job.loaded = loaded = None  # its arrays are the trainer's now (or were never used)
-    if not peers.solo:
-        peers.publish(lambda g: Session(
-            generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
-            checkpoint=checkpoint, manifest_sha256=sha, settings=cfg.settings(trainer.data_sha256)))
-    try:
-        joined = peers.wait_joined()
-        if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
-            peers.finish(job.state)
-            return job.state
-        if not joined:  # stopped before every rank was here: nothing trained, nothing to save
-            job.kill(at_step=job.from_step, signal=stop.signal or peers.peer_signal())
-            peers.finish(job.state)
-            return job.state
-        peers.begin()
-
-        def save(step: int, loss: int, force: bool) -> None:
-            if job.saver is not None:  # --async-checkpoint: hand the state to the writer thread
-                job.settle()  # at most one in flight: wait for the previous one and announce it
-                job.checkpoint(step=step, live=trainer.state_dict(), loss_milli=loss, force=force)
-                return
-            arrays = host.snapshot(trainer.state_dict(), step)
-            job.checkpoint(step=step, state=arrays, specs=host.specs, loss_milli=loss, force=force)
-
-        def end(kind: str, step: int) -> str:
-            job.settle()  # a write in flight lands (and is logged) before the run ends
-            if job.saver is not None:
-                job.saver.release()  # the gate's export needs memory; the staging copy is done
-            if kind == "die":
-                job.kill(at_step=step)
-            elif kind == "stop":
-                job.kill(at_step=step, signal=stop.signal or peers.peer_signal())
-            else:
-                if cfg.force_weights is not None:  # teaching hook: make a finished run fail the gate
-                    force(cfg.force_weights)
-                job.gate(exported=trainer.export(), format=artifact_format, holdout=trainer.evaluate(),
-                         baseline=trainer.baseline())
-            return job.state
-
-        final = train(cfg, trainer, peers, job.from_step, save, end, progress,
-                      job.at_boundary if job.saver is not None else None)
-    except BaseException as exc:
-        if job.saver is not None:  # let a write in flight end (the next start removes what it left)
-            job.saver.close(ASYNC_CLOSE_GRACE)
-        peers.finish("error", f"{type(exc).__name__}: {exc}")
-        raise
-    peers.finish(final)
-    return final
-
-
-def follow(cfg: RunConfig, pvc: Pvc, trainer: Trainer, stop: StopFlag, rank: int) -> str:
-    """Rank >= 1: join rank 0's launch, train the same steps, write this rank's shards.
-
-    Returns the state rank 0 ended the launch in; this rank's exit code follows it.
-    """
-    peers = PvcFollower(pvc, rank, cfg.world_size, cfg.rank_timeout, lambda: stop.signal)
-    store = ShardWriter(pvc)
-    settings, skip = cfg.settings(trainer.data_sha256), set()
-    while True:
-        session = peers.join(settings, skip)
-        if not peers.begun():  # rank 0 ended the launch before it began: exit as it did
-            return peers.read_outcome().state  # type: ignore[union-attr]
-        try:
-            return _follow_generation(cfg, trainer, peers, store, session, rank)
-        except Superseded:
-            skip.add(session.generation)  # rank 0 relaunched: rejoin its new generation
-
-
-def _follow_generation(cfg: RunConfig, trainer: Trainer, peers: Follower, store: ShardWriter,
-                       session: Session, rank: int) -> str:
-    host = HostState()
-    initial = host.snapshot(trainer.state_dict(), 0)
-    # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
-    # before this rank's first shard: a checkpoint that fails here really is damaged.
-    if session.checkpoint:
-        loaded = store.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                            into=initial)
-        resume_into(trainer, host, loaded, session.checkpoint)
-        del loaded
-    del initial
-
-    def write(step: int, arrays: dict[str, np.ndarray]) -> int:
-        ref = Ref(attempt=session.attempt, step=step, world_size=cfg.world_size)
-        staging = store.staging(ref, session.generation)
-        peers.wait_staging(staging, step)
-        try:
-            entry = store.write_shard(staging, rank, cfg.world_size, step, arrays)
-            store.write_receipt(staging, entry)
-        except TryAgainLater:
-            peers.check_current()  # the staging directory went away with a stale generation
-            raise
-        return entry.size
-
-    saver = BackgroundSaver[int](ASYNC_WRITE_TIMEOUT) if cfg.async_checkpoint else None
-    if saver is not None:
-        saver.prepare(trainer.state_dict())  # the staging buffers, allocated before the loop
-
-    def settle() -> None:  # --async-checkpoint: wait for the write in flight; raise its error
-        if saver is not None and saver.in_flight:
-            saver.wait()
-            saver.take()
-
-    def save(step: int, _loss: int, _force: bool) -> None:
-        if saver is not None:  # at most one in flight: the staging buffers are reused
-            settle()
-            saver.hand_off(trainer.state_dict(), step, lambda arrays: write(step, arrays))
-            return
-        write(step, host.snapshot(trainer.state_dict(), step))  # before the staging directory: bad input writes nothing
-
-    def between() -> None:
-        if saver is not None and saver.landed():  # raises a failed write's error at this boundary
-            saver.take()
-
-    def end(_kind: str, _step: int) -> str:
-        settle()
-        return peers.wait_outcome().state
-
-    try:
-        return train(cfg, trainer, peers, session.from_step, save, end, None, between)
-    except BaseException:
-        if saver is not None:
-            saver.close(ASYNC_CLOSE_GRACE)
-        raise

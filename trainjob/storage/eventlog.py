@@ -23,11 +23,28 @@ import attrs
 
 from ..errors import InputError, open_regular, os_errors
 from ..records import Event, converter, load
-from .pvc import FILE_MODE
+from .pvc import FILE_MODE, refuse_symlink
 
 
 def utc_now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def check_writable(path: Path) -> None:
+    """Fail before anything is created, not at the first announcement, when the log can never be
+    written: a directory, a symlink, a device (/dev/null, /dev/full), a FIFO, a file that cannot
+    be fsynced. A log that does not exist yet is created by the first append."""
+    if path.is_dir():
+        raise InputError(f"{path}: the log must be a file, but this is a directory")
+    refuse_symlink(path)
+    if not os.path.lexists(path):
+        return
+    with os_errors(path, "cannot use as the log", InputError):
+        fd = open_regular(path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.fsync(fd)  # a log that cannot be made durable breaks the log's one promise
+        finally:
+            os.close(fd)
 
 
 class EventLog:

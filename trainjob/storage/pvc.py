@@ -201,6 +201,17 @@ def _flock(fd: int, unsupported_ok: bool = False) -> bool | None:
     return True
 
 
+def check_path(path: Path) -> None:
+    """A path given to trainjob, before any work: a name the OS refuses (a component longer than
+    the file system allows, a file where a directory should be, a symlink loop) is bad input, one
+    line and exit 2, not an OSError from deep inside. A path that does not exist yet is fine."""
+    with os_errors(path, "unusable path", InputError):
+        try:
+            os.lstat(path)
+        except FileNotFoundError:
+            pass
+
+
 def refuse_symlink(path: Path) -> None:
     if path.is_symlink():
         raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")

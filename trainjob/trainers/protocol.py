@@ -52,14 +52,20 @@ BUILTIN = {"linear": "trainjob.trainers.linear:make", "digits": "trainjob.traine
 METHODS = ("state_dict", "load_state_dict", "step", "evaluate", "baseline", "export")
 
 
-class Trainer(Protocol):
-    """For type checkers and readers; ``build`` checks the members at run time."""
-
-    data_sha256: str
+class Stateful(Protocol):
+    """What a checkpoint holds, as torch.distributed.checkpoint names it: the live state, handed
+    out by ``state_dict()`` when a checkpoint is due and filled in place by ``load_state_dict()``
+    at a resume. A ``trainjob.Run`` around your own loop needs only this."""
 
     def state_dict(self) -> State: ...
 
     def load_state_dict(self, arrays: State) -> None: ...
+
+
+class Trainer(Stateful, Protocol):
+    """For type checkers and readers; ``build`` checks the members at run time."""
+
+    data_sha256: str
 
     def step(self, step: int) -> float: ...
 
@@ -134,7 +140,7 @@ def check_loss(loss: float, step: int) -> float:
     return float(loss)
 
 
-def restore(trainer: Trainer, arrays: State) -> None:
+def restore(trainer: Stateful, arrays: State) -> None:
     """Hand a verified checkpoint to the trainer; its failure is bad input (exit 2), not a bug."""
     try:
         trainer.load_state_dict(arrays)

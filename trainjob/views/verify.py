@@ -6,34 +6,21 @@ takes no lock and changes nothing, so it is safe beside a running job (whose in-
 directory it reports as such). The verdict for the exit code: the newest committed checkpoint,
 the pointer and every artifact must verify.
 
-``completed_job`` is the narrow version an idempotent relaunch (``run --idempotent``) asks: is
-the job over, and does the artifact it published still match the hash its log recorded?
+Each artifact is checked by ``engine/completion.py``, which an idempotent relaunch asks too.
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import attrs
 
 from ..checkpoint import plan
-from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
-from ..engine import decisions
-from ..engine.job import artifact_names
-from ..engine.machine import parse_detail
-from ..errors import ArtifactUnverified, InputError
-from ..storage.eventlog import EventLog, read_log
 from ..checkpoint.plan import MANIFEST, Ref
+from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
+from ..engine.completion import Item, check_artifact, logged_artifacts
+from ..errors import InputError
 from ..storage.pvc import Pvc
-
-
-@attrs.frozen
-class Item:
-    kind: str      # checkpoint | pointer | artifact
-    path: str      # relative to the PVC
-    verdict: str   # ok | corrupt | partial | in-flight | set-aside | missing | unlogged | unknown
-    detail: str = ""
 
 
 @attrs.frozen
@@ -93,71 +80,9 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
             items.append(Item("pointer", "checkpoint.json", "missing", f"names {pointer.dir}, which is not there"))
             ok = False
 
-    logged = _logged_artifacts(log_path)
+    logged = logged_artifacts(log_path)
     on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
     for rel in sorted(set(logged) | set(on_disk)):
-        items.append(_check_artifact(pvc, rel, logged.get(rel)))
+        items.append(check_artifact(pvc, rel, logged.get(rel)))
         ok = ok and items[-1].verdict == "ok"
     return Report(items=items, ok=ok)
-
-
-def _logged_artifacts(log_path: Path) -> dict[str, str]:
-    """Each artifact's path -> the sha256 its ``artifact_written`` event recorded."""
-    logged: dict[str, str] = {}
-    if log_path.is_file():
-        for line in read_log(log_path):
-            if line.event is not None and line.event.event == "artifact_written":
-                fields = parse_detail("artifact_written", line.event.detail)
-                if fields is not None:
-                    logged[fields["path"]] = fields["sha256"]
-    return logged
-
-
-def _check_artifact(pvc: Pvc, rel: str, logged_sha256: str | None) -> Item:
-    """One artifact against the hash the log recorded for it (None: the log records none)."""
-    try:
-        raw = pvc.read_bytes(pvc.root / rel) if plan.plain_name(rel.removeprefix("artifacts/")) else None
-    except InputError as exc:  # a symlink, unreadable: never followed, reported
-        return Item("artifact", rel, "corrupt", str(exc))
-    if logged_sha256 is None:
-        return Item("artifact", rel, "unlogged", "no artifact_written event in the log records its sha256")
-    if raw is None:
-        return Item("artifact", rel, "missing", f"the log records sha256={logged_sha256}")
-    if hashlib.sha256(raw).hexdigest() != logged_sha256:
-        return Item("artifact", rel, "corrupt", f"sha256 differs from the log's {logged_sha256[:12]}...")
-    return Item("artifact", rel, "ok", f"sha256={logged_sha256}")
-
-
-@attrs.frozen
-class Completion:
-    """A completed job found by a relaunch: the attempt that completed and its verified artifact."""
-
-    attempt: int
-    artifact: Item
-
-    def line(self) -> str:
-        return (f"already completed (attempt {self.attempt}): {self.artifact.path} verified, "
-                f"{self.artifact.detail}; nothing to do")
-
-
-def completed_job(pvc: Pvc, log_path: Path) -> Completion | None:
-    """The job this PVC holds, if it is over (state.json and the log both say ``completed``).
-
-    Raises ArtifactUnverified when it is over but its artifact is missing or fails the hash the
-    log recorded: success must not be reported for a model that cannot be trusted. Read-only.
-    """
-    last = pvc.read_state()
-    if not decisions.completion_announced(last.state if last else None,
-                                          EventLog(log_path).last_event() == "completed"):
-        return None
-    assert last is not None  # completion_announced needs a state
-    logged = _logged_artifacts(log_path)
-    names = [f"artifacts/{name}" for name in artifact_names(last.attempt)]  # json for the lab's model
-    rel = next((r for r in names if r in logged), names[0])
-    item = _check_artifact(pvc, rel, logged.get(rel))
-    if item.verdict != "ok":
-        raise ArtifactUnverified(
-            f"{pvc.root}: the job completed (attempt {last.attempt}) but {rel} is {item.verdict}: {item.detail}; "
-            f"the published model cannot be trusted: run `trainjob verify --pvc {pvc.root}`, then restore "
-            "the artifact or start over on a fresh --pvc")
-    return Completion(attempt=last.attempt, artifact=item)

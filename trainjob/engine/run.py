@@ -1,0 +1,468 @@
+"""The engine's driver: one launch of a job, driven by a training loop, yours or the CLI's.
+
+    with trainjob.Run("pvc", state=model, steps=1000, ckpt_every=100) as run:
+        for step in run:              # from the step a resume found, to the last (or an agreed stop)
+            run.report(train_step(step))
+        run.gate(holdout=..., baseline=..., export=...)
+    sys.exit(run.exit_code)
+
+Entering takes the rank's identity (torchrun's RANK and WORLD_SIZE), the PVC lock, and lets the
+machine decide how this launch begins (resume, fresh attempt, or job_failed: ``Job``); the ranks
+join. Iterating yields each step to train; after the body, the step's checkpoint when one is
+due, and on a stop (SIGTERM or SIGINT at any rank) the agreed last step is saved and the loop
+ends. ``gate`` is the drift gate and the published artifact. Leaving ends the launch. Every end
+is a state on the PVC and an exit code (``exits.py``); ``trainjob run`` is a client of this
+class (cli.py's ``train``), so a script gets exactly the CLI's guarantees and log.
+
+Misuse, each with its end (the attempt stays in flight on the PVC, resumable from its newest
+checkpoint, and nothing half-written counts):
+
+    an exception in the loop body       its exit code (a TrainJobError's; 70 for any other), no
+                                        checkpoint of the step it interrupted
+    a step ended without ``report``,    UsageError, exit 2
+    ``report`` twice in one step
+    a ``break`` out of the loop, or     UsageError, exit 2: the steps since the last checkpoint
+    leaving without ``gate`` when due   are not saved, and a relaunch resumes
+    ``gate`` before the last step       UsageError, exit 2
+
+The ``with`` block ends every error in ``exit_code``: it prints the error in one line (a bug's
+traceback in full) and does not re-raise it, because an uncaught exception would exit 1, which
+here means an honest failure. ``raise_errors=True`` re-raises instead (the CLI maps it itself).
+
+Must not: write a file or a log line itself (``Job``'s callbacks and the stores do), or decide
+how a launch begins (the machine does, through ``decisions.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import attrs
+
+from . import decisions, machine
+from .completion import Completion, completed_job
+from .job import ARTIFACT_FORMATS, Job, RunConfig, StopFlag
+from ..checkpoint.background import BackgroundSaver
+from ..checkpoint.plan import Ref
+from ..checkpoint.snapshot import HostState
+from ..checkpoint.store import Loaded, ShardWriter
+from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
+from ..errors import InputError, Superseded, TrainJobError, TryAgainLater, UsageError, one_line, os_errors
+from ..exits import exit_code_for, exit_code_for_state
+from ..ranks.identity import resolve_rank
+from ..ranks.peers import PvcCoordinator, PvcFollower
+from ..records import Score, Session
+from ..states import State as JobState
+from ..storage.eventlog import EventLog, check_writable
+from ..storage.pvc import Pvc, check_path, make_dir
+from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
+
+DEFAULT_LOG = "log.jsonl"
+# A run that names no data: the empty input's hash, so a resume cannot tell other data apart.
+NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+
+Progress = Callable[[int, int], None]
+
+
+def resume_into(stateful: Stateful, host: HostState, loaded: Loaded, where: str) -> None:
+    """Hand a verified checkpoint to the live state, once it is known to hold exactly its arrays
+    (host arrays that were read in place are the state's own memory: its copy is a no-op)."""
+    assert host.specs is not None
+    check_resumable(host.specs, loaded.manifest.tensors, where)
+    restore(stateful, host.live(loaded.tensors))
+
+
+class Run:
+    """One launch of a training job around your own loop, with every guarantee `trainjob run` gives.
+
+    ``state`` is the Stateful object a checkpoint holds (``state_dict()`` / ``load_state_dict()``:
+    your model and optimizer; see docs/trainers.md). The settings are `trainjob run`'s flags:
+    ``steps``, ``ckpt_every``, ``max_drop`` (the gate's percentage), ``backoff_limit``, ``keep``,
+    ``rank_timeout``, ``die_at`` (the lab's kill hook). ``lr`` and ``data_sha256`` pin what an
+    attempt trains on: a resume with another value is refused (exit 2); left out, they are not
+    checked. ``name`` is recorded in the artifact and must match across ranks. ``rank`` and
+    ``world_size`` default to torchrun's environment (one rank otherwise); ``log`` to
+    ``<pvc>/log.jsonl``. ``idempotent``: a job that already completed, with an artifact that
+    still verifies, ends at once with exit 0 (``completion`` says so) instead of exit 2.
+    ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
+    background thread while the loop trains on (README: when to choose it; overlap.py).
+    """
+
+    def __init__(self, pvc: str | os.PathLike[str], *, state: Stateful, steps: int, ckpt_every: int,
+                 lr: float | None = None, data_sha256: str | None = None, max_drop: int = 20,
+                 backoff_limit: int = BACKOFF_LIMIT, keep: int = 3, log: str | os.PathLike[str] | None = None,
+                 rank: int | None = None, world_size: int | None = None, rank_timeout: float = 60.0,
+                 idempotent: bool = False, artifact_format: str = "safetensors", name: str = "own-loop",
+                 die_at: int | None = None, progress: Progress | None = None, raise_errors: bool = False,
+                 stop: StopFlag | None = None, async_checkpoint: bool = False) -> None:
+        """Nothing is checked or touched here: entering the ``with`` does it, so that every error
+        ends in ``exit_code``. ``stop``: a StopFlag already installed (the CLI installs it before
+        it builds the trainer); by default the run installs its own while it is entered."""
+        self.pvc_path = Path(pvc)
+        self.log_path = Path(log) if log is not None else self.pvc_path / DEFAULT_LOG
+        self.stateful, self.data_sha256 = state, data_sha256 or NO_DATA_SHA256
+        self.lr_given = lr is not None
+        self.cfg = RunConfig(steps=steps, ckpt_every=ckpt_every, lr=lr if lr is not None else 0.0, max_drop=max_drop,
+                             backoff_limit=backoff_limit, die_at=die_at, keep=keep, rank_timeout=rank_timeout,
+                             trainer=name, world_size=world_size or 1, async_checkpoint=async_checkpoint)
+        self.rank, self.world_size = rank, world_size
+        self.idempotent, self.artifact_format, self.progress = idempotent, artifact_format, progress
+        self.raise_errors, self.stop = raise_errors, stop
+        # What happened: ``final`` is the machine's state once the launch ended; ``error`` the
+        # error that ended it instead; ``completion`` an idempotent start's finding.
+        self.final: str | None = None
+        self.error: BaseException | None = None
+        self.completion: Completion | None = None
+        self.from_step = 0
+        self._stack = ExitStack()
+        self._job: Job | None = None
+        self._peers: Any = None  # PvcCoordinator on rank 0, PvcFollower on the others
+        self._writer: ShardWriter | None = None
+        self._session: Session | None = None
+        self._skip: set[int] = set()  # generations a follower left (rank 0 relaunched)
+        self._host = HostState()
+        self._saver: BackgroundSaver[int] | None = None  # a follower's, with async_checkpoint (rank 0: the Job's)
+        self._launch_open = False  # rank 0 published a launch it has not finished
+        self._iterated = self._loop_over = self.gate_due = False
+        self._step: int | None = None  # the step the loop body is training
+        self._loss: int | None = None  # its reported loss, in thousandths
+
+    # --- entering ---------------------------------------------------------------------------
+
+    def __enter__(self) -> Run:
+        try:
+            self._enter()
+        except BaseException as exc:
+            self._end_with(exc)
+            if self.raise_errors or not isinstance(exc, Exception):
+                raise
+        return self
+
+    def _enter(self) -> None:
+        if self.stop is None:
+            self.stop = StopFlag()
+            self._stack.callback(self.stop.install())
+        spec = resolve_rank(self.rank, self.world_size, os.environ)
+        if spec.rank is None:
+            raise UsageError(f"world size {spec.world_size} needs one process per rank: launch the script "
+                             "with torchrun (it sets RANK and WORLD_SIZE), or pass rank=")
+        self.rank, self.world_size = spec.rank, spec.world_size
+        self.cfg = cfg = attrs.evolve(self.cfg, world_size=spec.world_size)
+        cfg.check(lr_required=self.lr_given)
+        if self.artifact_format not in ARTIFACT_FORMATS:
+            raise UsageError(f"artifact_format is {self.artifact_format!r}; use one of {', '.join(ARTIFACT_FORMATS)}")
+        check_path(self.pvc_path)
+        if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
+            check_path(self.log_path)
+        pvc = Pvc(self.pvc_path)
+        check_writable(self.log_path)
+        pvc.create()
+        with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
+            make_dir(self.log_path.parent)
+        self._stack.enter_context(pvc.lock(self.rank))  # stray tmp files are removed (and logged) by the start
+        if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
+            self.completion, self.final = done, JobState.completed
+            return
+        if self.rank == 0:
+            self._lead(pvc)
+        else:
+            self._follow(pvc)
+
+    def _signal(self) -> str | None:
+        assert self.stop is not None
+        return self.stop.signal
+
+    def _lead(self, pvc: Pvc) -> None:
+        """Rank 0: let the machine decide how this launch begins, then lead the other ranks."""
+        cfg = self.cfg
+        self._peers = peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
+        initial = self._host.snapshot(self.stateful.state_dict(), 0)  # checks the state; host views of it
+        self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
+        job.read(into=initial)
+        # Before any write: a checkpoint holding other arrays than this state's, or a
+        # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
+        if job.loaded is not None and job.should_resume():
+            resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
+        del initial  # the engine holds no reference to the state between checkpoints
+        if job.saver is not None:
+            job.saver.prepare(self.stateful.state_dict())  # the staging buffers, allocated before the loop
+        job.start()
+        loaded = job.loaded if job.state == JobState.resumed else None
+        checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
+        job.loaded = loaded = None  # its arrays are the state's now (or were never used)
+        self._launch_open = True
+        if not peers.solo:
+            peers.publish(lambda g: Session(
+                generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
+                checkpoint=checkpoint, manifest_sha256=sha, settings=cfg.settings(self.data_sha256)))
+        joined = peers.wait_joined()
+        if job.state in machine.FINAL:  # out of retries, or a completion only left to announce
+            return self._finish(job.state)
+        if not joined:  # stopped before every rank was here: nothing trained, nothing to save
+            job.kill(at_step=job.from_step, signal=self._signal() or peers.peer_signal())
+            return self._finish(job.state)
+        peers.begin()
+        self.from_step = job.from_step
+
+    def _follow(self, pvc: Pvc) -> None:
+        """Ranks >= 1: join rank 0's newest launch and load the checkpoint it resumes from."""
+        cfg = self.cfg
+        if self._peers is None:
+            self._peers = PvcFollower(pvc, self.rank, cfg.world_size, cfg.rank_timeout, self._signal)
+            self._writer = ShardWriter(pvc)
+        peers, writer = self._peers, self._writer
+        assert writer is not None
+        self._session = session = peers.join(cfg.settings(self.data_sha256), self._skip)
+        if not peers.begun():  # rank 0 ended the launch before it began: end as it did
+            self.final = peers.read_outcome().state
+            return
+        initial = self._host.snapshot(self.stateful.state_dict(), 0)
+        # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
+        # before this rank's first shard: a checkpoint that fails here really is damaged.
+        if session.checkpoint:
+            loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                                 into=initial)
+            resume_into(self.stateful, self._host, loaded, session.checkpoint)
+            del loaded
+        del initial
+        if cfg.async_checkpoint:
+            self._saver = BackgroundSaver[int](ASYNC_WRITE_TIMEOUT)
+            self._saver.prepare(self.stateful.state_dict())  # the staging buffers, allocated before the loop
+        self.from_step = session.from_step
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[int]:
+        if self._iterated:
+            raise UsageError("a Run is iterated once: one `for step in run` per `with`")
+        self._iterated = True
+        return self._steps()
+
+    def _steps(self) -> Iterator[int]:
+        while self.final is None and self.error is None:
+            try:
+                yield from self._train()
+                break
+            except Superseded:
+                if self.rank == 0:
+                    raise
+                self._close_writes()  # a write for the old launch ends (it fails, or lands unused)
+                assert self._session is not None
+                self._skip.add(self._session.generation)  # rank 0 relaunched: follow its new launch
+                self._follow(self._peers.pvc)
+        self._step, self._loop_over = None, True
+
+    def _train(self) -> Iterator[int]:
+        """The step loop every rank runs: the same steps everywhere, saves at the same steps. A
+        stop (a signal here or at any other rank) is agreed through the peers: every rank trains
+        on to the largest step any rank had reached, saves it, and ends there."""
+        cfg, peers = self.cfg, self._peers
+        step = last_saved = self.from_step
+        target, loss = None, 0
+        peers.step = step
+        while True:
+            if target is None and peers.stop_wanted():
+                target = peers.agree_stop()
+            if step >= (cfg.steps if target is None else target):
+                break
+            step += 1
+            self._step, self._loss = step, None
+            yield step
+            if self._loss is None:
+                raise UsageError(f"step {step} ended without run.report(loss); report every step's loss once")
+            loss, self._step = self._loss, None
+            peers.step = step
+            if self.progress is not None:
+                self.progress(step, loss)
+            self._between()
+            if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
+                self._save(step, loss, step == target)
+                last_saved = step
+            if cfg.die_at == step:
+                return self._end(step, stopped=False)
+        if target is None and peers.stop_wanted():  # the stop came during the last step
+            target = peers.agree_stop()
+        if target is None:
+            self._settle(release=True)  # the last checkpoint lands (and is logged) before the gate
+            self.gate_due = True
+            return None
+        if step > last_saved:  # save the step we finished before obeying the stop
+            self._save(step, loss, True)
+        return self._end(step, stopped=True)
+
+    def report(self, loss: float) -> None:
+        """The loss of the step being trained (a float >= 0, or a 0-d tensor): once per step."""
+        if self._step is None:
+            raise UsageError("run.report(loss) belongs inside `for step in run`, once per step")
+        if self._loss is not None:
+            raise UsageError(f"step {self._step}: run.report was called twice; report every step's loss once")
+        value = loss.item() if hasattr(loss, "item") else loss  # a torch or numpy scalar
+        self._loss = decisions.loss_milli(check_loss(value, self._step))
+
+    def _save(self, step: int, loss: int, force: bool) -> None:
+        if self.cfg.async_checkpoint:  # copy into the staging buffers, and a thread writes
+            self._settle()  # at most one in flight: wait for the previous one (back-pressure)
+            if self.rank == 0:
+                assert self._job is not None
+                self._job.checkpoint(step=step, live=self.stateful.state_dict(), loss_milli=loss, force=force)
+            else:
+                assert self._saver is not None
+                self._saver.hand_off(self.stateful.state_dict(), step, lambda arrays: self._write_shard(step, arrays))
+            return
+        arrays = self._host.snapshot(self.stateful.state_dict(), step)  # bad input writes nothing
+        if self.rank == 0:
+            assert self._job is not None
+            self._job.checkpoint(step=step, state=arrays, specs=self._host.specs, loss_milli=loss, force=force)
+            return
+        self._write_shard(step, arrays)
+
+    def _write_shard(self, step: int, arrays: dict[str, Any]) -> int:
+        """(ranks >= 1) This rank's shard of ``step`` and its receipt; with async_checkpoint, on
+        the writer thread. Returns the shard's size."""
+        session, writer, peers = self._session, self._writer, self._peers
+        assert session is not None and writer is not None
+        ref = Ref(attempt=session.attempt, step=step, world_size=self.cfg.world_size)
+        staging = writer.staging(ref, session.generation)
+        peers.wait_staging(staging, step)
+        try:
+            entry = writer.write_shard(staging, self.rank, self.cfg.world_size, step, arrays)
+            writer.write_receipt(staging, entry)
+        except TryAgainLater:
+            peers.check_current()  # the staging directory went away with a stale generation
+            raise
+        return entry.size
+
+    # --- async_checkpoint: where the loop meets the writer thread (overlap.py), main thread only
+
+    def _between(self) -> None:
+        """After every step: a write that ended lands (rank 0 logs `checkpointed`), or its error
+        is raised here, at this step boundary."""
+        if self.rank == 0:
+            if self._job is not None and self._job.saver is not None:
+                self._job.at_boundary()
+        elif self._saver is not None and self._saver.landed():
+            self._saver.take()
+
+    def _settle(self, release: bool = False) -> None:
+        """Wait (bounded) for the write in flight and land it; ``release``: then drop the staging
+        buffers, the run's last checkpoint being written."""
+        saver = self._job.saver if self.rank == 0 and self._job is not None else self._saver
+        if saver is None:
+            return
+        if self.rank == 0:
+            assert self._job is not None
+            self._job.settle()
+        elif saver.in_flight:
+            saver.wait()
+            saver.take()
+        if release:
+            saver.release()
+
+    def _close_writes(self) -> None:
+        """On the way out with an error: let a write in flight end (bounded) before the PVC lock
+        is let go, so no thread of this process writes to a PVC another process may own."""
+        saver = self._job.saver if self.rank == 0 and self._job is not None else self._saver
+        if saver is not None:
+            saver.close(ASYNC_WRITE_TIMEOUT)
+
+    def _end(self, step: int, stopped: bool) -> None:
+        """The loop ended early: by the lab's kill hook, or an agreed stop (its step is saved)."""
+        self._settle(release=True)  # a write in flight lands first: `killed` follows its `checkpointed`
+        if self.rank != 0:
+            self.final = self._peers.wait_outcome().state
+            return
+        assert self._job is not None
+        if stopped:
+            self._job.kill(at_step=step, signal=self._signal() or self._peers.peer_signal())
+        else:
+            self._job.kill(at_step=step)
+        self._finish(self._job.state)
+
+    # --- the gate and the end -------------------------------------------------------------------
+
+    def gate(self, *, holdout: Score, baseline: Score, export: State) -> None:
+        """After the last step: publish ``export`` (the arrays a user of the model needs) as the
+        attempt's artifact if ``holdout`` holds up against ``baseline`` (completed, exit 0), else
+        refuse it (drift_failed, exit 1). Does nothing when the run has already ended (a stop,
+        out of retries, already completed); ranks >= 1 wait for rank 0's verdict instead."""
+        if self.final is not None or self.error is not None:
+            return
+        if not self.gate_due:
+            raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
+        self.gate_due = False
+        if self.rank != 0:
+            self.final = self._peers.wait_outcome().state
+            return
+        assert self._job is not None
+        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline)
+        self._finish(self._job.state)
+
+    def _finish(self, state: str) -> None:
+        self.final = state
+        if self._launch_open:
+            self._launch_open = False
+            self._peers.finish(state)
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 _tb: TracebackType | None) -> bool:
+        if exc is None and self.final is None and self.error is None:
+            if self.gate_due:
+                exc = UsageError("the loop trained the last step but run.gate(...) was never called; "
+                                 "a relaunch resumes at the gate")
+            elif self._loop_over:  # a Superseded follower whose new launch ended unbegun
+                exc = UsageError("the run ended without an outcome")
+            else:
+                where = f"at step {self._step}" if self._step is not None else "before its first step"
+                exc = UsageError(f"the run's loop ended {where} (a break, or no `for step in run`): it must run to "
+                                 "its end; the steps since the last checkpoint are not saved")
+            self._end_with(exc)
+            if self.raise_errors:
+                raise exc
+            return False
+        if exc is not None:
+            self._end_with(exc)
+            return isinstance(exc, Exception) and not self.raise_errors
+        self._stack.close()
+        if self.completion is not None and not self.raise_errors:
+            _say(f"trainjob: {self.completion.line()}")
+        return False
+
+    def _end_with(self, exc: BaseException) -> None:
+        """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
+        if self.error is None:
+            self.error = exc
+            try:
+                self._close_writes()
+                if self._launch_open:
+                    self._launch_open = False
+                    self._peers.finish("error", f"{type(exc).__name__}: {exc}")
+            finally:
+                self._stack.close()
+            if not self.raise_errors and isinstance(exc, Exception):
+                if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
+                    _say("".join(traceback.format_exception(exc)).rstrip())
+                _say(f"trainjob: {one_line(str(exc))} (exit {self.exit_code})")
+
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with: the final state's code, or the error's."""
+        if self.error is not None:
+            return exit_code_for(type(self.error))
+        if self.final is None:
+            raise UsageError("run.exit_code is known once the `with Run(...)` block has ended")
+        return exit_code_for_state(self.final)
+
+
+def _say(text: str) -> None:
+    """Print to stderr; a message that cannot be written must not change the exit code."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError:
+        pass

@@ -1,0 +1,46 @@
+"""Exit codes: what each outcome of a run, and each error, exits with. The one table.
+
+    0   completed (``verify``: everything verifies; ``reshard``: the new checkpoint is committed)
+    1   honest failure: drift_failed or job_failed; a log no run could have written (status --path,
+        replay, which still writes its page); ``verify``: something that matters does not verify
+    2   usage or input error (bad flag or argument, missing or invalid file, already-completed PVC,
+        no checkpoint verifies, world-size mismatch, a misused ``Run``; under ``--idempotent``, a
+        completed PVC whose artifact fails its logged sha256)
+    75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in time:
+        safe to relaunch
+    70  an unexpected internal error (a bug, never an honest failure), including an error no
+        exit-code base classifies
+
+Errors map to codes by the one exit-code base each subclasses (errors.py draws the tree). The
+engine's ``Run`` and the command line both read this module; how ``supervise`` and ``k8s render``
+read these codes back is cli.py's. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from .errors import Refused, TrainJobError, TryAgainLater
+from .states import State
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
+
+# Errors by the exit-code base they subclass (each class has exactly one of these bases). A bare
+# TrainJobError is unclassified: a bug, never an honest failure.
+EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
+    Refused: EXIT_USAGE,           # UsageError, InputError and its kin: retrying cannot help
+    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, WriteTimeout, Superseded
+    TrainJobError: EXIT_INTERNAL,
+}
+# Where the machine (or a log) ended -> exit code. Anything still training was cut short.
+EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, State.job_failed: EXIT_FAILED,
+                  State.killed: EXIT_RELAUNCH}
+
+
+def exit_code_for(error: type[BaseException]) -> int:
+    """The exit code of the first exit-code base in the error's method resolution order; an
+    error outside the tree (a bug, or the user's own code failing) is internal, 70."""
+    return next((EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR), EXIT_INTERNAL)
+
+
+def exit_code_for_state(state: str) -> int:
+    """The exit code of a run that ended in ``state``; a state still training was cut short."""
+    return EXIT_FOR_STATE.get(state, EXIT_RELAUNCH)  # type: ignore[call-overload]
