@@ -136,3 +136,64 @@ def test_two_ranks_writing_in_the_background_publish_the_one_rank_synchronous_by
     assert snapshot(tmp_path / "pvc" / "artifacts") == snapshot(tmp_path / "ref" / "artifacts")
     logged = [e for e, _ in events(tmp_path / "pvc" / "log.jsonl")]
     assert logged.count("checkpointed") == logged.count("snapshotted") == 10
+
+
+def test_the_python_api_takes_the_option_and_logs_the_clis_async_story(tmp_path, slow_commits):
+    """trainjob.Run(async_checkpoint=True) around an own loop: the same events, the same bytes."""
+    from trainjob import Run
+    from trainjob.trainers.linear import make as linear
+
+    assert cli.main(["run", "--pvc", str(tmp_path / "cli"), *FLAGS, *ASYNC]) == 0
+    trainer = linear(None, 0.05)
+    with Run(tmp_path / "api", state=trainer, steps=10, ckpt_every=2, lr=0.05, data_sha256=trainer.data_sha256,
+             artifact_format="json", name="linear", async_checkpoint=True) as run:
+        for step in run:
+            run.report(trainer.step(step))
+        run.gate(holdout=trainer.evaluate(), baseline=trainer.baseline(), export=trainer.export())
+    assert run.exit_code == 0
+    assert events(tmp_path / "api" / "log.jsonl") == events(tmp_path / "cli" / "log.jsonl")
+    assert snapshot(tmp_path / "api" / "artifacts") == snapshot(tmp_path / "cli" / "artifacts")
+
+
+def test_an_exception_in_the_loop_lets_the_write_in_flight_end_before_the_pvc_lock_goes(tmp_path, monkeypatch):
+    """No thread of this process may write to a PVC after its lock is released to another."""
+    from trainjob import Run
+    from trainjob.storage.pvc import Pvc
+    from trainjob.trainers.linear import make as linear
+
+    real, alive_at_unlock = pvc_module.commit_dir, []
+
+    def slow(staging, final):
+        time.sleep(0.2)
+        return real(staging, final)
+
+    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", slow)
+    real_lock = Pvc.lock
+
+    def lock(self, rank):
+        held = real_lock(self, rank)
+
+        class Watched:
+            def __enter__(self):
+                return held.__enter__()
+
+            def __exit__(self, *exc):
+                alive_at_unlock.extend(t.name for t in threading.enumerate() if on_writer_thread_named(t.name))
+                return held.__exit__(*exc)
+
+        return Watched()
+
+    monkeypatch.setattr(Pvc, "lock", lock)
+    trainer = linear(None, 0.05)
+    with Run(tmp_path / "pvc", state=trainer, steps=10, ckpt_every=2, async_checkpoint=True) as run:
+        for step in run:
+            run.report(trainer.step(step))
+            if step == 3:
+                raise RuntimeError("the user's loop broke")
+    assert run.exit_code == 70 and alive_at_unlock == []
+    committed = sorted(p.name for p in (tmp_path / "pvc" / "checkpoints").iterdir())
+    assert committed == ["step-00000002-a0001-w001"]  # the write in flight ended, committed
+
+
+def on_writer_thread_named(name: str) -> bool:
+    return name.startswith("trainjob-checkpoint-writer")
