@@ -62,7 +62,12 @@ def test_mermaid_draws_every_table_edge_with_trigger_and_guard():
     lines = result.stdout.splitlines()
     labels = {(m[1], m[2]): m[3] for m in map(MERMAID_EDGE.fullmatch, lines) if m}
     assert set(labels) == table_edges()
-    assert labels["checkpointed", "checkpointed"] == "checkpoint [step % ckpt_every == 0, last step or SIGTERM]"
+    assert labels["checkpointed", "checkpointed"] == ("checkpoint [step % ckpt_every == 0, last step or SIGTERM "
+                                                      "& synchronous]")
+    # --async-checkpoint: where the loop and the writer part, and where they meet
+    assert labels["checkpointed", "snapshotted"] == ("checkpoint [step % ckpt_every == 0, last step or SIGTERM "
+                                                     "& --async-checkpoint]")
+    assert labels["snapshotted", "checkpointed"] == "land [writer committed, durable]"
     assert labels["pending", "started"] == "start [attempts <= backoff_limit & no attempt in flight]"
     assert labels["checkpointed", "drift_failed"] == "gate [correct*100 < bcorrect*(100-max_drop)]"
     assert labels["started", "killed"] == "kill"
@@ -144,7 +149,8 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
     assert "color=red" in nodes["completed"]  # the last state
     assert {n for n, attrs in nodes.items() if "color=blue" in attrs} == {
         "pending", "started", "resumed", "checkpointed", "killed"}
-    assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed", "resharded"}
+    assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed", "resharded",
+                                                                    "snapshotted"}
     assert "last state completed" in result.stdout
 
 
@@ -152,7 +158,8 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
 def test_walkthrough_in_mermaid_marks_the_last_state_and_counts_edges(walkthrough_log):
     out = trainjob("diagram", "--log", walkthrough_log).stdout.splitlines()
     assert "  Class completed s_final_last" in out and "  Class drift_failed s_final_unvisited" in out
-    assert "  checkpointed --> checkpointed: checkpoint [step % ckpt_every == 0, last step or SIGTERM] ×3" in out
+    assert ("  checkpointed --> checkpointed: checkpoint [step % ckpt_every == 0, last step or SIGTERM & synchronous] ×3"
+            in out)
 
 
 @pytest.mark.process

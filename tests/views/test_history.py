@@ -106,10 +106,10 @@ import os, signal, sys
 from trainjob import cli
 from trainjob.storage import eventlog
 target, when, real, appended = int(sys.argv[1]), sys.argv[2], eventlog.EventLog.append, []
-def append(log, event, detail):
+def append(log, event, detail, **how):
     if len(appended) == target and when == "before":
         os.kill(os.getpid(), signal.SIGKILL)
-    appended.append(real(log, event, detail))
+    appended.append(real(log, event, detail, **how))
     if len(appended) == target + 1 and when == "after":
         os.kill(os.getpid(), signal.SIGKILL)
 eventlog.EventLog.append = append
@@ -147,6 +147,7 @@ def kill_around_every_append(tmp_path: Path, prepare: list[str], flags: list[str
     ([], ["--steps", "1"]),  # a run that completes
     (["--steps", "1", "--force-weights", "0,0,0"],  # the fresh attempt after a drift_failed
      ["--steps", "1", "--force-weights", "0,0,0", "--backoff-limit", "1"]),
+    ([], ["--steps", "3", "--async-checkpoint"]),  # snapshotted, then checkpointed once it landed
 ])
 @pytest.mark.process
 def test_every_log_a_sigkill_around_an_announcement_leaves_is_a_legal_path(tmp_path, prepare, flags):
