@@ -32,9 +32,9 @@ at a fast moment, by up to 1.4x.)
 - trainer (needs torch): a real torch model written to the Stateful protocol (scripts/bench_torch.py:
   one ``Linear(--trainer-dim, --trainer-dim)``, SGD with momentum, batch 64, one thread; 128 MiB of
   state at 4096), each figure a ratio to the same loop without trainjob, measured in the same
-  repeat: seconds per step with no checkpoint due (runs of N and 2N steps with one checkpoint
-  each, at the end, so start-up, that checkpoint and the gate cancel; the bare loop saves
-  nothing); a whole run of ``--trainer-steps`` with a checkpoint every ``--trainer-every`` against
+  repeat: seconds per step with no checkpoint due (the median interval from one step's start to
+  the next, timed in one process under ``trainjob.Run`` and in a bare loop, alternating blocks of
+  ``--trainer-steps``: bench_torch.py's ``steps``); a whole run of ``--trainer-steps`` with a checkpoint every ``--trainer-every`` against
   the bare loop saving model and optimizer with ``torch.save`` + fsync as often (and the model at
   the end, as trainjob publishes it), wall time and peak RSS of the whole process; and the peers
   on the same live state in one process: trainjob's save (snapshot, shard, commit) and load
@@ -354,7 +354,6 @@ def measured(cmd: list[str], env: dict) -> tuple[float, int]:
 def trainer_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
            "BENCH_TORCH_DIM": str(dim), "OMP_NUM_THREADS": "1"}
-    half = max(1, steps // 2)
 
     def trainjob(n: int, ckpt_every: int) -> tuple[float, int]:
         pvc = work / "trainer-pvc"
@@ -375,11 +374,20 @@ def trainer_section(work: Path, repeat: int, dim: int, steps: int, every: int) -
 
     runs: dict[str, list[float]] = {}
     for rep in range(repeat):  # interleaved within each repeat, so both see the same machine
-        tj = trainjob(2 * half, 2 * half)[0] - trainjob(half, 2 * half)[0]
-        b = bare(2 * half, 0)[0] - bare(half, 0)[0]
+        # Per step, timed inside one process (bench_torch.py steps): a difference of two whole
+        # runs was dominated by process start-up noise (it once gave a negative step time).
+        directory = work / "trainer-steps"
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        proc = subprocess.run([sys.executable, str(HERE / "bench_torch.py"), "steps", str(directory), str(steps), "2"],
+                              capture_output=True, text=True, env=env)
+        if proc.returncode:
+            raise SystemExit(f"trainer steps failed: {proc.stderr[-2000:]}")
+        per = json.loads(proc.stdout.splitlines()[-1])
+        tj, b = statistics.median(per["trainjob"]), statistics.median(per["bare"])
         runs.setdefault("step_ratio", []).append(tj / b)
-        runs.setdefault("trainjob_ms_per_step", []).append(tj / half * 1e3)
-        runs.setdefault("bare_ms_per_step", []).append(b / half * 1e3)
+        runs.setdefault("trainjob_ms_per_step", []).append(tj * 1e3)
+        runs.setdefault("bare_ms_per_step", []).append(b * 1e3)
         tj_run, tj_peak = trainjob(steps, every)
         b_run, b_peak = bare(steps, every)
         runs.setdefault("run_ratio", []).append(tj_run / b_run)

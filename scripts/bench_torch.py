@@ -10,6 +10,7 @@ thread. The state is the weight, the bias and their momentum buffers: 128 MiB at
     python scripts/bench_torch.py peers DIR REPEAT                           # save/load peers, one state
     python scripts/bench_torch.py engine MODE DIR STEPS EVERY OUT            # trainjob run, loop timed
     python scripts/bench_torch.py async-peers DIR REPEAT                     # async save peers, one state
+    python scripts/bench_torch.py steps DIR STEPS BLOCKS                     # per-step time, Run vs bare
 
 ``bare`` trains STEPS steps and, when EVERY > 0, saves model and optimizer with ``torch.save`` and
 fsyncs every EVERY steps and the model once at the end (what a user writes without trainjob).
@@ -20,6 +21,11 @@ torch.save/torch.load, interleaved, and prints the seconds of each as JSON.
 times, on the training loop's own thread, each call it makes at a due step (``save``: a whole
 synchronous save, or an async hand-off including any back-pressure wait) and after every step
 (the async landing), and the run's end (the gate, and the async drain); JSON to OUT.
+``steps`` times every step with no checkpoint due, in one process and on one model: from the start
+of one step's body to the start of the next, so the engine's work between steps (the report, the
+stop check, "is a checkpoint due?") is inside the interval, under ``trainjob.Run`` (a checkpoint
+only at the last step, whose interval is not counted) and in a bare ``for`` loop, in BLOCKS
+alternating blocks of STEPS steps; JSON lists of seconds per step.
 ``async-peers`` times, on the same live state: one in-memory copy of it into buffers kept (the
 copy limit), trainjob's ``BackgroundSaver`` (stall: the hand-off; end to end: until the commit)
 and ``torch.distributed.checkpoint.async_save`` (stall: until it returns; end to end: its
@@ -277,10 +283,41 @@ def async_peers(directory: Path, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def steps(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
+    """Seconds per step with no checkpoint due, under trainjob.Run and bare, alternating blocks."""
+    from trainjob import Run
+
+    model = BigTorch()
+    times: dict[str, list[float]] = {"trainjob": [], "bare": []}
+
+    def timed(loop, into: list[float]) -> None:
+        last = None
+        for step in loop:
+            now = time.perf_counter()
+            if last is not None:
+                into.append(now - last)
+            last = now
+            yield step
+
+    for block in range(blocks):
+        for step in timed(range(1, n + 1), times["bare"]):
+            model.step(step)
+        pvc = directory / f"block{block}"
+        with Run(pvc, state=model, steps=n, ckpt_every=n, raise_errors=True) as run:
+            for step in timed(run, times["trainjob"]):
+                run.report(model.step(step))
+            run.gate(holdout=model.evaluate(), baseline=model.baseline(), export=model.export())
+        shutil.rmtree(pvc)
+    return times
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "engine":
         engine(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
+        sys.exit(0)
+    if mode == "steps":
+        print(json.dumps(steps(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
         sys.exit(0)
     if mode == "async-peers":
         print(json.dumps(async_peers(Path(sys.argv[2]), int(sys.argv[3]))))
