@@ -1,19 +1,24 @@
 """Ranks: the store transport (ranks/store.py) and the choice of transport (ranks/connect.py).
 
 In process: every rank is a thread with its own client of a real torch TCPStore, as torchrun's
-workers are clients of the store its agent hosts. The whole runs under torchrun are in
+workers are clients of the store its agent hosts. Then whole launches under torchrun, with a kill
+before an I/O call; the DDP trainer's kills, SIGTERMs and file-system counts under torchrun are in
 tests/trainers/test_torch.py.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from conftest import ROOT, trainjob
 from trainjob.errors import PeerFailed, RankTimeout, UsageError
 from trainjob.ranks import connect
 from trainjob.ranks.coordination import Coordinator, Follower
@@ -222,3 +227,39 @@ def test_torchruns_store_is_opened_under_the_run_id_and_restart_count(server, pv
     assert isinstance(rank0, StoreCoordinator)
     rank0.publish(lambda g: session(g))
     assert server.check(["trainjob/r1/3/session"])
+
+
+# --- whole launches under torchrun, through its store ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory) -> bytes:
+    pvc = tmp_path_factory.mktemp("ref") / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--steps", 6, "--ckpt-every", 1).returncode == 0
+    return (pvc / "artifacts/model-v1.json").read_bytes()
+
+
+def torchrun(pvc: Path, *script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", *script, "run", "--pvc", str(pvc), "--steps", "6",
+                           "--ckpt-every", "1", "--keep", "2", "--rank-timeout", "1"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True,
+                          timeout=120)
+
+
+# As tests/ranks/test_peers.py does for the files: SIGKILL one rank just before its Nth write, fsync
+# or rename (joining, writing its shard, staging, the manifest, the rename, the pointer, rotating),
+# here with torchrun's workers agreeing through its store. The survivor gives up within its bounded
+# wait (75) and a relaunch under torchrun ends with the uninterrupted bytes.
+@pytest.mark.parametrize("victim, point", [(1, 0), (1, 6), (0, 5), (0, 33)])
+@pytest.mark.process
+def test_torchrun_sigkill_of_one_rank_at_an_io_call_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
+    pvc = tmp_path / "pvc"
+    killed = torchrun(pvc, str(ROOT / "tests/killpoint.py"), str(point), env={"KILLPOINT_RANK": str(victim)})
+    assert killed.returncode != 0
+    assert "exitcode  : -9" in killed.stderr and "exitcode  : 75" in killed.stderr, killed.stderr[-3000:]
+    relaunch = torchrun(pvc, "-m", "trainjob")
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert "transport=store world_size=2" in (pvc / "log.jsonl").read_text()
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
+    assert trainjob("verify", "--pvc", pvc).returncode == 0
+    assert not [p for p in (pvc / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]
