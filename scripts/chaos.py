@@ -52,6 +52,9 @@ STEPS = ["--steps", "100", "--ckpt-every", "1"]
 RACE_STEPS = ["--steps", "1000", "--ckpt-every", "1"]
 # Two ranks coordinate every checkpoint through the PVC, so a step costs more: fewer of them.
 W2_STEPS = ["--steps", "60", "--ckpt-every", "1", "--world-size", "2"]
+# Under torchrun a launch spends seconds starting up and far less per step (no directory polls):
+# more steps, so that signals sent after the start land while it trains.
+W2_TORCHRUN_STEPS = ["--steps", "600", "--ckpt-every", "1", "--world-size", "2"]
 # --async-checkpoint: the same runs with every checkpoint written by a background thread.
 ASYNC = "--async-checkpoint"
 ASYNC_STEPS, W2_ASYNC_STEPS = [*STEPS, ASYNC], [*W2_STEPS, ASYNC]
@@ -95,12 +98,33 @@ def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = Fals
                             start_new_session=True)  # its own group: a kill reaches every rank
 
 
+def kill_launch(proc: subprocess.Popen, torchrun: bool) -> None:
+    """SIGKILL a launch, every process of it at once, as a node or container dies. torchrun starts
+    each worker in a session of its own, so its process group alone would leave them running."""
+    pids = [proc.pid]
+    if torchrun:
+        for pid in pids:  # grows while walked: every descendant, found before any dies
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    pids += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def job_code(returncode: int, stderr: str, torchrun: bool) -> int:
     """The job's exit code. torchrun exits 1 when any worker fails and names each failed worker's
     code: the job's is 75 if every one was relaunchable (75, or stopped by torchrun's SIGTERM or
-    SIGKILL after a peer failed), else the first other."""
+    SIGKILL after a peer failed), else the first other. torchrun stopped by a signal names none:
+    its workers had that signal passed on to them, so 75 (the caller reads the log to check)."""
     if not torchrun or returncode == 0:
         return returncode
+    if re.search(r"SignalException: Process \d+ got signal", stderr):
+        return 75
     codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
     other = [c for c in codes if c not in (75, -signal.SIGTERM, -signal.SIGKILL)]
     return other[0] if other else 75 if codes else returncode
@@ -221,7 +245,7 @@ class Campaign:
                     time.sleep(0.001)
                 if proc.poll() is None:
                     late = last_event(pvc) == "completed"
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_launch(proc, self.torchrun(flags))
                     if proc.wait() == -signal.SIGKILL:  # it had not exited by itself in between
                         section.injected += 1
                         section.late += late
@@ -250,10 +274,12 @@ class Campaign:
             section.injected += 1
             code = job_code(proc.wait(timeout=60), proc.stderr.read(), self.torchrun(flags))
             event = last_event(pvc)
-            if code == 75:
+            if code == 75 and not (event == "completed" and self.torchrun(flags)):
                 log = (pvc / "log.jsonl").read_text().splitlines()
                 if event != "killed" or "signal=SIGTERM" not in log[-1]:
                     section.violation(trial, f"exit 75 but the log ends with {event}")
+            elif event == "completed" and self.torchrun(flags):
+                pass  # it had finished already: torchrun, signalled after its workers exited 0, says so its way
             elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
                 section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
             self.recover(section, trial, pvc, flags)
@@ -603,11 +629,12 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="trainjob-chaos-") as tmp:
         campaign = Campaign(Path(tmp), args.seed, args.launcher)
+        w2 = W2_TORCHRUN_STEPS if args.launcher == "torchrun" else W2_STEPS
         sections = [
             campaign.kill_storm(args.kills),
-            campaign.kill_storm(args.ranks, W2_STEPS),
+            campaign.kill_storm(args.ranks, w2),
             campaign.sigterm_storm(args.sigterms),
-            campaign.sigterm_storm(args.ranks, W2_STEPS),
+            campaign.sigterm_storm(args.ranks, w2),
             campaign.reshard_kills(args.ranks * 2),
             campaign.io_faults(args.faults),
             campaign.kill_storm(args.asyncs, ASYNC_STEPS),
