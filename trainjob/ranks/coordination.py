@@ -3,7 +3,7 @@
 Three Protocols, no implementation: ``Coordination`` is what every rank does, ``Coordinator``
 adds what only rank 0 does, ``Follower`` what only the other ranks do. Two transports implement
 them: ``peers.py`` through files on the PVC (the local launcher, the lab), ``store.py`` through
-the launcher's rendezvous store (torchrun); ``connect.py`` picks one, and ``engine/job.py``
+the launcher's rendezvous store (torchrun); ``connect.py`` picks one, and ``engine/run.py``
 drives either without knowing which. Each method's docstring says who calls it and when, in the
 order a launch meets them:
 
