@@ -140,6 +140,24 @@ def test_receipts_travel_through_the_store_not_as_files(server, pvc):
     assert not rank0.has(rank0.key("receipt/4/1")) and not rank0.has(rank0.key("staged/4"))  # cleaned up
 
 
+def test_a_checkpoint_writer_thread_is_not_held_up_by_a_round_in_progress(server, pvc):
+    """Async checkpoints: a rank's writer thread waits for the staging key and sends its receipt
+    while the main thread waits in a stop round; one client serves one call at a time."""
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=10.0)
+    entry = ShardEntry(rank=1, file="shard-00001-of-00002.safetensors", size=1, sha256="ab" * 32, holds=())
+    voted = threading.Thread(target=rank1.stop_wanted)
+    voted.start()  # blocks until rank 0 votes
+    time.sleep(0.2)
+    rank0.staged(2)
+    started = time.monotonic()
+    rank1.wait_staging(Path("staging"), 2)
+    rank1.deliver(2, entry, lambda e: None)
+    assert rank0.gather(None, None, 2) == [entry]  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2 and voted.is_alive()
+    assert rank0.stop_wanted() is False
+    voted.join(5)
+
+
 def test_a_rank_that_never_votes_ends_the_round_with_rank_timeout_in_bounded_time(server, pvc):
     rank0, (rank1,) = launch(server, pvc, 2, timeout=1.0)
     started = time.monotonic()

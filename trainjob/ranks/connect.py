@@ -67,8 +67,8 @@ def open_store(env: Mapping[str, str], timeout: float) -> Any:
         if _agent_store(env):  # torchrun's agent hosts it; every worker is a client
             base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
                                  timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-        else:
-            base = dist.distributed_c10d._get_default_store()
+        else:  # a connection of our own: the group's client serves one call at a time
+            base = dist.distributed_c10d._get_default_store().clone()
     return dist.PrefixStore(scope, base)
 
 

@@ -24,7 +24,7 @@ need, and no file-system call. Every wait is bounded by ``--rank-timeout`` (Rank
 a store that stops answering is RankTimeout too.
 
 Must not import torch (``connect.py`` does, lazily): it drives any object with the store's
-methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi_get``).
+methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi_get``, ``clone``).
 """
 
 from __future__ import annotations
@@ -66,6 +66,11 @@ class StorePeers:
     def __init__(self, kv: Any, rank: int, world_size: int, timeout: float,
                  stop_signal: Callable[[], str | None]) -> None:
         self.kv, self.rank, self.world_size, self.timeout = kv, rank, world_size, timeout
+        # The stop rounds get a connection of their own: a client serves one call at a time, and
+        # a round's blocking wait must not hold up a checkpoint writer thread (async checkpoints)
+        # polling for the staging key or sending a receipt meanwhile.
+        with answering("opening a second connection"):
+            self.rounds_kv = kv.clone()
         self.stop_signal = stop_signal
         self.generation = 0
         self.step = 0
@@ -117,13 +122,14 @@ class StorePeers:
             self._note_stop()
         key = self.key(f"round/{self.rounds}")
         with answering(f"voting in stop round {self.rounds}"):
-            total = int(self.kv.add(key, 1 + (STOP if mine else 0)))
-        if total % STOP == self.world_size:  # the last to arrive announces the result
-            self.set(key + "/done", str(total))
-            if self.rounds > 2:  # every rank has read round r - 2's result: it is past round r - 1
-                old = self.key(f"round/{self.rounds - 2}")
-                self.drop(old, old + "/done")
-        else:
+            total = int(self.rounds_kv.add(key, 1 + (STOP if mine else 0)))
+            if total % STOP == self.world_size:  # the last to arrive announces the result
+                self.rounds_kv.set(key + "/done", str(total))
+                if self.rounds > 2:  # every rank has read round r - 2's result: it is past round r - 1
+                    old = self.key(f"round/{self.rounds - 2}")
+                    self.rounds_kv.delete_key(old)
+                    self.rounds_kv.delete_key(old + "/done")
+        if total % STOP != self.world_size:
             total = self._round_result(key + "/done")
         self.stopping = total >= STOP
         return self.stopping
@@ -132,7 +138,7 @@ class StorePeers:
         started = time.monotonic()
         try:
             # One blocking call, answered the moment the last rank arrives: no polling per step.
-            self.kv.wait([done], datetime.timedelta(seconds=self.timeout))
+            self.rounds_kv.wait([done], datetime.timedelta(seconds=self.timeout))
         except RuntimeError:
             if time.monotonic() - started < self.timeout * 0.9:
                 with answering(f"waiting for stop round {self.rounds}"):
@@ -140,7 +146,8 @@ class StorePeers:
             raise RankTimeout(f"waited {self.timeout:g}s for every rank to finish step {self.step} "
                               f"(stop round {self.rounds}); relaunch all ranks together (or raise "
                               "--rank-timeout)") from None
-        value = self.get(done)
+        with answering(f"reading stop round {self.rounds}"):
+            value = bytes(self.rounds_kv.get(done))
         if value == END:
             self._rank_0_ended()
         return int(value)
