@@ -2,6 +2,7 @@
 """Reliability campaign: inject real faults into real trainjob processes, many times, and count.
 
     python scripts/chaos.py [--kills N] [--sigterms N] [--faults N] [--inputs N] [--races N] [--seed S]
+                            [--launcher local|torchrun]
 
 Sections (each trial is a fresh PVC; everything is seeded, so a failure can be replayed):
 
@@ -16,6 +17,10 @@ Sections (each trial is a fresh PVC; everything is seeded, so a failure can be r
                   /dev/zero, sparse gigabytes), absurd manifest sizes, hostile log lines
   races           several runs started at once on one PVC
   security        no unpickling or eval, no group/world-writable files, no forged log lines
+
+``--launcher torchrun`` runs the two-rank kill and SIGTERM sections (launches and recoveries)
+under torchrun, whose ranks agree through its store; the job's exit code is then read from the
+code torchrun reports for each worker (torchrun itself exits 1 when any worker fails).
 
 Kill-storm launches and every recovery are ``run ... --idempotent``, as ``supervise`` and the
 rendered Job run them. After every trial the PVC must recover: a clean relaunch exits 0 with the same artifact bytes as
@@ -47,6 +52,9 @@ STEPS = ["--steps", "100", "--ckpt-every", "1"]
 RACE_STEPS = ["--steps", "1000", "--ckpt-every", "1"]
 # Two ranks coordinate every checkpoint through the PVC, so a step costs more: fewer of them.
 W2_STEPS = ["--steps", "60", "--ckpt-every", "1", "--world-size", "2"]
+# Under torchrun a launch spends seconds starting up and far less per step (no directory polls):
+# more steps, so that signals sent after the start land while it trains.
+W2_TORCHRUN_STEPS = ["--steps", "600", "--ckpt-every", "1", "--world-size", "2"]
 # --async-checkpoint: the same runs with every checkpoint written by a background thread.
 ASYNC = "--async-checkpoint"
 ASYNC_STEPS, W2_ASYNC_STEPS = [*STEPS, ASYNC], [*W2_STEPS, ASYNC]
@@ -68,15 +76,58 @@ def label(name: str, flags: list[str]) -> str:
     return f"{name} W={world}{' async' if ASYNC in flags else ''}"
 
 
-def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)],
-                          capture_output=True, text=True, timeout=120, **kw)
+def command(args: tuple[str | Path, ...], prefix: tuple[str, ...] = (), torchrun: bool = False) -> list[str]:
+    """``trainjob ARGS``; with ``torchrun``, one worker per rank of ARGS' --world-size under torchrun."""
+    if torchrun:
+        world = str(args[list(map(str, args)).index("--world-size") + 1])
+        return [*prefix, sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                world, "--monitor-interval", "0.1", "-m", "trainjob", *map(str, args)]
+    return [*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)]
 
 
-def spawn(*args: str | Path, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-    return subprocess.Popen([*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)],
+def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False,
+             **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run(command(args, prefix, torchrun), capture_output=True, text=True, timeout=120, **kw)
+    done.returncode = job_code(done.returncode, done.stderr, torchrun)
+    return done
+
+
+def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(command(args, prefix, torchrun),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # its own group: a kill reaches every rank
+
+
+def kill_launch(proc: subprocess.Popen, torchrun: bool) -> None:
+    """SIGKILL a launch, every process of it at once, as a node or container dies. torchrun starts
+    each worker in a session of its own, so its process group alone would leave them running."""
+    pids = [proc.pid]
+    if torchrun:
+        for pid in pids:  # grows while walked: every descendant, found before any dies
+            for task in Path(f"/proc/{pid}/task").glob("*"):
+                try:
+                    pids += [int(c) for c in (task / "children").read_text().split()]
+                except OSError:
+                    pass
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def job_code(returncode: int, stderr: str, torchrun: bool) -> int:
+    """The job's exit code. torchrun exits 1 when any worker fails and names each failed worker's
+    code: the job's is 75 if every one was relaunchable (75, or stopped by torchrun's SIGTERM or
+    SIGKILL after a peer failed), else the first other. torchrun stopped by a signal names none:
+    its workers had that signal passed on to them, so 75 (the caller reads the log to check)."""
+    if not torchrun or returncode == 0:
+        return returncode
+    if re.search(r"SignalException: Process \d+ got signal", stderr):
+        return 75
+    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
+    other = [c for c in codes if c not in (75, -signal.SIGTERM, -signal.SIGKILL)]
+    return other[0] if other else 75 if codes else returncode
 
 
 def last_event(pvc: Path) -> str | None:
@@ -110,8 +161,9 @@ class Section:
 
 
 class Campaign:
-    def __init__(self, work: Path, seed: int) -> None:
+    def __init__(self, work: Path, seed: int, launcher: str = "local") -> None:
         self.work, self.rng = work, random.Random(seed)
+        self.launcher = launcher
         self.references: dict[tuple[str, ...], bytes] = {}
         self.seconds: dict[tuple[str, ...], float] = {}
         self.reference = self.reference_for(STEPS)
@@ -122,7 +174,7 @@ class Campaign:
         if tuple(flags) not in self.seconds:
             pvc = self.pvc("timing")
             started = time.monotonic()
-            if trainjob("run", "--pvc", pvc, *flags).returncode != 0:
+            if trainjob("run", "--pvc", pvc, *flags, torchrun=self.torchrun(flags)).returncode != 0:
                 raise SystemExit(f"an uninterrupted run with {flags} failed")
             self.seconds[tuple(flags)] = time.monotonic() - started
         return self.seconds[tuple(flags)]
@@ -136,6 +188,10 @@ class Campaign:
             self.references[tuple(flags)] = (ref / "artifacts" / "model-v1.json").read_bytes()
         return self.references[tuple(flags)]
 
+    def torchrun(self, flags: list[str]) -> bool:
+        """Whether a run with ``flags`` goes through torchrun (``--launcher torchrun``, W > 1)."""
+        return self.launcher == "torchrun" and "--world-size" in flags
+
     def pvc(self, label: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{label}-", dir=self.work)) / "pvc"
 
@@ -143,7 +199,7 @@ class Campaign:
         """Relaunch without faults until done; the result must equal the uninterrupted run."""
         reference = self.reference_for(flags)
         for _ in range(5):
-            result = trainjob("run", "--pvc", pvc, *flags, AS_DEPLOYED)
+            result = trainjob("run", "--pvc", pvc, *flags, AS_DEPLOYED, torchrun=self.torchrun(flags))
             if result.returncode != 75:
                 break
         if result.returncode != 0 or last_event(pvc) != "completed":
@@ -169,7 +225,7 @@ class Campaign:
     # --- sections ----------------------------------------------------------------------------------
 
     def kill_storm(self, trials: int, flags: list[str] = STEPS, kills_per_trial: int = 3) -> Section:
-        section = Section(label("kill storm", flags))
+        section = Section(label("kill storm", flags), note="under torchrun" if self.torchrun(flags) else "")
         seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
@@ -177,7 +233,7 @@ class Campaign:
             chase_at = 0 if trial % 2 == 0 else kills_per_trial
             for launch in range(kills_per_trial + 1):
                 done = last_event(pvc) == "completed"
-                proc = spawn("run", "--pvc", pvc, *flags, AS_DEPLOYED)
+                proc = spawn("run", "--pvc", pvc, *flags, AS_DEPLOYED, torchrun=self.torchrun(flags))
                 # A random instant; or, chasing, the instant `completed` is logged (if still to come).
                 deadline = time.monotonic() + self.rng.uniform(0, seconds) if launch != chase_at else None
                 chase = launch == chase_at and not done
@@ -189,24 +245,26 @@ class Campaign:
                     time.sleep(0.001)
                 if proc.poll() is None:
                     late = last_event(pvc) == "completed"
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_launch(proc, self.torchrun(flags))
                     if proc.wait() == -signal.SIGKILL:  # it had not exited by itself in between
                         section.injected += 1
                         section.late += late
                     continue
                 stderr = proc.stderr.read()
-                if proc.returncode not in ((0,) if done else (0, 75)):
-                    section.violation(trial, f"a launch exited {proc.returncode}: {stderr.strip()[-300:]}")
+                code = job_code(proc.returncode, stderr, self.torchrun(flags))
+                if code not in ((0,) if done else (0, 75)):
+                    section.violation(trial, f"a launch exited {code}: {stderr.strip()[-300:]}")
             self.recover(section, trial, pvc, flags)
         return section
 
     def sigterm_storm(self, trials: int, flags: list[str] = STEPS) -> Section:
-        section = Section(label("sigterm", flags), note="signal sent once the run has logged its start")
+        section = Section(label("sigterm", flags), note="signal sent once the run has logged its start"
+                          + (", under torchrun" if self.torchrun(flags) else ""))
         seconds = self.seconds_for(flags)
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("term")
-            proc = spawn("run", "--pvc", pvc, *flags)
+            proc = spawn("run", "--pvc", pvc, *flags, torchrun=self.torchrun(flags))
             # Before the interpreter has installed trainjob's handler, SIGTERM's default action
             # ends the process with nothing written; the storm targets the run itself.
             while last_event(pvc) is None and proc.poll() is None:
@@ -214,12 +272,14 @@ class Campaign:
             time.sleep(self.rng.uniform(0, seconds / 2))
             proc.send_signal(signal.SIGTERM)  # to the launcher alone: it must pass it on
             section.injected += 1
-            code = proc.wait(timeout=60)
+            code = job_code(proc.wait(timeout=60), proc.stderr.read(), self.torchrun(flags))
             event = last_event(pvc)
-            if code == 75:
+            if code == 75 and not (event == "completed" and self.torchrun(flags)):
                 log = (pvc / "log.jsonl").read_text().splitlines()
                 if event != "killed" or "signal=SIGTERM" not in log[-1]:
                     section.violation(trial, f"exit 75 but the log ends with {event}")
+            elif event == "completed" and self.torchrun(flags):
+                pass  # it had finished already: torchrun, signalled after its workers exited 0, says so its way
             elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
                 section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
             self.recover(section, trial, pvc, flags)
@@ -563,15 +623,18 @@ def main() -> int:
     parser.add_argument("--asyncs", type=int, default=2,
                         help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
+                        help="how the two-rank sections start their ranks (torchrun: they agree through its store)")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="trainjob-chaos-") as tmp:
-        campaign = Campaign(Path(tmp), args.seed)
+        campaign = Campaign(Path(tmp), args.seed, args.launcher)
+        w2 = W2_TORCHRUN_STEPS if args.launcher == "torchrun" else W2_STEPS
         sections = [
             campaign.kill_storm(args.kills),
-            campaign.kill_storm(args.ranks, W2_STEPS),
+            campaign.kill_storm(args.ranks, w2),
             campaign.sigterm_storm(args.sigterms),
-            campaign.sigterm_storm(args.ranks, W2_STEPS),
+            campaign.sigterm_storm(args.ranks, w2),
             campaign.reshard_kills(args.ranks * 2),
             campaign.io_faults(args.faults),
             campaign.kill_storm(args.asyncs, ASYNC_STEPS),

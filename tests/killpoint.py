@@ -2,6 +2,7 @@
 
     python tests/killpoint.py N run --pvc P ...     die before I/O call number N (0-based)
     python tests/killpoint.py -1 run --pvc P ...    never die; print the number of I/O calls
+    KILLPOINT_RANK=R torchrun ... tests/killpoint.py N run ...    only the worker of rank R dies
 
 This is the test-side harness for "a kill at any instant": with N enumerated over every I/O
 call a clean run makes, every point where the PVC could be left half-updated gets hit. N equal
@@ -47,6 +48,8 @@ if __name__ == "__main__":
     from trainjob import cli
 
     target = int(sys.argv[1])
+    if os.environ.get("KILLPOINT_RANK", os.environ.get("RANK")) != os.environ.get("RANK"):
+        target = -1  # under torchrun every worker runs this script: only KILLPOINT_RANK dies
     counted = arm(target)
     code = cli.main(sys.argv[2:])
     if counted() == target:  # the exit path: the outcome is decided and logged

@@ -22,6 +22,7 @@ from packaging.version import Version
 from conftest import ROOT, io_calls
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
+from trainjob.errors import UsageError
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md"
 OLDEST = "1.29"  # first release with podFailurePolicy and podReplacementPolicy both on by default
@@ -44,7 +45,7 @@ def manifests(*argv: str) -> list[dict]:
 
 def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int = 2) -> None:
     """What the schema cannot say. Raises AssertionError naming the broken rule."""
-    claim, job = docs
+    claim, *service, job = docs
     assert (claim["kind"], job["kind"]) == ("PersistentVolumeClaim", "Job")
     spec, pod = job["spec"], job["spec"]["template"]["spec"]
     (container,) = pod["containers"]
@@ -94,6 +95,42 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
         index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
         env = {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index}}}
         assert env in container.get("env", [])
+        check_rendezvous(service, job, world_size)
+    assert bool(service) == (world_size > 1), "a Service only for ranks to meet through"
+
+
+def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
+    """W > 1: torchrun in every pod, the c10d rendezvous at index 0, reached by its stable DNS name
+    through a headless Service whose name is the pods' subdomain (Kubernetes' documented pattern)."""
+    assert len(service) == 1, "one headless Service for the ranks to meet through"
+    (svc,) = service
+    pod = job["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    assert svc["kind"] == "Service" and svc["spec"]["clusterIP"] == "None", "the Service must be headless"
+    assert svc["spec"]["publishNotReadyAddresses"] is True, "index 0's name must resolve while pods start"
+    assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(), "the Service must select the pods"
+    assert pod["spec"].get("subdomain") == svc["metadata"]["name"], "pods get DNS names under the Service"
+    command = container["command"]
+    assert command[0] == "torchrun" and command[-2:] == ["-m", "trainjob"], "one trainjob rank per torchrun"
+    launcher = torchrun_parser().parse_args(command[1:])
+    assert (launcher.rdzv_backend, launcher.nnodes, launcher.nproc_per_node) == ("c10d", str(world_size), "1")
+    host, port = launcher.rdzv_endpoint.rsplit(":", 1)
+    assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}", "the rendezvous is index 0's pod"
+    assert int(port) in [p["targetPort"] for p in svc["spec"]["ports"]]
+    assert int(port) in [p["containerPort"] for p in container["ports"]]
+    assert launcher.rdzv_id == job["metadata"]["name"] and launcher.max_restarts == 0
+
+
+def torchrun_parser():
+    """torchrun's own command-line parser, with the script part cut off (``-m trainjob`` is last)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="torchrun")
+    for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"):
+        parser.add_argument(flag, required=True)
+    parser.add_argument("--max-restarts", type=int, required=True)
+    parser.add_argument("-m", dest="module", required=True)
+    return parser
 
 
 # --- the schema, offline, in strict mode -----------------------------------------------------------
@@ -153,8 +190,8 @@ def test_semantics_hold_for_any_valid_flags(world, limit, grace, deadline):
     docs = manifests("--world-size", str(world), "--backoff-limit", str(limit), "--grace", str(grace),
                      "--deadline", str(deadline))
     check_semantics(docs, world_size=world, backoff_limit=limit)
-    pod = docs[1]["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] == grace and docs[1]["spec"]["activeDeadlineSeconds"] == deadline
+    pod = docs[-1]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == grace and docs[-1]["spec"]["activeDeadlineSeconds"] == deadline
 
 
 def _rules(job):
@@ -182,10 +219,41 @@ def test_semantic_checks_catch_each_breakage(breakage):
 
 
 def test_indexed_checks_catch_a_missing_index_env():
-    claim, job = manifests("--world-size", "2")
+    claim, service, job = manifests("--world-size", "2")
     del job["spec"]["template"]["spec"]["containers"][0]["env"]
     with pytest.raises(AssertionError):
-        check_semantics([claim, job], world_size=2)
+        check_semantics([claim, service, job], world_size=2)
+
+
+def _command(job):
+    return job["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+INDEXED_BREAKAGES = {
+    "no service": lambda docs: docs.pop(1),
+    "service with a cluster IP": lambda docs: docs[1]["spec"].update(clusterIP="10.0.0.7"),
+    "no subdomain": lambda docs: docs[2]["spec"]["template"]["spec"].pop("subdomain"),
+    "rendezvous at index 1": lambda docs: _command(docs[2]).__setitem__(
+        _command(docs[2]).index("--rdzv-endpoint") + 1, "trainjob-1.trainjob:29400"),
+    "static rendezvous": lambda docs: _command(docs[2]).__setitem__(
+        _command(docs[2]).index("--rdzv-backend") + 1, "static"),
+    "trainjob without torchrun": lambda docs: docs[2]["spec"]["template"]["spec"]["containers"][0].update(
+        command=["trainjob"]),
+}
+
+
+@pytest.mark.parametrize("breakage", INDEXED_BREAKAGES)
+def test_rendezvous_checks_catch_each_breakage(breakage):
+    docs = manifests("--world-size", "2")
+    INDEXED_BREAKAGES[breakage](docs)
+    with pytest.raises(AssertionError):
+        check_semantics(docs, world_size=2)
+
+
+def test_a_name_that_cannot_name_the_service_is_refused_at_w_above_1():
+    assert render("--name", "7b")[0] == 0  # a Job alone may be named so
+    with pytest.raises(UsageError, match="--name must start with a letter with --world-size above 1"):
+        k8s.Target(name="7b", world_size=2).check()
 
 
 def test_output_is_plain_yaml_without_aliases():

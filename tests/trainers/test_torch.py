@@ -59,11 +59,12 @@ def test_adapter_hands_out_the_live_tensors_and_loads_into_them_in_place():
         load_state_dict({k: v for k, v in live.items() if k != "model.0.bias"}, other, other_opt)
 
 
-def torchrun(pvc: Path, data: Path) -> subprocess.Popen:
+def torchrun(pvc: Path, data: Path, *flags: str, script: tuple[str, ...] = ("-m", "trainjob"),
+             env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "--monitor-interval", "0.1", "-m", "trainjob", "run", "--pvc", str(pvc),
-                             "--data", str(data), *FLAGS],
-                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             "--monitor-interval", "0.1", *script, "run", "--pvc", str(pvc),
+                             "--data", str(data), *FLAGS, *flags],
+                            env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def rank_pid(launcher: int, rank: int) -> int:
@@ -84,32 +85,88 @@ def arrays(pvc: Path):
     return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
-def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path):
-    data = tmp_path / "data"
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[Path, bytes]:
+    """The digits data, and the artifact an uninterrupted W=2 torchrun run ends with."""
+    tmp = tmp_path_factory.mktemp("torchrun")
+    data = tmp / "data"
     assert trainjob("gen", "--dataset", "digits", data).returncode == 0
-    reference = torchrun(tmp_path / "ref", data)
     # Alone, not alongside the victim's launches: on two cores a second job's load can push a
     # rank past --rank-timeout, which ends a launch (honestly, 75) before the test can kill it.
-    assert reference.wait(120) == 0, reference.stderr.read()[-2000:]
-    pvc = tmp_path / "pvc"
-    step = 0
-    for victim in (1, 0):  # SIGKILL rank 1 in one launch, rank 0 in the next
+    launcher = torchrun(tmp / "ref", data)
+    assert launcher.wait(120) == 0, launcher.stderr.read()[-2000:]
+    return data, arrays(tmp / "ref")
+
+
+def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> list[str]:
+    """Send ``sig`` to rank 1 in one launch and to rank 0 in the next, each after a new checkpoint;
+    then a last launch finishes. What torchrun said of each interrupted launch."""
+    step, said = 0, []
+    for victim in (1, 0):
         launcher = torchrun(pvc, data)
         deadline = time.monotonic() + 90
         while newest_step(pvc) < step + 2 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert launcher.poll() is None, "the launch ended before the kill: " + "\n".join(
+        assert launcher.poll() is None, "the launch ended before the signal: " + "\n".join(
             line for line in launcher.stderr.read().decode(errors="replace").splitlines() if "trainjob" in line)
         step = newest_step(pvc)
-        os.kill(rank_pid(launcher.pid, victim), signal.SIGKILL)
+        os.kill(rank_pid(launcher.pid, victim), sig)
         assert launcher.wait(120) != 0
+        said.append(launcher.stderr.read().decode(errors="replace"))
     final = torchrun(pvc, data)
     assert final.wait(120) == 0, final.stderr.read().decode()[-3000:]
+    return said
+
+
+def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path, reference):
+    data, expected = reference
+    pvc = tmp_path / "pvc"
+    interrupt_twice_then_finish(pvc, data, signal.SIGKILL)
     log = (pvc / "log.jsonl").read_text()
     assert log.count('"event":"resumed"') >= 2 and log.count('"event":"job_started"') == 1
-    assert arrays(pvc) == arrays(tmp_path / "ref")
+    assert log.count('"detail":"transport=store world_size=2"') == 3  # torchrun's store, in every launch
+    assert arrays(pvc) == expected
     manifest = json.loads((pvc / "checkpoints/step-00000008-a0001-w002/manifest.json").read_text())
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
+
+
+def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoint_and_resumes(tmp_path,
+                                                                                             reference):
+    data, expected = reference
+    pvc = tmp_path / "pvc"
+    said = interrupt_twice_then_finish(pvc, data, signal.SIGTERM)
+    for launch in said:  # torchrun names each failed worker with its exit code: both relaunchable
+        assert launch.count("exitcode  : 75") == 2, launch[-2000:]
+    logged = [(e["event"], e["detail"]) for e in map(json.loads, (pvc / "log.jsonl").read_text().splitlines())]
+    kills = [i for i, (event, _) in enumerate(logged) if event == "killed"]
+    assert [logged[i][1].split(" signal=")[1] for i in kills] == ["SIGTERM@rank1", "SIGTERM"]
+    for i in kills:  # each stop saved the step every rank agreed on, just before it was logged
+        at_step = logged[i][1].split()[0].removeprefix("at_step=")
+        assert logged[i - 1][0] == "checkpointed" and logged[i - 1][1].startswith(f"step={at_step} ")
+    assert arrays(pvc) == expected
+
+
+def after_each_step(out: Path) -> list[dict[str, list[str]]]:
+    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_torchrun_ranks_make_no_file_system_call_on_a_step_without_a_checkpoint(tmp_path, reference):
+    """tests/fscount.py counts trainjob's own file-system calls after each step, at each rank. Through
+    torchrun's store: none but at checkpoints (4, 8). Through the PVC's files: a directory listing
+    after every step, which a network file system serves late and at a cost (docs/checkpoints.md)."""
+    data, _ = reference
+    for transport in ("store", "files"):
+        out = tmp_path / transport
+        launcher = torchrun(tmp_path / f"pvc-{transport}", data, "--ckpt-every", "4",
+                            script=(str(ROOT / "tests/fscount.py"), str(out)),
+                            env={**ENV, "TRAINJOB_COORDINATION": transport})
+        assert launcher.wait(120) == 0, launcher.stderr.read().decode()[-3000:]
+        for calls in after_each_step(out):
+            quiet = {step: names for step, names in calls.items() if step not in ("4", "8")}
+            if transport == "store":
+                assert quiet == {} and calls["4"] and calls["8"], calls  # the counter sees checkpoints
+            else:
+                assert sorted(quiet) == ["1", "2", "3", "5", "6", "7"], calls
 
 
 # --- a torch trainer written to the Stateful protocol: bad state is bad input (exit 2) ---------------

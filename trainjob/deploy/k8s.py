@@ -3,7 +3,9 @@
 Owns how trainjob's contract becomes Job fields: one pod writes the PVC at a time, SIGTERM gets
 time to checkpoint, preemption never spends the retry budget, and the Job's ``backoffLimit`` ends
 the Job on the very pod whose run logs ``job_failed``, and a pod run again after the job completed
-exits 0. docs/kubernetes.md explains each choice.
+exits 0. With W > 1 ranks, an Indexed Job whose pods run ``torchrun`` with the c10d rendezvous at
+index 0, reached through a headless Service: the ranks agree through torch's store, and the shared
+claim holds only data. docs/kubernetes.md explains each choice.
 
 It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
 by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and
@@ -28,6 +30,7 @@ MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's
 CONTAINER = "trainjob"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+RDZV_PORT = 29400  # torchrun's default c10d rendezvous port, served by index 0's torchrun agent
 # Exit-code rules in this order, after the DisruptionTarget rule that always comes first. Any code
 # no rule names (a signal, 137 from an OOM kill) is counted: the Job's default.
 ACTION_ORDER = ("FailJob", "Ignore", "Count")
@@ -65,6 +68,9 @@ class Target:
                              f"got {self.storage!r}")
         if (problem := world_size_problem(self.world_size)) is not None:  # run's own bound: no pod exits 2
             raise UsageError(problem)
+        if self.world_size > 1 and not self.name[0].isalpha():  # the Service's name is a DNS-1035 label
+            raise UsageError(f"--name must start with a letter with --world-size above 1 (it also names the "
+                             f"headless Service the ranks meet through), got {self.name!r}")
         if self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
         if self.deadline < 1:
@@ -96,11 +102,25 @@ class Target:
     def container_args(self) -> list[str]:
         """The container's ``trainjob`` arguments (Kubernetes wants every one a string).
 
-        With W > 1 each pod is one rank: it passes the world size and takes its rank from
-        JOB_COMPLETION_INDEX (see ``INDEX_ENV``), which ``run`` reads when --rank is absent.
+        With W > 1 each pod is one rank: it passes the world size, and torchrun (``launcher``)
+        gives it its rank ($RANK), which ``run`` reads when --rank is absent.
         """
         ranks = ["--world-size", str(self.world_size)] if self.world_size > 1 else []
         return ["run", *self.run_flags(), *ranks]
+
+    @property
+    def rendezvous(self) -> str:
+        """Index 0's stable name through the headless Service: ``<job>-0.<service>``."""
+        return f"{self.name}-0.{self.name}:{RDZV_PORT}"
+
+    def launcher(self) -> list[str]:
+        """The command of a W > 1 pod: torchrun, one trainjob rank per pod, meeting the others
+        through the c10d rendezvous that index 0's torchrun agent hosts (its store is also where
+        the ranks agree, ranks/store.py). No torchrun restarts: the Job relaunches pods and
+        trainjob resumes from the claim."""
+        return ["torchrun", "--nnodes", str(self.world_size), "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rendezvous, "--rdzv-id", self.name,
+                "--max-restarts", "0", "-m", "trainjob"]
 
 
 def pod_failure_policy(actions: Mapping[int, str]) -> dict[str, Any]:
@@ -125,7 +145,8 @@ def pod_failure_policy(actions: Mapping[int, str]) -> dict[str, Any]:
 
 
 def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]]:
-    """The PersistentVolumeClaim and the Job, in the order ``kubectl apply`` should create them."""
+    """The PersistentVolumeClaim, the headless Service (W > 1) and the Job, in the order
+    ``kubectl apply`` should create them."""
     def labels() -> dict[str, str]:  # a fresh dict each time: a shared one dumps as a YAML alias
         return {"app.kubernetes.io/name": "trainjob", "app.kubernetes.io/instance": target.name}
 
@@ -143,11 +164,12 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": target.image,
-        "command": ["trainjob"],
+        "command": target.launcher() if indexed else ["trainjob"],
         "args": target.container_args(),
         "volumeMounts": [{"name": "pvc", "mountPath": MOUNT}],
     }
     if indexed:
+        container["ports"] = [{"name": "c10d", "containerPort": RDZV_PORT}]
         # The control plane injects this too; declaring it (the same downward-API field) makes
         # the rank's source explicit in the manifest and independent of that convenience.
         container["env"] = [{"name": INDEX_ENV, "valueFrom": {
@@ -166,6 +188,8 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
             "metadata": {"labels": labels()},
             "spec": {
                 "restartPolicy": "Never",  # required by podFailurePolicy; the Job relaunches
+                # Each pod gets the DNS name <job>-<index>.<service>: index 0's is the rendezvous.
+                **({"subdomain": target.name} if indexed else {}),
                 "terminationGracePeriodSeconds": target.grace,
                 "containers": [container],
                 "volumes": [{"name": "pvc", "persistentVolumeClaim": {"claimName": target.claim}}],
@@ -174,7 +198,19 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
     }
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": target.name, "labels": labels()}, "spec": job_spec}
-    return [claim, job]
+    if not indexed:
+        return [claim, job]
+    # The documented pattern for pod-to-pod communication in an Indexed Job: a headless Service
+    # whose name is the pods' subdomain. Not-ready addresses are published so index 0's name
+    # resolves while the pods are starting, which is when the rendezvous happens.
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": target.name, "labels": labels()},
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(),
+                 "ports": [{"name": "c10d", "port": RDZV_PORT, "targetPort": RDZV_PORT}]},
+    }
+    return [claim, service, job]
 
 
 def render(docs: Sequence[dict[str, Any]]) -> str:

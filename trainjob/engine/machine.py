@@ -102,9 +102,11 @@ STATE_FOR_EVENT = {event: state for state, event in EVENT_FOR_STATE.items()}
 # Required, once: artifact_written comes just before completed.
 ANNOUNCED_WITHIN = {"artifact_written": State.completed}
 # Optional notes a process's first transition may log first, in this order, each zero or more
-# times: event -> the states that transition may enter. (What killed writers left and was
-# cleaned up; each checkpoint that failed verification and was set aside.)
+# times: event -> the states that transition may enter. (How the ranks of a W > 1 launch reach
+# each other; what killed writers left and was cleaned up; each checkpoint that failed
+# verification and was set aside.)
 NOTED_WITHIN: dict[str, tuple[str, ...]] = {
+    "ranks_coordinated": (State.completed, State.resumed, State.started, State.job_failed),
     "cleaned_up": (State.completed, State.resumed, State.started, State.job_failed, State.resharded),
     "checkpoint_rejected": (State.resumed,),
 }
@@ -134,6 +136,7 @@ DETAIL: dict[str, tuple[str, ...]] = {
     "artifact_written": ("sha256={sha256} path={path}",),
     "completed": (_VERDICT,),
     "drift_failed": (_VERDICT + " (max drop {max_drop:int}%); refusing artifact",),
+    "ranks_coordinated": ("transport={transport} world_size={world_size:int}",),
     "cleaned_up": ("removed={removed:int} paths={paths}",),
     "checkpoint_rejected": ("path={path} moved_to={moved_to} reason={reason}",),
     "resharded": ("step={step:int} from_world_size={from_world_size:int} world_size={world_size:int} "

@@ -57,7 +57,7 @@ from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import InputError, Superseded, TrainJobError, TryAgainLater, UsageError, one_line, os_errors
 from ..exits import exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
-from ..ranks.peers import PvcCoordinator, PvcFollower
+from ..ranks import connect
 from ..records import Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
@@ -123,7 +123,7 @@ class Run:
         self.from_step = 0
         self._stack = ExitStack()
         self._job: Job | None = None
-        self._peers: Any = None  # PvcCoordinator on rank 0, PvcFollower on the others
+        self._peers: Any = None  # a Coordinator on rank 0, a Follower on the others (ranks/connect.py)
         self._writer: ShardWriter | None = None
         self._session: Session | None = None
         self._skip: set[int] = set()  # generations a follower left (rank 0 relaunched)
@@ -182,9 +182,11 @@ class Run:
     def _lead(self, pvc: Pvc) -> None:
         """Rank 0: let the machine decide how this launch begins, then lead the other ranks."""
         cfg = self.cfg
-        self._peers = peers = PvcCoordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
+        self._peers = peers = connect.coordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
         initial = self._host.snapshot(self.stateful.state_dict(), 0)  # checks the state; host views of it
         self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
+        if not peers.solo:  # which transport the ranks agree through, logged with the launch's first event
+            job.notes.append(("ranks_coordinated", dict(transport=peers.transport, world_size=cfg.world_size)))
         job.read(into=initial)
         # Before any write: a checkpoint holding other arrays than this state's, or a
         # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
@@ -215,7 +217,7 @@ class Run:
         """Ranks >= 1: join rank 0's newest launch and load the checkpoint it resumes from."""
         cfg = self.cfg
         if self._peers is None:
-            self._peers = PvcFollower(pvc, self.rank, cfg.world_size, cfg.rank_timeout, self._signal)
+            self._peers = connect.follower(pvc, self.rank, cfg.world_size, cfg.rank_timeout, self._signal)
             self._writer = ShardWriter(pvc)
         peers, writer = self._peers, self._writer
         assert writer is not None
@@ -333,7 +335,7 @@ class Run:
         peers.wait_staging(staging, step)
         try:
             entry = writer.write_shard(staging, self.rank, self.cfg.world_size, step, arrays)
-            writer.write_receipt(staging, entry)
+            peers.deliver(step, entry, lambda e: writer.write_receipt(staging, e))
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise

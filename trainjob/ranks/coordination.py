@@ -1,17 +1,19 @@
 """Ranks: the coordination interface, what the engine asks of the other ranks, by role.
 
 Three Protocols, no implementation: ``Coordination`` is what every rank does, ``Coordinator``
-adds what only rank 0 does, ``Follower`` what only the other ranks do. ``peers.py`` implements
-them through files on the PVC; another transport (torch's store, issue 16) implements the same
-methods, and ``engine/job.py`` drives either without knowing which. Each method's docstring says
-who calls it and when, in the order a launch meets them:
+adds what only rank 0 does, ``Follower`` what only the other ranks do. Two transports implement
+them: ``peers.py`` through files on the PVC (the local launcher, the lab), ``store.py`` through
+the launcher's rendezvous store (torchrun); ``connect.py`` picks one, and ``engine/run.py``
+drives either without knowing which. Each method's docstring says who calls it and when, in the
+order a launch meets them:
 
     rank 0 (Coordinator)                 ranks >= 1 (Follower)
     publish(session)                     join(settings)        -> the session to follow
     wait_joined()                                                 (waits for begin, or the end)
     begin()
     ... every rank trains, checking stop_wanted() / agree_stop() after each step ...
-    gather(receipts) per checkpoint      wait_staging(), write a shard and its receipt
+    per checkpoint: staged(step), its    wait_staging(), write a shard,
+    own shard, gather(receipts)          deliver(its receipt)
     finish(state)                        wait_outcome()        -> rank 0's state
 
 Must not: decide anything about training or write a checkpoint; every wait is bounded.
@@ -21,11 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-from ..records import Outcome, Session
-
-T = TypeVar("T")
+from ..records import Outcome, Session, ShardEntry
 
 
 @runtime_checkable
@@ -34,13 +34,16 @@ class Coordination(Protocol):
 
     generation: int  # the launch this rank takes part in; 0 before it has one
     step: int  # the last step this rank completed: the train loop updates it after every step
+    transport: str  # how the ranks reach each other, for the log: "files" or "store"
 
     @property
     def solo(self) -> bool:
         """True with a world of one rank, where every call is trivial."""
 
     def stop_wanted(self) -> bool:
-        """(all ranks) After each step: did a signal reach this rank, or did any rank note a stop?"""
+        """(all ranks) After each step: did a signal reach this rank, or did any rank note a stop?
+        Every rank calls it at the same points of the loop, the same number of times: a transport
+        may make each call a collective (the store's stop round)."""
 
     def agree_stop(self) -> int:
         """(all ranks) Once a stop is wanted: the step every rank stops after, the largest step
@@ -62,9 +65,14 @@ class Coordinator(Coordination, Protocol):
     def begin(self) -> None:
         """(rank 0, once every rank joined and there is something to train) Let the others start."""
 
-    def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
-        """(rank 0, at each checkpoint, after writing its own shard) Wait until ``ready(r)`` for
-        every other rank ``r`` (its shard of ``step`` is durable), then return ``read(r)`` for each."""
+    def staged(self, step: int) -> None:
+        """(rank 0, at each checkpoint, right after creating the staging directory of ``step``)
+        Tell the others they may write their shards into it."""
+
+    def gather(self, ready: Callable[[int], bool], read: Callable[[int], ShardEntry], step: int) -> list[ShardEntry]:
+        """(rank 0, at each checkpoint, after writing its own shard) Every other rank's receipt of
+        ``step`` (its shard is durable), in rank order: files wait until ``ready(r)`` and return
+        ``read(r)``; a transport that carries receipts itself ignores both."""
 
     def peer_signal(self) -> str | None:
         """(rank 0, when a stop ends the launch) Which rank's signal started it, for the log."""
@@ -92,6 +100,11 @@ class Follower(Coordination, Protocol):
     def wait_staging(self, staging: Path, step: int) -> None:
         """(ranks >= 1, at each checkpoint, before writing a shard) Wait for rank 0's staging
         directory of ``step``."""
+
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
+        """(ranks >= 1, at each checkpoint, once this rank's shard is durable) Hand rank 0 its
+        receipt: files call ``write(entry)`` (a receipt file beside the shard); a transport that
+        carries receipts itself sends it instead."""
 
     def check_current(self) -> None:
         """(ranks >= 1, when a write fails) Raise Superseded if rank 0 started a newer launch."""

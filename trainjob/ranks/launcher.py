@@ -1,7 +1,8 @@
 """Ranks: the local launcher, which starts W rank processes on this machine and supervises them.
 
 It only starts, watches, signals and stops processes; the ranks agree among themselves through
-the PVC (peers.py), and the exit codes it reads are cli.py's.
+the PVC (peers.py: with no torchrun store around, connect.py picks the files), and the exit codes
+it reads are cli.py's.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from typing import TypeVar
 
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, os_errors
 from ..storage.pvc import Pvc, atomic_write, make_dir
-from ..records import Outcome, RankNote, Session, dumps
+from ..records import Outcome, RankNote, Session, ShardEntry, dumps
 
 T = TypeVar("T")
 POLL = 0.01  # first poll interval; doubles up to POLL_MAX
@@ -74,6 +74,8 @@ class PvcPeers:
 
     With one rank every call is trivial. Rank 0 uses ``PvcCoordinator``, the others ``PvcFollower``.
     """
+
+    transport = "files"
 
     def __init__(self, pvc: Pvc, rank: int, world_size: int, timeout: float, stop_signal: Callable[[], str | None]):
         self.pvc, self.rank, self.world_size, self.timeout = pvc, rank, world_size, timeout
@@ -188,6 +190,9 @@ class PvcCoordinator(PvcPeers):
         if not self.solo:
             self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
 
+    def staged(self, step: int) -> None:
+        """(rank 0, at each checkpoint) Nothing to say: the staging directory is the others' signal."""
+
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
         """(rank 0, at each checkpoint, after its own shard) Wait until every other rank's shard
         of ``step`` is durable (``ready``: its receipt exists); ``read`` them."""
@@ -298,6 +303,10 @@ class PvcFollower(PvcPeers):
         checkpoint's staging directory; the others write into it."""
         wait_for(lambda: True if staging.is_dir() else None, self.timeout,
                  lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
+
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
+        """(ranks >= 1, once its shard is durable) The receipt file rank 0 polls for."""
+        write(entry)
 
     def wait_outcome(self) -> Outcome:
         """(ranks >= 1, last) How rank 0 ended the launch; PeerFailed if it failed."""

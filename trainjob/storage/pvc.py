@@ -9,7 +9,8 @@ Layout of a PVC directory (all paths relative to it):
     attempts                   the attempt counter as a plain integer (the lab's contract)
     checkpoint.json            pointer to the newest committed checkpoint (``.step`` and more)
     checkpoints/               one directory per committed checkpoint (see checkpoint/store.py)
-    ranks/                     how ranks coordinate through the PVC (see ranks/peers.py)
+    ranks/                     session.json (every launch); the files ranks coordinate through when no
+                               launcher store is there (see ranks/peers.py, ranks/connect.py)
     artifacts/model-vN.json    the model published by attempt N (.safetensors: any trainer but linear)
     log.jsonl                  the decision log, unless ``--log`` points elsewhere
 

@@ -166,6 +166,11 @@ def _why(step: Step, told: _Told) -> list[str]:
     if step.event == "cleaned_up":
         return [f"Before its first move ({step.source} → {step.dest}), the process removed "
                 f"{fields.get('removed', '?')} leftover(s) of killed writers: {fields.get('paths', '?')}."]
+    if step.event == "ranks_coordinated":
+        how = {"store": "the launcher's rendezvous store (torchrun's): the PVC holds only their data",
+               "files": "files on the PVC (ranks started by trainjob's local launcher)"}
+        return [f"This launch has {fields.get('world_size', '?')} ranks; they join, agree on stops, hand in "
+                f"their receipts and learn the outcome through {how.get(fields.get('transport'), '?')}."]
     if step.event == "checkpoint_rejected":
         return [f"The checkpoint {fields.get('path', '?')} failed verification ({fields.get('reason', '?')}) and "
                 f"was moved aside to {fields.get('moved_to', '?')}: the resume falls back to the newest "

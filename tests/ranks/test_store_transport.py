@@ -1,0 +1,283 @@
+"""Ranks: the store transport (ranks/store.py) and the choice of transport (ranks/connect.py).
+
+In process: every rank is a thread with its own client of a real torch TCPStore, as torchrun's
+workers are clients of the store its agent hosts. Then whole launches under torchrun, with a kill
+before an I/O call; the DDP trainer's kills, SIGTERMs and file-system counts under torchrun are in
+tests/trainers/test_torch.py.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, trainjob
+from trainjob.errors import PeerFailed, RankTimeout, UsageError
+from trainjob.ranks import connect
+from trainjob.ranks.coordination import Coordinator, Follower
+from trainjob.ranks.peers import PvcCoordinator
+from trainjob.records import ShardEntry, Session
+from trainjob.storage.pvc import Pvc
+
+dist = pytest.importorskip("torch.distributed", reason="torch is not installed (pip install 'trainjob[torch]')")
+
+from trainjob.ranks.store import StoreCoordinator, StoreFollower  # noqa: E402
+
+
+def session(generation: int, world: int = 2) -> Session:
+    return Session(generation=generation, world_size=world, attempt=1, from_step=0, checkpoint=None,
+                   manifest_sha256=None, settings="s")
+
+
+@pytest.fixture
+def server():
+    """The agent's store: every rank below connects to it as a client."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=10))
+
+
+def client(server, scope: str = "launch-1"):
+    tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=10))
+    return dist.PrefixStore(scope, tcp)
+
+
+@pytest.fixture
+def pvc(tmp_path) -> Pvc:
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    return pvc
+
+
+def launch(server, pvc: Pvc, world: int, timeout: float = 5.0, signals: dict[int, str] | None = None,
+           scope: str = "launch-1"):
+    """Rank 0 and the followers of one launch, joined and begun."""
+    signals = {} if signals is None else signals
+    rank0 = StoreCoordinator(client(server, scope), pvc, world, timeout, lambda: signals.get(0))
+    rank0.publish(lambda g: session(g, world))
+    followers = [StoreFollower(client(server, scope), r, world, timeout, (lambda r=r: signals.get(r)))
+                 for r in range(1, world)]
+    joiners = [threading.Thread(target=f.join, args=("s", set())) for f in followers]
+    for t in joiners:
+        t.start()
+    assert rank0.wait_joined()
+    rank0.begin()
+    for t in joiners:
+        t.join(10)
+    return rank0, followers
+
+
+def in_threads(ranks, work) -> list:
+    """``work(rank)`` for every rank at once; what each returned (or raised)."""
+    results: list = [None] * len(ranks)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(ranks[i])
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return results
+
+
+def test_both_transports_implement_the_protocols(server, pvc):
+    rank0, (rank1,) = launch(server, pvc, 2)
+    assert isinstance(rank0, Coordinator) and isinstance(rank1, Follower)
+    assert (rank0.transport, rank1.transport) == ("store", "store")
+    assert PvcCoordinator(pvc, 2, 1.0, lambda: None).transport == "files"
+
+
+def test_a_signal_at_any_rank_stops_every_rank_after_the_same_step(server, pvc):
+    signals: dict[int, str] = {}
+    rank0, followers = launch(server, pvc, 3, signals=signals)
+    ranks = [rank0, *followers]
+
+    def train(peers) -> tuple[int, int]:
+        for step in range(1, 50):
+            peers.step = step
+            if peers.rank == 2 and step == 7:
+                signals[2] = "SIGTERM"  # arrives while rank 2 is at step 7; the others may be anywhere
+            if peers.stop_wanted():
+                return step, peers.agree_stop()
+        return 0, 0
+
+    results = in_threads(ranks, train)
+    assert results[0] == results[1] == results[2] == (7, 7), results
+    assert rank0.peer_signal() == "SIGTERM@rank2"
+
+
+def test_receipts_travel_through_the_store_not_as_files(server, pvc):
+    rank0, followers = launch(server, pvc, 3)
+    written = []
+    entries = {r: ShardEntry(rank=r, file=f"shard-{r:05d}-of-00003.safetensors", size=10 * r, sha256="ab" * 32,
+                           holds=())
+               for r in (1, 2)}
+
+    def follower(f) -> None:
+        f.wait_staging(Path("staging"), 4)
+        f.deliver(4, entries[f.rank], written.append)
+
+    threads = [threading.Thread(target=follower, args=(f,)) for f in followers]
+    for t in threads:
+        t.start()
+    rank0.staged(4)
+    got = rank0.gather(lambda r: pytest.fail("polled a file"), lambda r: pytest.fail("read a file"), 4)
+    for t in threads:
+        t.join(10)
+    assert got == [entries[1], entries[2]] and written == []
+    assert not rank0.has(rank0.key("receipt/4/1")) and not rank0.has(rank0.key("staged/4"))  # cleaned up
+
+
+def test_a_checkpoint_writer_thread_is_not_held_up_by_a_round_in_progress(server, pvc):
+    """Async checkpoints: a rank's writer thread waits for the staging key and sends its receipt
+    while the main thread waits in a stop round; one client serves one call at a time."""
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=10.0)
+    entry = ShardEntry(rank=1, file="shard-00001-of-00002.safetensors", size=1, sha256="ab" * 32, holds=())
+    voted = threading.Thread(target=rank1.stop_wanted)
+    voted.start()  # blocks until rank 0 votes
+    time.sleep(0.2)
+    rank0.staged(2)
+    started = time.monotonic()
+    rank1.wait_staging(Path("staging"), 2)
+    rank1.deliver(2, entry, lambda e: None)
+    assert rank0.gather(None, None, 2) == [entry]  # type: ignore[arg-type]
+    assert time.monotonic() - started < 2 and voted.is_alive()
+    assert rank0.stop_wanted() is False
+    voted.join(5)
+
+
+def test_a_rank_that_never_votes_ends_the_round_with_rank_timeout_in_bounded_time(server, pvc):
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(RankTimeout, match="waited 1s for every rank to finish step 0"):
+        rank1.stop_wanted()  # rank 0 was killed mid-step: it never votes
+    assert time.monotonic() - started < 5
+
+
+def test_rank_0_failing_releases_a_rank_waiting_in_a_round(server, pvc):
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0)
+    threading.Timer(0.3, rank0.finish, ("error", "NoSpace: the PVC is full")).start()
+    started = time.monotonic()
+    with pytest.raises(PeerFailed, match="rank 0 stopped this launch: NoSpace"):
+        rank1.stop_wanted()
+    assert time.monotonic() - started < 5  # not the 30 s round timeout
+
+
+def test_a_store_that_goes_away_is_rank_timeout(pvc):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=2))
+    rank1 = StoreFollower(client(server), 1, 2, 2.0, lambda: None)
+    del server  # the agent's host is gone
+    with pytest.raises(RankTimeout, match="rendezvous store did not answer"):
+        rank1.stop_wanted()
+
+
+def test_a_follower_never_joins_a_launch_that_began_or_ended_in_a_store_that_outlived_it(server, pvc):
+    """torchrun gives each launch fresh keys; a store that outlives a launch (a user's own) still
+    holds its session. A follower must join the next launch, not the dead one."""
+    dead, _ = launch(server, pvc, 2)  # generation 1 began; then its rank 0 was killed
+    joined: list = []
+    rank1 = StoreFollower(client(server), 1, 2, 5.0, lambda: None)
+    t = threading.Thread(target=lambda: joined.append(rank1.join("s", set())))
+    t.start()
+    time.sleep(0.3)
+    fresh = StoreCoordinator(client(server), pvc, 2, 5.0, lambda: None)
+    fresh.publish(lambda g: session(g))
+    assert fresh.wait_joined()
+    fresh.begin()
+    t.join(10)
+    assert [s.generation for s in joined] == [2] and fresh.generation == 2
+
+
+def test_a_relaunch_under_another_scope_sees_none_of_the_dead_launchs_keys(server, pvc):
+    launch(server, pvc, 2, scope="run-a/0")
+    rank1 = StoreFollower(client(server, "run-a/1"), 1, 2, 0.5, lambda: None)  # torchrun's restart 1
+    with pytest.raises(RankTimeout, match="no session in the rendezvous store"):
+        rank1.join("s", set())
+
+
+def test_the_generation_still_grows_on_the_pvc_across_launches(server, pvc):
+    first, _ = launch(server, pvc, 2, scope="a")
+    second, _ = launch(server, pvc, 2, scope="b")
+    assert (first.generation, second.generation) == (1, 2)
+    assert (pvc.root / "ranks/session.json").exists()
+
+
+# --- the choice -------------------------------------------------------------------------------------
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "localhost", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("world, env, expected", [
+    (1, AGENT, "files"),  # one rank: nothing to agree on, and the lab's log stays as it was
+    (2, {}, "files"),  # the local launcher
+    (2, AGENT, "store"),  # torchrun
+    (2, {**AGENT, "TRAINJOB_COORDINATION": "files"}, "files"),
+    (2, {**AGENT, "TORCHELASTIC_USE_AGENT_STORE": "False"}, "files"),  # no server at MASTER_PORT yet
+])
+def test_the_transport_follows_the_launcher(world, env, expected):
+    assert connect.transport(world, env) == expected
+
+
+def test_a_forced_transport_that_cannot_work_is_a_usage_error():
+    with pytest.raises(UsageError, match="TRAINJOB_COORDINATION must be one of files, store, got 'nfs'"):
+        connect.transport(2, {"TRAINJOB_COORDINATION": "nfs"})
+    with pytest.raises(UsageError, match="there is no store: launch with torchrun"):
+        connect.transport(2, {"TRAINJOB_COORDINATION": "store"})
+
+
+def test_torchruns_store_is_opened_under_the_run_id_and_restart_count(server, pvc):
+    env = {**AGENT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "TORCHELASTIC_RUN_ID": "r1",
+           "TORCHELASTIC_RESTART_COUNT": "3"}
+    rank0 = connect.coordinator(pvc, 2, 5.0, lambda: None, env)
+    assert isinstance(rank0, StoreCoordinator)
+    rank0.publish(lambda g: session(g))
+    assert server.check(["trainjob/r1/3/session"])
+
+
+# --- whole launches under torchrun, through its store ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_reference(tmp_path_factory) -> bytes:
+    pvc = tmp_path_factory.mktemp("ref") / "pvc"
+    assert trainjob("run", "--pvc", pvc, "--steps", 6, "--ckpt-every", 1).returncode == 0
+    return (pvc / "artifacts/model-v1.json").read_bytes()
+
+
+def torchrun(pvc: Path, *script: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", *script, "run", "--pvc", str(pvc), "--steps", "6",
+                           "--ckpt-every", "1", "--keep", "2", "--rank-timeout", "1"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, capture_output=True, text=True,
+                          timeout=120)
+
+
+# As tests/ranks/test_peers.py does for the files: SIGKILL one rank just before its Nth write, fsync
+# or rename (joining, writing its shard, staging, the manifest, the rename, the pointer, rotating),
+# here with torchrun's workers agreeing through its store. The survivor gives up within its bounded
+# wait (75) and a relaunch under torchrun ends with the uninterrupted bytes.
+@pytest.mark.parametrize("victim, point", [(1, 0), (1, 6), (0, 5), (0, 33)])
+@pytest.mark.process
+def test_torchrun_sigkill_of_one_rank_at_an_io_call_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
+    pvc = tmp_path / "pvc"
+    killed = torchrun(pvc, str(ROOT / "tests/killpoint.py"), str(point), env={"KILLPOINT_RANK": str(victim)})
+    assert killed.returncode != 0
+    assert "exitcode  : -9" in killed.stderr and "exitcode  : 75" in killed.stderr, killed.stderr[-3000:]
+    relaunch = torchrun(pvc, "-m", "trainjob")
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    assert "transport=store world_size=2" in (pvc / "log.jsonl").read_text()
+    assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
+    assert trainjob("verify", "--pvc", pvc).returncode == 0
+    assert not [p for p in (pvc / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]

@@ -1,0 +1,330 @@
+"""Ranks: ``coordination.py``'s interface on the launcher's rendezvous store (torchrun's c10d store).
+
+The ranks agree through keys in a key-value store every rank reaches over the network (torch's
+``TCPStore``, which torchrun's agent hosts, or the store of an initialized process group);
+``connect.py`` opens it, under a prefix unique to the launch. The PVC keeps only data: shards,
+manifests, the pointer, and ``ranks/session.json`` (rank 0 still allocates each launch's
+generation there, under the job lock). Keys, for generation 3:
+
+    session                    Session: rank 0's word for this launch (its generation: 3)
+    g00000003/join/1           rank 1 joined (a RankNote)
+    g00000003/begin            rank 0 saw every rank join: the launch begins
+    g00000003/stopping         some rank noted a stop before the launch began
+    g00000003/stop/1           rank 1's stop note: the signal it received
+    g00000003/round/17         the 17th stop round: ranks arrived + STOP x ranks that want to stop
+    g00000003/round/17/done    its total, set by the last rank to arrive (END if rank 0 finished)
+    g00000003/staged/8         rank 0 created the staging directory of step 8
+    g00000003/receipt/8/1      rank 1's shard of step 8 is durable: its ShardEntry (size, sha256)
+    g00000003/outcome          Outcome: how rank 0 ended generation 3
+
+Unlike the files, a stop is agreed in *rounds*: after every step every rank adds its vote to that
+step's round key and waits until all have (``stop_wanted``), so all learn in the same round that
+some rank wants to stop, at the same step: a collective, which is what ranks in lockstep (DDP)
+need, and no file-system call. Every wait is bounded by ``--rank-timeout`` (RankTimeout, exit 75);
+a store that stops answering is RankTimeout too.
+
+Must not import torch (``connect.py`` does, lazily): it drives any object with the store's
+methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi_get``, ``clone``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..checkpoint.plan import shard_file
+from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater
+from ..records import Outcome, RankNote, Session, ShardEntry, dumps, load
+from ..storage.pvc import Pvc
+from .peers import PvcCoordinator, wait_for
+
+T = TypeVar("T")
+STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals = total % STOP
+END = b"end"  # a round's result when rank 0 ended the launch instead of voting
+
+
+@contextmanager
+def answering(what: str) -> Iterator[None]:
+    """A store that fails (its host gone, the connection reset) is a lost peer: exit 75."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch's DistError and its kin (DistNetworkError, DistStoreError)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RankTimeout(f"the rendezvous store did not answer while {what} ({first}); "
+                          "relaunch all ranks together") from None
+
+
+class StorePeers:
+    """(all ranks) This rank's view of the others through the store: ``Coordination`` on a store."""
+
+    transport = "store"
+
+    def __init__(self, kv: Any, rank: int, world_size: int, timeout: float,
+                 stop_signal: Callable[[], str | None]) -> None:
+        self.kv, self.rank, self.world_size, self.timeout = kv, rank, world_size, timeout
+        # The stop rounds get a connection of their own: a client serves one call at a time, and
+        # a round's blocking wait must not hold up a checkpoint writer thread (async checkpoints)
+        # polling for the staging key or sending a receipt meanwhile.
+        with answering("opening a second connection"):
+            self.rounds_kv = kv.clone()
+        self.stop_signal = stop_signal
+        self.generation = 0
+        self.step = 0
+        self.rounds = 0  # stop rounds this rank took part in this generation
+        self.stopping = False  # a round said stop (or, before begin, this rank noted one)
+
+    @property
+    def solo(self) -> bool:
+        return self.world_size == 1
+
+    def key(self, name: str, generation: int | None = None) -> str:
+        return f"g{self.generation if generation is None else generation:08d}/{name}"
+
+    def has(self, *keys: str) -> bool:
+        with answering(f"checking {keys[0]}"):
+            return bool(self.kv.check(list(keys)))
+
+    def get(self, key: str) -> bytes:
+        with answering(f"reading {key}"):
+            return bytes(self.kv.get(key))
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with answering(f"writing {key}"):
+            self.kv.set(key, value)
+
+    def drop(self, *keys: str) -> None:
+        """Keys nobody will read again: the store lives as long as the launch, so keep it small."""
+        with answering(f"removing {keys[0]}"):
+            for key in keys:
+                self.kv.delete_key(key)
+
+    def read(self, key: str, cls: type[T]) -> T:
+        return load(self.get(key), cls, where=f"rendezvous store key {key}")
+
+    def _note_stop(self) -> None:
+        """Say which signal reached this rank, for rank 0's log (``peer_signal``)."""
+        self.set(self.key(f"stop/{self.rank}"),
+                 dumps(RankNote(rank=self.rank, step=self.step, signal=self.stop_signal() or "")))
+
+    def stop_wanted(self) -> bool:
+        """(all ranks, after each step: a collective) One stop round: vote, wait for every rank's
+        vote, and say whether any rank wants to stop. Every rank calls it at the same points
+        (``train`` does), so every rank gets the same answer after the same step."""
+        if self.stopping:
+            return True
+        self.rounds += 1
+        mine = bool(self.stop_signal())
+        if mine:
+            self._note_stop()
+        key = self.key(f"round/{self.rounds}")
+        with answering(f"voting in stop round {self.rounds}"):
+            total = int(self.rounds_kv.add(key, 1 + (STOP if mine else 0)))
+            if total % STOP == self.world_size:  # the last to arrive announces the result
+                self.rounds_kv.set(key + "/done", str(total))
+                if self.rounds > 2:  # every rank has read round r - 2's result: it is past round r - 1
+                    old = self.key(f"round/{self.rounds - 2}")
+                    self.rounds_kv.delete_key(old)
+                    self.rounds_kv.delete_key(old + "/done")
+        if total % STOP != self.world_size:
+            total = self._round_result(key + "/done")
+        self.stopping = total >= STOP
+        return self.stopping
+
+    def _round_result(self, done: str) -> int:
+        started = time.monotonic()
+        try:
+            # One blocking call, answered the moment the last rank arrives: no polling per step.
+            self.rounds_kv.wait([done], datetime.timedelta(seconds=self.timeout))
+        except RuntimeError:
+            if time.monotonic() - started < self.timeout * 0.9:
+                with answering(f"waiting for stop round {self.rounds}"):
+                    raise
+            raise RankTimeout(f"waited {self.timeout:g}s for every rank to finish step {self.step} "
+                              f"(stop round {self.rounds}); relaunch all ranks together (or raise "
+                              "--rank-timeout)") from None
+        with answering(f"reading stop round {self.rounds}"):
+            value = bytes(self.rounds_kv.get(done))
+        if value == END:
+            self._rank_0_ended()
+        return int(value)
+
+    def _rank_0_ended(self) -> None:
+        raise PeerFailed(f"rank 0 ended generation {self.generation} while rank {self.rank} trained")
+
+    def agree_stop(self) -> int:
+        """(all ranks, once a stop is wanted) The step to stop after: the rounds are collective,
+        so every rank learnt of the stop after the same step, the one it is at."""
+        return self.step
+
+
+class StoreCoordinator(StorePeers):
+    """(rank 0) Leads each launch through the store: ``Coordinator`` on a store. The generation
+    is still allocated on the PVC (``ranks/session.json``, under the job lock), so it grows
+    across launches whatever store each launch had."""
+
+    def __init__(self, kv: Any, pvc: Pvc, world_size: int, timeout: float,
+                 stop_signal: Callable[[], str | None]) -> None:
+        super().__init__(kv, 0, world_size, timeout, stop_signal)
+        self.files = PvcCoordinator(pvc, world_size, timeout, stop_signal)
+
+    def publish(self, session_for: Callable[[int], Session]) -> Session:
+        """(rank 0, under the job lock, first) Allocate the generation on the PVC, then tell the
+        others through the store."""
+        session = self.files.publish(session_for)
+        self.generation, self.step, self.rounds, self.stopping = session.generation, session.from_step, 0, False
+        self.set("session", dumps(session))
+        return session
+
+    def wait_joined(self) -> bool:
+        """(rank 0, after publish) Every other rank joined: True; False if a stop came first."""
+        if self.solo:
+            return True
+        joins = [self.key(f"join/{r}") for r in range(1, self.world_size)]
+
+        def joined() -> bool | None:
+            if self.has(*joins):
+                return True
+            return False if self.stop_signal() or self.has(self.key("stopping")) else None
+
+        return wait_for(joined, self.timeout, lambda: f"ranks {[r for r, k in enumerate(joins, 1) if not self.has(k)]}"
+                        f" to join generation {self.generation}", lambda: None)
+
+    def begin(self) -> None:
+        if not self.solo:
+            self.set(self.key("begin"), str(self.step))
+
+    def staged(self, step: int) -> None:
+        """(rank 0, at each checkpoint, once the staging directory exists) The others may write."""
+        self.set(self.key(f"staged/{step}"), str(step))
+
+    def gather(self, ready: Callable[[int], bool], read: Callable[[int], Any], step: int) -> list[ShardEntry]:
+        """(rank 0, at each checkpoint, after its own shard) Every other rank's receipt of
+        ``step``, from the store (``ready`` and ``read``, the files' way, are not needed)."""
+        keys = {r: self.key(f"receipt/{step}/{r}") for r in range(1, self.world_size)}
+        wait_for(lambda: True if self.has(*keys.values()) else None, self.timeout,
+                 lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to write their shards "
+                 f"of step {step}", lambda: None)
+        with answering(f"reading the receipts of step {step}"):
+            values = self.kv.multi_get(list(keys.values()))
+        entries = [load(bytes(v), ShardEntry, where=f"rendezvous store key {k}") for k, v in zip(keys.values(), values)]
+        for r, entry in zip(keys, entries):
+            if entry.rank != r or entry.file != shard_file(r, self.world_size):
+                raise InputError(f"rendezvous store key {keys[r]}: not rank {r}'s receipt")
+        self.drop(self.key(f"staged/{step}"), *keys.values())
+        return entries
+
+    def peer_signal(self) -> str | None:
+        for r in range(self.world_size):
+            if self.has(self.key(f"stop/{r}")):
+                note = self.read(self.key(f"stop/{r}"), RankNote)
+                if note.signal:
+                    return f"{note.signal}@rank{r}"
+        return None
+
+    def finish(self, state: str, message: str = "") -> None:
+        """(rank 0, last) The outcome, and the end of the round the others may be waiting in."""
+        if not self.solo and self.generation:
+            self.set(self.key("outcome"), dumps(Outcome(generation=self.generation, state=state, message=message)))
+            # A rank still training waits in the next round, which rank 0 will never join.
+            self.set(self.key(f"round/{self.rounds + 1}/done"), END)
+
+
+class StoreFollower(StorePeers):
+    """(ranks >= 1) Follows the launch rank 0 leads through the store: ``Follower`` on a store."""
+
+    def begun(self, generation: int | None = None) -> bool:
+        return self.has(self.key("begin", generation))
+
+    def read_outcome(self, generation: int | None = None) -> Outcome | None:
+        key = self.key("outcome", generation)
+        return self.read(key, Outcome) if self.has(key) else None
+
+    def _session(self) -> Session | None:
+        return self.read("session", Session) if self.has("session") else None
+
+    def join(self, settings: str, skip: set[int]) -> Session:
+        """(ranks >= 1, first) Join the launch rank 0 published in this store; wait until it
+        begins or ends unbegun. A store that outlived a launch (not torchrun's) may still hold its
+        session: one already begun or ended is not joined, as with the files."""
+        seen: list[str] = []
+
+        def joinable() -> Session | None:
+            s = self._session()
+            if s is None or s.generation in skip:
+                return None
+            if self.has(self.key("outcome", s.generation)) or self.begun(s.generation):
+                return None
+            if (s.world_size, s.settings) != (self.world_size, settings):
+                seen[:] = [f"rank 0's session (generation {s.generation}) has other settings: {s.settings} "
+                           f"world_size={s.world_size}, this rank: {settings} world_size={self.world_size}"]
+                return None
+            return s
+
+        def poll() -> None:
+            if self.stop_signal():  # nothing joined, nothing to save: just go
+                raise TryAgainLater(f"rank {self.rank}: stopped by {self.stop_signal()} before joining a launch")
+
+        while True:
+            session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
+                               f"({'; '.join(seen) or 'no session in the rendezvous store'})", poll)
+            self.generation, self.step, self.rounds, self.stopping = (session.generation, session.from_step, 0,
+                                                                      False)
+            self.set(self.key(f"join/{self.rank}"), dumps(RankNote(rank=self.rank, step=session.from_step)))
+            try:
+                wait_for(self._begun_or_ended, self.timeout,
+                         lambda: f"rank 0 to begin generation {self.generation}", self.poll)
+                return session
+            except Superseded:
+                skip.add(session.generation)
+
+    def _begun_or_ended(self) -> bool | None:
+        if self.begun():
+            return True
+        outcome = self.read_outcome()
+        _raise_if_failed(outcome)
+        return None if outcome is None else True
+
+    def poll(self) -> None:
+        """(ranks >= 1) Run during every wait: follow a newer launch, end with a failed rank 0, and
+        pass on a stop that comes before the launch began."""
+        self.check_current()
+        _raise_if_failed(self.read_outcome())
+        if not self.stopping and self.stop_signal() and not self.begun():
+            self._note_stop()
+            self.set(self.key("stopping"), str(self.rank))
+            self.stopping = True
+
+    def check_current(self) -> None:
+        s = self._session()
+        if s is None or s.generation != self.generation:
+            raise Superseded(f"generation {self.generation} was superseded")
+
+    def wait_staging(self, staging: Path, step: int) -> None:
+        """(ranks >= 1, at each checkpoint) Wait for rank 0's word that ``staging`` exists, rather
+        than for the directory to show up here (a network file system may show it late)."""
+        wait_for(lambda: True if self.has(self.key(f"staged/{step}")) else None, self.timeout,
+                 lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
+
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
+        """(ranks >= 1, once this rank's shard of ``step`` is durable) Its receipt goes to rank 0
+        through the store; no receipt file (``write`` is the files' way)."""
+        self.set(self.key(f"receipt/{step}/{self.rank}"), dumps(entry))
+
+    def wait_outcome(self) -> Outcome:
+        outcome = wait_for(lambda: self.read_outcome(), self.timeout,
+                           lambda: f"rank 0 to finish generation {self.generation}", lambda: None)
+        _raise_if_failed(outcome)
+        return outcome
+
+    def _rank_0_ended(self) -> None:
+        _raise_if_failed(self.read_outcome())
+        super()._rank_0_ended()
+
+
+def _raise_if_failed(outcome: Outcome | None) -> None:
+    if outcome is not None and outcome.state == "error":
+        raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
