@@ -17,6 +17,16 @@ from conftest import events
 from trainjob import Run, Score, cli
 from trainjob.trainers.linear import make as linear
 
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """A run leaves a default SIGTERM ignored (see the SIGTERM test); this process's children
+    would inherit that, so each test here puts the handlers back."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+
+
 NAME = "linear"  # what `trainjob run` records as the trainer: the own-loop lab must match it byte for byte
 
 
@@ -184,12 +194,23 @@ def test_sigterm_in_the_body_saves_that_step_and_ends_killed_75(pvc):
         if step == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # the handler only notes it: the step finishes
 
-    before = signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever an earlier test left
     run, _ = own(pvc, preempted)
     assert run.exit_code == 75
     (saved, at), killed = events(pvc / "log.jsonl")[-2:]
     assert (saved, at.split()[0], killed) == ("checkpointed", "step=3", ("killed", "at_step=3 signal=SIGTERM"))
-    assert signal.getsignal(signal.SIGTERM) is before  # the run put the previous handler back
+    # Once the outcome is decided a late SIGTERM must not turn it into a kill (143): the default
+    # action becomes "ignore"; a handler of the script's own is put back as it was.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+    def mine(*_):
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    assert own(pvc.parent / "other", good)[0].exit_code == 0
+    assert signal.getsignal(signal.SIGTERM) is mine
 
 
 def test_bad_settings_and_a_busy_pvc_end_in_exit_codes_not_exceptions(pvc, capsys):

@@ -102,3 +102,20 @@ def test_the_readme_shows_the_example_file_itself_in_30_to_60_lines():
     block = re.search(r"### Bring your own loop.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block is not None and block.group(1) == Path(EXAMPLE).read_text()
     assert 30 <= len(block.group(1).splitlines()) <= 60
+
+
+def test_torchrun_sigterm_to_either_rank_saves_one_agreed_step_and_every_rank_exits_75(tmp_path):
+    """Under torchrun the ranks agree through its store, once per step (a round every rank takes
+    part in), so a rank that wants to stop never waits while its peer waits in the next step's
+    allreduce: both save the same step."""
+    pvc = tmp_path / "pvc"
+    for victim in (1, 0):
+        err = interrupt(pvc, victim, signal.SIGTERM, newest_step(pvc), W2)
+        last, detail = events(pvc / "log.jsonl")[-1]
+        assert last == "killed" and "signal=SIGTERM" in detail, events(pvc / "log.jsonl")[-3:]
+        at = int(detail.split()[0].removeprefix("at_step="))
+        assert newest_step(pvc) == at  # the agreed step is checkpointed, by both ranks
+        manifest = next((pvc / "checkpoints").glob(f"step-{at:08d}-*/manifest.json"))
+        assert [s["rank"] for s in json.loads(manifest.read_text())["shards"]] == [0, 1]
+        codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
+        assert codes and set(codes) == {"75"}, err[-2000:]  # torchrun's report of its ranks' exit codes

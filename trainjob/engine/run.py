@@ -25,6 +25,9 @@ checkpoint, and nothing half-written counts):
     leaving without ``gate`` when due   are not saved, and a relaunch resumes
     ``gate`` before the last step       UsageError, exit 2
 
+Once the ``with`` block has ended, a SIGTERM with its default action is ignored (the outcome is
+decided; see ``_after_the_run``): end the script promptly with ``sys.exit(run.exit_code)``.
+
 The ``with`` block ends every error in ``exit_code``: it prints the error in one line (a bug's
 traceback in full) and does not re-raise it, because an uncaught exception would exit 1, which
 here means an honest failure. ``raise_errors=True`` re-raises instead (the CLI maps it itself).
@@ -36,6 +39,7 @@ how a launch begins (the machine does, through ``decisions.py``).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -148,7 +152,7 @@ class Run:
     def _enter(self) -> None:
         if self.stop is None:
             self.stop = StopFlag()
-            self._stack.callback(self.stop.install())
+            self._stack.callback(_after_the_run, self.stop.install())
         spec = resolve_rank(self.rank, self.world_size, os.environ)
         if spec.rank is None:
             raise UsageError(f"world size {spec.world_size} needs one process per rank: launch the script "
@@ -460,6 +464,17 @@ class Run:
         if self.final is None:
             raise UsageError("run.exit_code is known once the `with Run(...)` block has ended")
         return exit_code_for_state(self.final)
+
+
+def _after_the_run(uninstall: Callable[[], None]) -> None:
+    """Put the previous signal handlers back, except that a default SIGTERM becomes ignored: the
+    outcome is decided (and logged), and a SIGTERM now, say torchrun stopping this rank because
+    another already exited, or Kubernetes deleting the pod, would end the process as killed
+    (143) instead of with ``exit_code``. Ignored, not handled: Python restores default handlers
+    while it shuts down, but leaves an ignored signal ignored. (The CLI's ``entry`` does the same.)"""
+    uninstall()
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _say(text: str) -> None:
