@@ -8,7 +8,8 @@ Sections (each trial is a fresh PVC; everything is seeded, so a failure can be r
 
   kill storm      SIGKILL the run at uniformly random instants, relaunch until done; one more
                   launch per trial (the first in even trials, so it has a run to chase; else
-                  the last) is killed the instant `completed` is logged (a late kill)
+                  the last) is killed the instant `completed` is logged (a late kill); also on
+                  a torch trainer (``--torch``: scripts/bench_torch.py's model, sync and async)
   sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
   io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
   full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
@@ -58,6 +59,11 @@ W2_TORCHRUN_STEPS = ["--steps", "600", "--ckpt-every", "1", "--world-size", "2"]
 # --async-checkpoint: the same runs with every checkpoint written by a background thread.
 ASYNC = "--async-checkpoint"
 ASYNC_STEPS, W2_ASYNC_STEPS = [*STEPS, ASYNC], [*W2_STEPS, ASYNC]
+# A real torch model written to the Stateful protocol (scripts/bench_torch.py: Linear + SGD momentum,
+# float32 tensors, shards and a safetensors artifact), small enough for CI: every guarantee the
+# storms check on the lab's model, on torch tensors.
+TORCH_STEPS = ["--trainer", "bench_torch:make", "--steps", "40", "--ckpt-every", "1"]
+TORCH_DIM = "64"
 LITTER = ("*.tmp.*", ".tmp-*", ".trash-*")
 AS_DEPLOYED = "--idempotent"  # what supervise and the rendered Job add to every `trainjob run`
 
@@ -71,9 +77,15 @@ def one_rank(flags: list[str]) -> list[str]:
 
 
 def label(name: str, flags: list[str]) -> str:
-    """A section's name: what it injects, at which world size, sync or async."""
+    """A section's name: what it injects, at which world size, sync or async, which trainer."""
     world = flags[flags.index("--world-size") + 1] if "--world-size" in flags else "1"
-    return f"{name} W={world}{' async' if ASYNC in flags else ''}"
+    return f"{name} W={world}{' async' if ASYNC in flags else ''}{' torch' if '--trainer' in flags else ''}"
+
+
+def artifact(pvc: Path) -> bytes | None:
+    """The bytes of the run's published artifact: model-v1.json (the lab's), or .safetensors."""
+    found = sorted((pvc / "artifacts").glob("model-v1.*")) if (pvc / "artifacts").is_dir() else []
+    return found[0].read_bytes() if found else None
 
 
 def command(args: tuple[str | Path, ...], prefix: tuple[str, ...] = (), torchrun: bool = False) -> list[str]:
@@ -185,7 +197,7 @@ class Campaign:
         if tuple(flags) not in self.references:
             ref = self.pvc("reference")
             assert trainjob("run", "--pvc", ref, *flags).returncode == 0, "the uninterrupted run failed"
-            self.references[tuple(flags)] = (ref / "artifacts" / "model-v1.json").read_bytes()
+            self.references[tuple(flags)] = artifact(ref)  # type: ignore[assignment]
         return self.references[tuple(flags)]
 
     def torchrun(self, flags: list[str]) -> bool:
@@ -205,8 +217,7 @@ class Campaign:
         if result.returncode != 0 or last_event(pvc) != "completed":
             section.violation(trial, f"clean relaunch ended {result.returncode}: {result.stderr.strip()[-200:]}")
             return
-        artifact = pvc / "artifacts" / "model-v1.json"
-        if not artifact.exists() or artifact.read_bytes() != reference:
+        if artifact(pvc) != reference:
             section.violation(trial, "artifact differs from the uninterrupted run")
             section.bytes_lost += len(reference)
         attempts = (pvc / "attempts").read_text().strip()
@@ -622,10 +633,20 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="two-rank kill and SIGTERM trials, reshard kills")
     parser.add_argument("--asyncs", type=int, default=2,
                         help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
+    parser.add_argument("--torch", type=int, default=2,
+                        help="kill storms on a torch trainer (skipped, with a note, without torch)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                         help="how the two-rank sections start their ranks (torchrun: they agree through its store)")
     args = parser.parse_args()
+    try:
+        import torch  # noqa: F401  (only to know whether the torch storms can run)
+    except ImportError:
+        print("note: torch is not installed; the torch kill storms are skipped", file=sys.stderr)
+        args.torch = 0
+    # The torch trainer's module, for every `trainjob run` this campaign starts.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))
+    os.environ["BENCH_TORCH_DIM"], os.environ["OMP_NUM_THREADS"] = TORCH_DIM, "1"
 
     with tempfile.TemporaryDirectory(prefix="trainjob-chaos-") as tmp:
         campaign = Campaign(Path(tmp), args.seed, args.launcher)
@@ -642,15 +663,17 @@ def main() -> int:
             campaign.sigterm_storm(args.asyncs, ASYNC_STEPS),
             campaign.sigterm_storm(args.asyncs, W2_ASYNC_STEPS),
             campaign.io_faults(args.asyncs * 2, ASYNC_STEPS),
+            campaign.kill_storm(args.torch, TORCH_STEPS),
+            campaign.kill_storm(args.torch, [*TORCH_STEPS, ASYNC]),
             campaign.full_disk(),
             campaign.hostile_inputs(args.inputs),
             campaign.races(args.races),
             campaign.reshard_races(args.races),
             campaign.security(),
         ]
-    print(f"{'section':<22}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
+    print(f"{'section':<28}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
     for s in sections:
-        print(f"{s.name:<22}{s.trials:>8}{s.injected:>10}{s.late:>6}{len(s.violations):>12}{s.bytes_lost:>12}  "
+        print(f"{s.name:<28}{s.trials:>8}{s.injected:>10}{s.late:>6}{len(s.violations):>12}{s.bytes_lost:>12}  "
               f"{s.note}")
     violations = [v for s in sections for v in s.violations]
     for v in violations:

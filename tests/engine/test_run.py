@@ -237,6 +237,18 @@ def test_an_idempotent_start_after_completion_is_0_and_trains_nothing(pvc, capsy
     assert own(pvc, good)[0].exit_code == 2  # without idempotent: the lab's refusal
 
 
+def test_an_idempotent_start_clears_what_a_writer_killed_after_completion_left_and_nothing_else(pvc):
+    assert own(pvc, good)[0].exit_code == 0
+    generation = pvc / "ranks/g00000001"
+    generation.mkdir(parents=True)
+    (generation / "outcome.json.tmp.4242").write_text("{half")  # rank 0 killed mid-write, after `completed`
+    before = {p: p.read_bytes() for p in pvc.rglob("*") if p.is_file() and ".tmp." not in p.name}
+    run, _ = own(pvc, lambda *a: pytest.fail("trained a completed job"), idempotent=True)
+    assert run.exit_code == 0
+    assert not (generation / "outcome.json.tmp.4242").exists()
+    assert {p: p.read_bytes() for p in pvc.rglob("*") if p.is_file()} == before
+
+
 def test_exit_code_before_the_end_is_a_usage_error(pvc):
     with Run(pvc, state=Vector(), steps=2, ckpt_every=1) as run:
         with pytest.raises(trainjob.UsageError, match="known once"):

@@ -172,6 +172,10 @@ class Run:
             make_dir(self.log_path.parent)
         self._stack.enter_context(pvc.lock(self.rank))  # stray tmp files are removed (and logged) by the start
         if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
+            if self.rank == 0:
+                # A kill the instant after `completed` was logged can leave a tmp file of the ranks'
+                # outcome; no start will run to clear it, and its job's answer is already final.
+                pvc.remove_stray_tmp()
             self.completion, self.final = done, JobState.completed
             return
         if self.rank == 0:

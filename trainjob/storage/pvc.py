@@ -275,7 +275,9 @@ class Pvc:
     def remove_stray_tmp(self) -> list[Path]:
         """Delete tmp files left by writers that were killed mid-write (call under the lock)."""
         removed = []
-        for directory in (self.root, self.artifacts, self.root / "ranks"):
+        ranks = self.root / "ranks"
+        generations = sorted(p for p in ranks.iterdir() if p.is_dir() and not p.is_symlink()) if ranks.is_dir() else []
+        for directory in (self.root, self.artifacts, ranks, *generations):
             if directory.is_dir():
                 for path in directory.iterdir():
                     if _TMP.fullmatch(path.name) and path.is_file():
