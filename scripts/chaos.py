@@ -477,7 +477,10 @@ class Campaign:
             pvc = self.pvc("rerace")
             trainjob("run", "--pvc", pvc, *RACE_STEPS, "--die-at", "5")
             run = spawn("run", "--pvc", pvc, *RACE_STEPS)
-            while last_event(pvc) != "resumed" and run.poll() is None:
+            # Until the run has resumed (anywhere in the log: on an idle machine `resumed` is the
+            # last line for only a few milliseconds, and a poll that waited for that missed it and
+            # raced a finished run).
+            while '"event":"resumed"' not in (pvc / "log.jsonl").read_text(errors="replace") and run.poll() is None:
                 time.sleep(0.005)
             checkpoints = sorted(p.name for p in (pvc / "checkpoints").iterdir())
             reshard = trainjob("reshard", "--pvc", pvc, "--world-size", "2")
