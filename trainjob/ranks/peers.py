@@ -39,6 +39,7 @@ from typing import TypeVar
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, os_errors
 from ..storage.pvc import Pvc, atomic_write, make_dir
 from ..records import Outcome, RankNote, Session, ShardEntry, dumps
+from .coordination import Follower
 
 T = TypeVar("T")
 POLL = 0.01  # first poll interval; doubles up to POLL_MAX
@@ -65,6 +66,39 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: Callable[[], s
                               "(or raise --rank-timeout)")
         time.sleep(delay)
         delay = min(delay * 2, POLL_MAX)
+
+
+# --- joining, either transport (store.py's follower joins by the same rules) -----------------------
+
+def joinable(session: Session | None, skip: set[int], over: Callable[[int], bool], world_size: int,
+             settings: str, seen: list[str]) -> Session | None:
+    """(ranks >= 1, joining) ``session`` if this rank can join it, else None to wait on: there is
+    none yet, this rank left it (``skip``), it is ``over`` (ended, or begun without this process:
+    rank 0 begins once every rank has joined, so a previous process of this rank was there, and it
+    is a previous launch's), or it has other settings (said in ``seen``, for the timeout's message)."""
+    if session is None or session.generation in skip or over(session.generation):
+        return None
+    if (session.world_size, session.settings) != (world_size, settings):
+        seen[:] = [f"rank 0's session (generation {session.generation}) has other settings: {session.settings} "
+                   f"world_size={session.world_size}, this rank: {settings} world_size={world_size}"]
+        return None
+    return session
+
+
+def stopped_before_joining(rank: int, stop_signal: Callable[[], str | None]) -> None:
+    """(ranks >= 1, while joining) A signal before this rank joined: nothing to save, just go (75)."""
+    if stop_signal():
+        raise TryAgainLater(f"rank {rank}: stopped by {stop_signal()} before joining a launch")
+
+
+def begun_or_ended(follower: Follower) -> bool | None:
+    """(ranks >= 1, after joining) True once rank 0 began the joined launch or ended it; PeerFailed
+    if it ended in an error; None while neither."""
+    if follower.begun():
+        return True
+    outcome = follower.read_outcome()
+    raise_if_failed(outcome)
+    return None if outcome is None else True
 
 
 # --- every rank ------------------------------------------------------------------------------------
@@ -238,29 +272,12 @@ class PvcFollower(PvcPeers):
         until rank 0 begins it or ends it unbegun (a stop before every rank joined, or nothing to
         train)."""
         seen: list[str] = []
-
-        def joinable() -> Session | None:
-            s = self._read_session()
-            if s is None or s.generation in skip:
-                return None
-            if self.read_outcome(s.generation) is not None or self.begun(s.generation):
-                # Ended, or begun without this process (rank 0 begins once every rank has
-                # joined, so a previous process of this rank was there): a previous launch's.
-                return None
-            if (s.world_size, s.settings) != (self.world_size, settings):
-                seen[:] = [f"the newest session (generation {s.generation}) has other settings: "
-                           f"{s.settings} world_size={s.world_size}, this rank: {settings} "
-                           f"world_size={self.world_size}"]
-                return None
-            return s
-
-        def poll() -> None:
-            if self.stop_signal():  # nothing joined, nothing to save: just go
-                raise TryAgainLater(f"rank {self.rank}: stopped by {self.stop_signal()} before joining a launch")
-
+        over = lambda g: self.read_outcome(g) is not None or self.begun(g)  # noqa: E731
         while True:
-            session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
-                               f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})", poll)
+            session = wait_for(lambda: joinable(self._read_session(), skip, over, self.world_size, settings, seen),
+                               self.timeout, lambda: "rank 0 to start a launch this rank can join "
+                               f"({'; '.join(seen) or 'no live session in ' + str(self.session_path)})",
+                               lambda: stopped_before_joining(self.rank, self.stop_signal))
             self.generation, self.stopping_note, self.step = session.generation, None, session.from_step
             try:
                 self._write(self._note_path("join", self.rank), RankNote(rank=self.rank, step=session.from_step))
@@ -272,19 +289,12 @@ class PvcFollower(PvcPeers):
                 skip.add(session.generation)
                 continue
             try:
-                wait_for(self._begun_or_ended, self.timeout,
+                wait_for(lambda: begun_or_ended(self), self.timeout,
                          lambda: f"rank 0 to begin generation {self.generation}", self.poll)
                 return session
             except Superseded:  # a killed launch's session: its rank 0 will never begin it
                 skip.add(session.generation)
 
-
-    def _begun_or_ended(self) -> bool | None:
-        if self.begun():
-            return True
-        outcome = self.read_outcome()
-        _raise_if_failed(outcome)
-        return None if outcome is None else True
 
     def poll(self) -> None:
         """(ranks >= 1) Run during every wait: follow newer generations, and pass on a stop."""
@@ -312,10 +322,11 @@ class PvcFollower(PvcPeers):
         """(ranks >= 1, last) How rank 0 ended the launch; PeerFailed if it failed."""
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,
                            lambda: f"rank 0 to finish generation {self.generation}", self.poll)
-        _raise_if_failed(outcome)
+        raise_if_failed(outcome)
         return outcome
 
 
-def _raise_if_failed(outcome: Outcome | None) -> None:
+def raise_if_failed(outcome: Outcome | None) -> None:
+    """(ranks >= 1, either transport) PeerFailed when rank 0 ended the launch in an error."""
     if outcome is not None and outcome.state == "error":
         raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")

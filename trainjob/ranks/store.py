@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..checkpoint.plan import shard_file
-from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater
+from ..errors import InputError, PeerFailed, RankTimeout, Superseded
 from ..records import Outcome, RankNote, Session, ShardEntry, dumps, load
 from ..storage.pvc import Pvc
-from .peers import PvcCoordinator, wait_for
+from .peers import PvcCoordinator, begun_or_ended, joinable, raise_if_failed, stopped_before_joining, wait_for
 
 T = TypeVar("T")
 STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals = total % STOP
@@ -251,48 +251,27 @@ class StoreFollower(StorePeers):
         begins or ends unbegun. A store that outlived a launch (not torchrun's) may still hold its
         session: one already begun or ended is not joined, as with the files."""
         seen: list[str] = []
-
-        def joinable() -> Session | None:
-            s = self._session()
-            if s is None or s.generation in skip:
-                return None
-            if self.has(self.key("outcome", s.generation)) or self.begun(s.generation):
-                return None
-            if (s.world_size, s.settings) != (self.world_size, settings):
-                seen[:] = [f"rank 0's session (generation {s.generation}) has other settings: {s.settings} "
-                           f"world_size={s.world_size}, this rank: {settings} world_size={self.world_size}"]
-                return None
-            return s
-
-        def poll() -> None:
-            if self.stop_signal():  # nothing joined, nothing to save: just go
-                raise TryAgainLater(f"rank {self.rank}: stopped by {self.stop_signal()} before joining a launch")
-
+        over = lambda g: self.has(self.key("outcome", g)) or self.begun(g)  # noqa: E731
         while True:
-            session = wait_for(joinable, self.timeout, lambda: "rank 0 to start a launch this rank can join "
-                               f"({'; '.join(seen) or 'no session in the rendezvous store'})", poll)
+            session = wait_for(lambda: joinable(self._session(), skip, over, self.world_size, settings, seen),
+                               self.timeout, lambda: "rank 0 to start a launch this rank can join "
+                               f"({'; '.join(seen) or 'no session in the rendezvous store'})",
+                               lambda: stopped_before_joining(self.rank, self.stop_signal))
             self.generation, self.step, self.rounds, self.stopping = (session.generation, session.from_step, 0,
                                                                       False)
             self.set(self.key(f"join/{self.rank}"), dumps(RankNote(rank=self.rank, step=session.from_step)))
             try:
-                wait_for(self._begun_or_ended, self.timeout,
+                wait_for(lambda: begun_or_ended(self), self.timeout,
                          lambda: f"rank 0 to begin generation {self.generation}", self.poll)
                 return session
             except Superseded:
                 skip.add(session.generation)
 
-    def _begun_or_ended(self) -> bool | None:
-        if self.begun():
-            return True
-        outcome = self.read_outcome()
-        _raise_if_failed(outcome)
-        return None if outcome is None else True
-
     def poll(self) -> None:
         """(ranks >= 1) Run during every wait: follow a newer launch, end with a failed rank 0, and
         pass on a stop that comes before the launch began."""
         self.check_current()
-        _raise_if_failed(self.read_outcome())
+        raise_if_failed(self.read_outcome())
         if not self.stopping and self.stop_signal() and not self.begun():
             self._note_stop()
             self.set(self.key("stopping"), str(self.rank))
@@ -317,14 +296,9 @@ class StoreFollower(StorePeers):
     def wait_outcome(self) -> Outcome:
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,
                            lambda: f"rank 0 to finish generation {self.generation}", lambda: None)
-        _raise_if_failed(outcome)
+        raise_if_failed(outcome)
         return outcome
 
     def _rank_0_ended(self) -> None:
-        _raise_if_failed(self.read_outcome())
+        raise_if_failed(self.read_outcome())
         super()._rank_0_ended()
-
-
-def _raise_if_failed(outcome: Outcome | None) -> None:
-    if outcome is not None and outcome.state == "error":
-        raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
