@@ -659,31 +659,20 @@ def main(argv: list[str] | None = None) -> int:
                     help="async: a checkpoint every this many steps (pick it so the writer keeps up: the table says)")
     ap.add_argument("--only", choices=("all", "trainer", "async"), default="all", help="run every section, or one")
     args = ap.parse_args(argv)
-    if args.only == "async":
+    if args.only != "all":  # one torch section alone: its table, and its figures with --json
         if not have_torch():
-            raise SystemExit("--only async needs torch (pip install 'trainjob[torch]')")
+            raise SystemExit(f"--only {args.only} needs torch (pip install 'trainjob[torch]')")
+        run_section, section_table, steps, every = {
+            "async": (async_section, async_table, args.async_steps, args.async_every),
+            "trainer": (trainer_section, trainer_table, args.trainer_steps, args.trainer_every)}[args.only]
         work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
         try:
-            asy = async_section(work, args.repeat, args.trainer_dim, args.async_steps, args.async_every)
+            figures = run_section(work, args.repeat, args.trainer_dim, steps, every)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-                  "machine": machine(args.dir), "repeat": args.repeat, "async": asy}
-        print(async_table(asy))
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=1) + "\n")
-        return 0
-    if args.only == "trainer":
-        if not have_torch():
-            raise SystemExit("--only trainer needs torch (pip install 'trainjob[torch]')")
-        work = Path(tempfile.mkdtemp(prefix="trainjob-bench-", dir=args.dir))
-        try:
-            trainer = trainer_section(work, args.repeat, args.trainer_dim, args.trainer_steps, args.trainer_every)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-                  "machine": machine(args.dir), "repeat": args.repeat, "trainer": trainer}
-        print(trainer_table(trainer))
+                  "machine": machine(args.dir), "repeat": args.repeat, args.only: figures}
+        print(section_table(figures))
         if args.json:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
         return 0
