@@ -271,7 +271,9 @@ def test_internal_error_is_70_never_1(pvc, monkeypatch, capsys):
     def boom(*_args, **_kw):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(cli.Run, "_enter", boom)  # a bug inside the engine
+    from trainjob.engine.run import Run
+
+    monkeypatch.setattr(Run, "_enter", boom)  # a bug inside the engine
     assert cli.main(["run", "--pvc", str(pvc)]) == 70
     assert "internal error" in capsys.readouterr().err
 

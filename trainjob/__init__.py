@@ -14,11 +14,11 @@ from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
                      PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
                      WriteTimeout)
-from .records import Score
-from .trainers.protocol import Factory, State, Stateful, Trainer
 
-if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports it on first use
+if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
+    from .records import Score
+    from .trainers.protocol import Factory, State, Stateful, Trainer
 
 __all__ = [
     "__version__",
@@ -49,10 +49,22 @@ __all__ = [
 ]
 
 
+# Where each name that is not an error lives. They are imported on first use, so that `import
+# trainjob` and the commands which need none of them (`trainjob --help`, `status`, `k8s render`)
+# start without the engine, numpy or cattrs (tests/test_startup.py pins that).
+_LAZY = {"Run": "engine.run", "Score": "records", "Factory": "trainers.protocol", "State": "trainers.protocol",
+         "Stateful": "trainers.protocol", "Trainer": "trainers.protocol"}
+
+
 def __getattr__(name: str) -> object:
-    # ``Run`` is the engine (numpy, transitions, ...); imported on first use, so that commands which
-    # need none of it (``trainjob k8s render``, ``status``) start without loading it.
-    if name == "Run":
-        from .engine.run import Run
-        return Run
-    raise AttributeError(f"module 'trainjob' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'trainjob' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    globals()[name] = value  # later lookups find it without this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})

@@ -23,30 +23,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-import attrs
-
 from .defaults import VERSION
-from .deploy import policy
-from .views import diagram
-from .deploy import k8s
-from .views import plot, replay_page
-from .trainers import protocol
-from .trainers.datasets import DATASETS
+from .deploy import k8s, policy
+from .engine.config import DEFAULT_LOG, RunConfig
 from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
-from .storage.eventlog import EventLog, check_writable, more_skipped
-from .engine.job import ARTIFACT_FORMATS, RunConfig, StopFlag
-from .engine.run import DEFAULT_LOG, Run
-from .views.history import legal_path, replay
-from .engine.progress import Progress
-from .storage.pvc import Pvc, atomic_write, check_path, make_dir
-from .ranks.identity import resolve_rank
-from .ranks.launcher import launch_local
-from .engine.reshard import Reshard
-from .views.status import summarize
-from .deploy.supervise import SuperviseSettings, supervise
-from .views.verify import verify_pvc
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for)
+from .storage.pvc import check_path
+from .trainers.builtin import BUILTIN, DATASETS
+from .views.diagram import ENGINE as DIAGRAM_FORMATS
+
+# Above: what parsing the command line needs, and nothing more. Every command imports the rest
+# (the engine, numpy, transitions' diagrams, YAML, matplotlib) inside its own function, so that
+# `trainjob --help` and `trainjob status` start in a blink (tests/test_startup.py pins the set).
 
 
 # `supervise` reads its child's exit code through this table; any other code (70, a signal, an
@@ -96,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pvc", type=Path, required=True, help="durable directory for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
-                   help=f"the model: {', '.join(protocol.BUILTIN)} (default %(default)s), or package.module:factory "
+                   help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
                         "(docs/trainers.md)")
     r.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps)
@@ -169,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("child", **child)
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
-    dg.add_argument("--format", choices=list(diagram.ENGINE),
+    dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
                     help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
     dg.add_argument("-o", "--output", type=Path, help="write here instead of to stdout")
     dg.add_argument("--log", type=Path, help="highlight the path this decision log took")
@@ -190,6 +179,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
     directory: Path = args.dir
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
+    from .storage.pvc import atomic_write, make_dir
+
     dataset = DATASETS[args.dataset]
     files = dataset.generate()  # before creating anything: a missing optional package is exit 2
     make_dir(directory)
@@ -233,6 +224,12 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .engine.job import ARTIFACT_FORMATS, StopFlag
+    from .engine.progress import Progress
+    from .engine.run import Run
+    from .ranks.identity import resolve_rank
+    from .trainers import protocol
+
     spec = resolve_rank(args.rank, args.world_size, os.environ)
     cfg = _run_config(args, spec.world_size)
     cfg.check()
@@ -274,6 +271,8 @@ def _run_settings(cfg: RunConfig) -> dict[str, object]:
 
 def launch(world_size: int, argv: Sequence[str]) -> int:
     """Run every rank here; the job's exit code is rank 0's, with two exceptions below."""
+    from .ranks.launcher import launch_local
+
     received, codes = launch_local(world_size, argv, finished=(EXIT_OK, EXIT_FAILED),
                                    published=(EXIT_OK, EXIT_FAILED, EXIT_RELAUNCH))
     code = codes[0] if codes[0] >= 0 else EXIT_RELAUNCH  # rank 0 killed by a signal: relaunchable
@@ -285,6 +284,11 @@ def launch(world_size: int, argv: Sequence[str]) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    import attrs
+
+    from .storage.pvc import Pvc
+    from .views.verify import verify_pvc
+
     pvc = Pvc(args.pvc)
     report = verify_pvc(pvc, _log_path(args))
     if args.json:
@@ -296,6 +300,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
+    from .engine.reshard import Reshard
+    from .ranks.identity import resolve_rank
+    from .storage.eventlog import EventLog, check_writable
+    from .storage.pvc import Pvc
+
     spec = resolve_rank(0, args.world_size, {})
     if args.step is not None and args.step < 0:
         raise UsageError(f"--step must be 0 or more, got {args.step}")
@@ -345,6 +354,9 @@ def warn(text: str) -> None:
 
 
 def _print_path(log: Path) -> int:
+    from .storage.eventlog import more_skipped
+    from .views.history import replay
+
     found = replay(log)
     skipped = [*map(str, found.skipped), *more_skipped(found.more_skipped)]
     emit([*found.lines(), *(f"skipped: {problem}" for problem in skipped)])
@@ -357,6 +369,10 @@ def _print_path(log: Path) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.path:
         return _print_path(args.log)
+    import attrs
+
+    from .views.status import summarize
+
     status = summarize(args.log)
     if args.json:
         emit(json.dumps(attrs.asdict(status), sort_keys=True))
@@ -374,6 +390,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
+    from .deploy.supervise import SuperviseSettings, supervise
+    from .engine.job import StopFlag
+    from .storage.eventlog import EventLog, check_writable
+
     argv = _run_argv(args.child)
     run_args = _parse_run(argv)
     max_starts = args.max_starts
@@ -417,6 +437,9 @@ def _write_output(data: bytes, output: Path | None) -> None:
 
 
 def cmd_diagram(args: argparse.Namespace) -> int:
+    from .views import diagram
+    from .views.history import legal_path
+
     fmt = diagram.format_for(args.format, args.output)
     if args.output is None and fmt in diagram.BINARY and sys.stdout.isatty():
         raise UsageError(f"--format {fmt} is binary; write it to a file with -o FILE")
@@ -432,12 +455,18 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     if args.max_drop is not None and not 0 <= args.max_drop <= 100:
         raise UsageError(f"--max-drop is a percentage from 0 to 100, got {args.max_drop}")
+    from .views import plot
+    from .views.history import legal_path
+
     told = plot.story(legal_path(args.log))
     _write_output(plot.draw(told, f"trainjob: the run in {args.log.name}", args.max_drop), args.output)
     return EXIT_OK
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from .views import diagram, replay_page
+    from .views.history import replay
+
     found = replay(args.log)
     _write_output(replay_page.build(found, diagram.render("svg")), args.output)
     if found.illegal is not None:  # the page shows it, marked; the exit code says it, as status --path does

@@ -10,22 +10,30 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16" dtype: records.DTYPES' BF16)
 import numpy as np
 
 from .records import DTYPES, TensorSpec
 
-_CODE = {np.dtype(v): k for k, v in DTYPES.items()}
+# numpy has no bfloat16: ml_dtypes registers one. Importing it costs most of a second, so it is
+# imported only when a BF16 dtype is asked for by its code (an array that already has the dtype
+# was made after ml_dtypes was imported, and is recognised by the dtype's name).
+_BF16 = "BF16"
+_CODE = {np.dtype(v): k for k, v in DTYPES.items() if k != _BF16}
 
 
 def np_dtype(code: str) -> np.dtype:
     """The numpy dtype of a safetensors dtype code (little-endian)."""
+    if code == _BF16:
+        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
     return np.dtype(DTYPES[code])
 
 
 def dtype_code(array: np.ndarray) -> str:
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype.name == DTYPES[_BF16]:
+        return _BF16
     try:
-        return _CODE[array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype]
+        return _CODE[dtype]
     except KeyError:
         raise ValueError(f"dtype {array.dtype} cannot be stored in a shard") from None
 

@@ -53,7 +53,7 @@ def _cpu_view(t: Any) -> np.ndarray:
 def as_tensor(array: np.ndarray) -> Any:
     """A CPU torch tensor viewing ``array``'s memory (bfloat16 included)."""
     torch = _torch()
-    if array.dtype == shards.np_dtype("BF16"):
+    if shards.dtype_code(array) == "BF16":
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 

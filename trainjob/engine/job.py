@@ -35,8 +35,9 @@ from ..checkpoint import shards
 from . import machine
 from .overlap import AsyncCheckpoints
 from ..checkpoint.store import Committer, Loaded
-from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, UsageError, WorldSizeMismatch
+from ..defaults import ASYNC_WRITE_TIMEOUT
+from .config import RunConfig
+from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, WorldSizeMismatch
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
@@ -44,47 +45,6 @@ from ..ranks.coordination import Coordinator
 from ..records import MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, dumps, load
 from ..checkpoint.snapshot import HostState
 from ..states import State as JobState
-
-
-@attrs.frozen
-class RunConfig:
-    steps: int = 10
-    ckpt_every: int = 2
-    lr: float = 0.05
-    max_drop: int = 20
-    backoff_limit: int = BACKOFF_LIMIT
-    die_at: int | None = None
-    force_weights: tuple[float, float, float] | None = None
-    keep: int = 3
-    world_size: int = 1
-    rank_timeout: float = 60.0
-    trainer: str = "linear"
-    async_checkpoint: bool = False  # write checkpoints on a thread while training goes on (overlap.py)
-
-    def check(self, lr_required: bool = True) -> None:
-        """Raise UsageError for settings that cannot work, naming the flag and what to change.
-        ``lr_required=False``: an own loop that names no learning rate (recorded as 0)."""
-        if self.steps < 1:
-            raise UsageError(f"--steps must be at least 1, got {self.steps}")
-        if self.ckpt_every < 1:
-            raise UsageError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
-        if (lr_required or self.lr != 0) and not (self.lr > 0 and self.lr < float("inf")):
-            raise UsageError(f"--lr must be a positive finite number, got {self.lr}")
-        if not 0 <= self.max_drop <= 100:
-            raise UsageError(f"--max-drop is a percentage from 0 to 100, got {self.max_drop}")
-        if self.backoff_limit < 0:
-            raise UsageError(f"--backoff-limit must be 0 or more, got {self.backoff_limit}")
-        if self.die_at is not None and not 1 <= self.die_at <= self.steps:
-            raise UsageError(f"--die-at must be a step from 1 to --steps ({self.steps}), got {self.die_at}")
-        if self.keep < 1:
-            raise UsageError(f"--keep must be at least 1 (the newest checkpoint is always kept), got {self.keep}")
-        if not (self.rank_timeout > 0 and self.rank_timeout < float("inf")):
-            raise UsageError(f"--rank-timeout must be a positive number of seconds, got {self.rank_timeout}")
-
-    def settings(self, data_sha256: str) -> str:
-        """What every rank of one launch must agree on to compute the same updates."""
-        return (f"steps={self.steps} ckpt_every={self.ckpt_every} lr={self.lr!r} die_at={self.die_at} "
-                f"data={data_sha256[:16]} trainer={self.trainer}")
 
 
 ARTIFACT_FORMATS = ("json", "safetensors")

@@ -52,7 +52,8 @@ import attrs
 
 from . import decisions, machine
 from .completion import Completion, completed_job
-from .job import ARTIFACT_FORMATS, Job, RunConfig, StopFlag
+from .config import DEFAULT_LOG, RunConfig
+from .job import ARTIFACT_FORMATS, Job, StopFlag
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import HostState
@@ -68,7 +69,6 @@ from ..storage.eventlog import EventLog, check_writable
 from ..storage.pvc import Pvc, check_path, make_dir
 from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
 
-DEFAULT_LOG = "log.jsonl"
 # A run that names no data: the empty input's hash, so a resume cannot tell other data apart.
 NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 

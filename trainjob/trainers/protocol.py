@@ -45,10 +45,10 @@ import numpy as np
 from ..errors import InputError, TrainJobError, UsageError
 from ..records import Score, TensorSpec, is_sha256_hex
 from ..tensors import tensor_specs
+from .builtin import BUILTIN
 
 State = Mapping[str, Any]  # name -> numpy array or torch tensor
 
-BUILTIN = {"linear": "trainjob.trainers.linear:make", "digits": "trainjob.trainers.digits:make"}
 METHODS = ("state_dict", "load_state_dict", "step", "evaluate", "baseline", "export")
 
 

@@ -21,8 +21,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from transitions.extensions import GraphMachine
-
 from ..errors import UsageError
 from ..engine.machine import FINAL, GUARD_LABELS, INITIAL, STATES
 from .history import RunPath, guards, table_edges
@@ -128,6 +126,9 @@ def _require_engine(fmt: str) -> None:
 
 
 def _graph(engine: str, run: RunPath | None, title: str) -> Any:
+    # Imported here: the diagram extension pulls in asyncio and more, which no other command needs.
+    from transitions.extensions import GraphMachine
+
     machine = GraphMachine(
         states=[dict(name=s, final=s in FINAL) for s in STATES],
         transitions=_labelled_transitions(engine, run),
