@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from bench import fsync_path
+from benchmarks.common import fsync_path
 from trainjob import Score
 from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up a virtualenv with the test extras and run the whole suite: pytest, the lab checks, and
-# the reliability campaign at CI size.
+# Set up a virtualenv with the test extras and run the whole suite in three named steps: pytest
+# (both tiers, on every core, with the 15 slowest tests listed), the lab checks, and the
+# reliability campaign at CI size. Every step runs; the last lines name each step's verdict, so a
+# red campaign names itself. Arguments go to pytest. CONTRIBUTING.md says what to run when.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -38,6 +40,24 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' \
         || { echo "test.sh: could not install torch==2.13.0${CI:+ (CI needs it)}" >&2; [ -z "${CI:-}" ] || exit 1; }
 fi
-.venv/bin/python -m pytest "$@"
-bash scripts/check.sh
-.venv/bin/python scripts/chaos.py
+
+failed=()
+step() {  # step NAME COMMAND...: run it, say how it ended, remember a failure
+    local name=$1; shift
+    echo "== test.sh: $name ==" >&2
+    local start=$SECONDS
+    if "$@"; then
+        echo "== test.sh: $name passed ($((SECONDS - start)) s) ==" >&2
+    else
+        echo "== test.sh: $name FAILED (exit $?, $((SECONDS - start)) s) ==" >&2
+        failed+=("$name")
+    fi
+}
+step "pytest" .venv/bin/python -m pytest -n auto --durations=15 "$@"
+step "lab checks" bash scripts/check.sh
+step "chaos campaign" .venv/bin/python scripts/chaos.py
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "test.sh: failed: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test.sh: pytest, lab checks and chaos campaign all passed" >&2

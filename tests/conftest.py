@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,18 +80,71 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _running.pop()
 
 
+def kinds_started(argv: object) -> set[str]:
+    """The slow-tier markers a process started with ``argv`` calls for (pyproject.toml lists them):
+    ``torchrun`` for torchrun or a local launch of several ranks, ``killpoint`` for the kill
+    harnesses, ``browser`` for Chromium's driver."""
+    words = [str(w) for w in argv] if isinstance(argv, (list, tuple)) else str(argv).split()
+    names = {Path(w).name for w in words}
+    kinds = set()
+    if names & {"torchrun", "torch.distributed.run"}:
+        kinds.add("torchrun")
+    if "run" in words and "--world-size" in words and words[words.index("--world-size") + 1:][:1] != ["1"]:
+        kinds.add("torchrun")
+    if names & {"killpoint.py", "forked_killpoints.py", "latesignal.py"}:
+        kinds.add("killpoint")
+    if names & {"chromedriver", "chromium"}:
+        kinds.add("browser")
+    return kinds
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _a_process_test_says_so() -> Iterator[None]:
     """A test that starts a process (the CLI, torchrun, a killpoint, Graphviz's dot, a browser),
     itself or through a fixture of any scope, carries the ``process`` marker, so ``pytest -m "not
-    process"`` is truly the in-process half: one without it fails, naming the test."""
+    process"`` is truly the in-process tier: one without it fails, naming the test. So does one
+    that starts a process of a kind (``kinds_started``) without that kind's marker, so that ``-m
+    torchrun`` (or ``not torchrun``) really selects by what a test needs."""
     spawn = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
-    def checked(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
-        if _running and _running[-1].get_closest_marker("process") is None:
-            raise AssertionError(f"{_running[-1].nodeid} starts a process: mark it @pytest.mark.process")
-        spawn(self, *args, **kwargs)
+    def checked(self: subprocess.Popen, argv: object, *args: object, **kwargs: object) -> None:
+        if _running:
+            item = _running[-1]
+            missing = sorted(k for k in {"process", *kinds_started(argv)} if item.get_closest_marker(k) is None)
+            if missing:
+                marks = " ".join(f"@pytest.mark.{k}" for k in missing)
+                raise AssertionError(f"{item.nodeid} starts {argv!r:.120}: mark it {marks}")
+        spawn(self, argv, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", checked)
         yield
+
+
+# The fast tier's promise: a test without the ``process`` marker spends under this much CPU time in
+# its call (not its fixtures). CPU time of this process, not wall time, so that a loaded machine
+# (other pytest workers, other tenants) cannot fail a test that did nothing wrong; the figure is a
+# quiet 2-core machine's wall time with room to spare. Slower work belongs in the slow tier.
+FAST_TEST_CPU_SECONDS = 2.0
+_CPU = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    start = time.process_time()
+    try:
+        return (yield)
+    finally:
+        item.stash[_CPU] = time.process_time() - start
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    report = yield
+    cpu = item.stash.get(_CPU, 0.0)
+    if call.when == "call" and report.passed and item.get_closest_marker("process") is None \
+            and cpu > FAST_TEST_CPU_SECONDS:
+        report.outcome = "failed"
+        report.longrepr = (f"{item.nodeid} used {cpu:.1f} s of CPU: a fast-tier test uses under "
+                           f"{FAST_TEST_CPU_SECONDS:.0f} s (make it cheaper, or mark it process and say why)")
+    return report

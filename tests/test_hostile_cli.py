@@ -338,6 +338,7 @@ def test_a_trainer_factory_is_checked_before_the_call_and_its_errors_are_usage_e
 
 # --- 13: k8s render refuses the world sizes run refuses ---------------------------------------------
 
+@pytest.mark.torchrun
 def test_k8s_render_bounds_the_world_size_as_run_does(tmp_path):
     refused(hostile("k8s", "render", "--world-size", 65), 2, "--world-size must be from 1 to 64")
     refused(hostile("run", "--pvc", tmp_path / "pvc", "--world-size", 65), 2, "--world-size must be from 1 to 64")

@@ -105,6 +105,7 @@ CORRUPTIONS = [truncate, flip_a_byte, delete_a_shard, add_a_shard, edit_a_size, 
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS, ids=lambda f: f.__name__)
+@pytest.mark.torchrun
 def test_the_only_checkpoint_corrupt_exits_2_naming_verify_and_touches_nothing(tmp_path, killed_at, corrupt):
     pvc = tmp_path / "pvc"
     shutil.copytree(killed_at[2], pvc, symlinks=True)
@@ -119,6 +120,7 @@ def test_the_only_checkpoint_corrupt_exits_2_naming_verify_and_touches_nothing(t
 
 @pytest.mark.parametrize("corrupt", [flip_a_byte, add_a_shard, path_traversal],
                          ids=lambda f: f.__name__)
+@pytest.mark.torchrun
 def test_a_corrupt_newest_falls_back_logs_the_rejection_and_ends_bit_identical(tmp_path, killed_at,
                                                                                clean_artifact, corrupt):
     pvc = tmp_path / "pvc"

@@ -330,6 +330,7 @@ def test_the_job_fails_on_the_very_pod_that_logs_job_failed(tmp_path, limit, pre
 
 
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_a_pod_killed_after_the_job_completed_is_replaced_by_one_that_succeeds(tmp_path):
     """The issue's failure: a pod OOM-killed in the instant after it logged `completed` (137,
     counted) is replaced; the replacement, running the rendered command, must exit 0 and the Job

@@ -235,6 +235,7 @@ def test_sigterm_is_forwarded_the_child_checkpoints_and_the_supervisor_exits_75(
     assert status(log, tmp_path).returncode == 75
 
 
+@pytest.mark.killpoint
 def test_a_sigterm_after_the_child_completed_keeps_exit_0_and_is_noted_as_late(tmp_path):
     # tests/latesignal.py signals the supervisor just after its child exited 0, before the verdict.
     done = subprocess.run([sys.executable, ROOT / "tests/latesignal.py", "supervise", *FAST, "--", "run", "--pvc", "P"],

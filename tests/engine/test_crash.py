@@ -73,6 +73,7 @@ def reference(tmp_path_factory) -> bytes:
 ASYNC = ["--async-checkpoint"]
 
 
+@pytest.mark.killpoint
 def test_the_kill_harness_counts_the_background_writers_io_calls(tmp_path):
     """Without this, an async run's kill points would skip every write, fsync and rename the
     writer thread makes: the async run makes exactly the synchronous run's calls, plus one log
@@ -84,6 +85,7 @@ def test_the_kill_harness_counts_the_background_writers_io_calls(tmp_path):
 
 
 @pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
+@pytest.mark.killpoint
 def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference, mode):
     flags = [*FLAGS, *mode]  # async: the writer thread's calls are kill points too (test above)
     total = io_calls("run", "--pvc", tmp_path / "count", *flags)
@@ -105,6 +107,7 @@ def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference
     assert failures == []
 
 
+@pytest.mark.killpoint
 def test_a_kill_after_completed_is_logged_is_relaunched_to_exit_0_touching_nothing(pvc, reference):
     """The kill Kubernetes deals a pod in the instant after it published the model (an OOM kill,
     an eviction): the replacement pod, and a supervisor's next start, must report success."""
@@ -130,6 +133,7 @@ def test_a_kill_after_completed_is_logged_is_relaunched_to_exit_0_touching_nothi
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kills=st.lists(st.integers(min_value=0, max_value=40), min_size=1, max_size=3))
+@pytest.mark.killpoint
 def test_any_sequence_of_kills_resumes_to_the_same_bytes(tmp_path_factory, reference, kills):
     pvc = tmp_path_factory.mktemp("seq") / "pvc"
     for n in kills:  # each relaunch is killed again at its own n-th I/O call

@@ -128,6 +128,7 @@ def test_a_stop_finishes_the_write_in_flight_then_saves_the_step_reached_and_exi
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_two_ranks_writing_in_the_background_publish_the_one_rank_synchronous_bytes(tmp_path):
     """Rank 0's writer gathers rank 1's receipts while both train on; the result is bit-equal."""
     assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *FLAGS]) == 0

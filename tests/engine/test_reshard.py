@@ -11,7 +11,8 @@ import pytest
 from conftest import events, io_calls, killpoint, snapshot, trainjob
 from trainjob.views.history import replay
 
-pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+# every test here starts the CLI, on a PVC a two-rank job left (a module fixture)
+pytestmark = [pytest.mark.process, pytest.mark.torchrun]
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,7 @@ def test_reshard_is_idempotent_and_refuses_what_cannot_work(pvc):
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 4
 
 
+@pytest.mark.killpoint
 def test_a_reshard_killed_at_any_instant_leaves_a_resumable_pvc(tmp_path, two_ranks_killed_at_4, clean_artifact):
     """SIGKILL just before each of the reshard's writes, fsyncs and renames in turn (the last ones
     logging); then do it again: it must complete and verify."""

@@ -39,6 +39,7 @@ def test_the_example_runs_as_the_readme_shows_and_completes(tmp_path):
     assert holdout and int(holdout[1]) > int(holdout[2])  # it learned: better than always guessing one class
 
 
+@pytest.mark.killpoint
 def test_the_example_killed_before_every_io_call_resumes_to_the_same_bytes_and_attempt(tmp_path):
     env = {**ENV, "PYTHONPATH": str(ROOT / "tests"), "TRAINJOB_PRELOAD": "torch,torch._dynamo"}
     proc = subprocess.run([sys.executable, str(ROOT / "tests/forked_killpoints.py"), str(tmp_path), EXAMPLE, *SMALL],
@@ -85,6 +86,7 @@ def interrupt(pvc: Path, victim: int, sig: signal.Signals, after_step: int, flag
 W2 = ("--steps", "200", "--ckpt-every", "5")
 
 
+@pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_bytes(tmp_path):
     reference = torchrun(tmp_path / "ref", *W2)
     assert reference.wait(300) == 0, reference.stderr.read()[-2000:]
@@ -104,6 +106,7 @@ def test_the_readme_shows_the_example_file_itself_in_30_to_60_lines():
     assert 30 <= len(block.group(1).splitlines()) <= 60
 
 
+@pytest.mark.torchrun
 def test_torchrun_sigterm_to_either_rank_saves_one_agreed_step_and_every_rank_exits_75(tmp_path):
     """Under torchrun the ranks agree through its store, once per step (a round every rank takes
     part in), so a rank that wants to stop never waits while its peer waits in the next step's

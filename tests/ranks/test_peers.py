@@ -47,6 +47,7 @@ def one_rank(tmp_path_factory):
 
 @pytest.mark.parametrize("world", [2, 3, 5])
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank, world):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--world-size", world, "--die-at", 4).returncode == 75
@@ -62,6 +63,7 @@ def test_w_ranks_end_with_the_1_rank_bytes_events_and_verdict(tmp_path, one_rank
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_drift_failure_is_the_same_verdict_at_two_ranks(tmp_path):
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--world-size", 2, "--force-weights", "0,0,0")
     assert result.returncode == 1
@@ -77,6 +79,7 @@ def rank_proc(pvc: Path, rank: int, *args: str, env: dict | None = None, killpoi
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_ranks_started_by_another_launcher_find_each_other_through_the_pvc(tmp_path, one_rank):
     pvc = tmp_path / "pvc"
     follower = rank_proc(pvc, 1, env={"RANK": "1", "WORLD_SIZE": "2"})  # torchrun style, started first
@@ -87,6 +90,7 @@ def test_ranks_started_by_another_launcher_find_each_other_through_the_pvc(tmp_p
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_a_second_process_for_the_same_rank_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     pvc.mkdir()
@@ -100,6 +104,7 @@ def test_a_second_process_for_the_same_rank_exits_75(tmp_path):
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_a_rank_alone_waits_a_bounded_time_then_exits_75(tmp_path):
     started = time.monotonic()
     result = trainjob("run", "--pvc", tmp_path / "pvc", "--rank", 1, "--world-size", 2, "--rank-timeout", 1)
@@ -194,6 +199,8 @@ def short_reference(tmp_path_factory) -> bytes:
 # its bounded wait (75), and a relaunch of all ranks must finish with the uninterrupted bytes.
 @pytest.mark.parametrize("victim, point", [(1, 0), (1, 10), (0, 5), (0, 33), (0, 60)])
 @pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
 def test_sigkill_of_one_rank_at_any_point_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
     pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--keep", "2", "--world-size", "2",
                                      "--rank-timeout", "1")
@@ -229,6 +236,7 @@ def wait_for_start(pvc: Path) -> None:
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "2",
@@ -243,6 +251,7 @@ def test_the_launcher_forwards_sigterm_every_rank_checkpoints_and_it_exits_75(tm
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_sigterm_to_one_rank_stops_all_at_an_agreed_step_with_a_checkpoint(tmp_path):
     pvc = tmp_path / "pvc"
     procs = [rank_proc(pvc, r, *LONG, "--rank", str(r), "--world-size", "2") for r in (0, 1)]
@@ -256,6 +265,7 @@ def test_sigterm_to_one_rank_stops_all_at_an_agreed_step_with_a_checkpoint(tmp_p
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
     pvc = tmp_path / "pvc"
     launcher = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--world-size", "3",
@@ -268,6 +278,7 @@ def test_when_a_rank_dies_the_launcher_stops_the_others_and_exits_75(tmp_path):
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_finishes(tmp_path, short_reference):
     """Rank 0 stopped while waiting for a rank that never came: nothing was trained, so it must not
     sit out --rank-timeout and exit with the log still at job_started; it logs the kill and exits 75."""
@@ -286,6 +297,7 @@ def test_sigterm_before_every_rank_joined_logs_the_kill_at_once_and_a_relaunch_f
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(tmp_path):
     pvc, flags = tmp_path / "pvc", ("--steps", "6", "--ckpt-every", "1", "--world-size", "3")
     rank0 = rank_proc(pvc, 0, *flags, "--rank", "0")
@@ -298,6 +310,8 @@ def test_a_rank_waiting_for_the_begin_exits_as_rank_0_ended_the_unbegun_launch(t
 
 
 @pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
 def test_a_sigterm_after_rank_0_completed_leaves_the_launch_completed(tmp_path, short_reference):
     # tests/latesignal.py signals the launcher just after a rank exited 0, which a rank does only
     # once rank 0 has logged `completed`: the launch reports what happened, not the signal.
@@ -311,6 +325,7 @@ def test_a_sigterm_after_rank_0_completed_leaves_the_launch_completed(tmp_path, 
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_each_rank_relaunched_after_its_launch_completed_exits_0_at_once(tmp_path):
     """An Indexed Job recreates one index (its pod was evicted after the launch completed): that
     rank must exit 0 on its own, not wait for a rank 0 that will never lead another launch."""

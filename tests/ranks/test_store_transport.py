@@ -270,6 +270,8 @@ def torchrun(pvc: Path, *script: str, env: dict[str, str] | None = None) -> subp
 # wait (75) and a relaunch under torchrun ends with the uninterrupted bytes.
 @pytest.mark.parametrize("victim, point", [(1, 0), (1, 6), (0, 5), (0, 33)])
 @pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
 def test_torchrun_sigkill_of_one_rank_at_an_io_call_leaves_a_resumable_pvc(tmp_path, short_reference, victim, point):
     pvc = tmp_path / "pvc"
     killed = torchrun(pvc, str(ROOT / "tests/killpoint.py"), str(point), env={"KILLPOINT_RANK": str(victim)})

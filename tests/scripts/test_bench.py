@@ -17,8 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+def load_common():
+    """scripts/benchmarks/common.py, loaded by path (scripts/ is not a package on sys.path)."""
+    spec = importlib.util.spec_from_file_location("bench_common", ROOT / "scripts" / "benchmarks" / "common.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -32,7 +33,7 @@ def test_each_contender_is_compared_with_the_reference_runs_on_either_side_of_it
         order.append(kind)
         return {"seconds": next(times)}
 
-    runs = load_bench().bracketed(run, "raw", ["a", "b"])
+    runs = load_common().bracketed(run, "raw", ["a", "b"])
     assert order == ["raw", "a", "raw", "b", "raw"]
     assert runs["a"][0]["ref_seconds"] == 2.0 and runs["b"][0]["ref_seconds"] == 4.0
     assert [r["ref_seconds"] for r in runs["raw"]] == [1.0, 3.0, 5.0]
@@ -43,7 +44,7 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
-         "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000",
+         "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000", "--startup-repeat", "1",
          "--dir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "bench.png")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -67,6 +68,10 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     assert result["targets"] and all(isinstance(v, bool) for v in result["targets"].values())
     assert all(p["two_thread_speedup"] > 0 for p in result["cpu_probe"].values())
     assert result["machine"]["cores"] >= 1 and result["state_bytes"] == 16 << 20
+    startup = result["startup"]["commands"]
+    assert {"trainjob --help", "trainjob status (one line)", "python -c 'import trainjob'"} <= set(startup)
+    assert all(c[k]["median"] > 0 for c in startup.values() for k in ("seconds", "x_python", "x_numpy"))
+    assert sum(name.startswith("start-up:") for name in result["targets"]) == 3
 
 
 @pytest.mark.process

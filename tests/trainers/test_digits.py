@@ -65,6 +65,7 @@ def test_default_run_scores_in_the_90s_and_beats_the_frozen_baseline(tmp_path, d
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_two_ranks_write_the_one_rank_bytes_and_split_every_array(tmp_path, data, reference):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, *SHORT, "--world-size", 2, "--die-at", 2).returncode == 75
@@ -87,6 +88,7 @@ def short_run_io_calls(tmp_path_factory, data) -> int:
 # uninterrupted bytes, so the momentum buffers came back exactly too.
 @pytest.mark.parametrize("fraction", [0.03, 0.15, 0.35, 0.5, 0.66, 0.82, 0.95])
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, reference, short_run_io_calls, fraction):
     pvc, point = tmp_path / "pvc", int(fraction * short_run_io_calls)
     assert killpoint(point, "run", "--pvc", pvc, "--data", data, *SHORT).returncode == -signal.SIGKILL
@@ -97,6 +99,8 @@ def test_sigkill_at_any_io_point_resumes_to_the_same_bytes(tmp_path, data, refer
 
 @pytest.mark.parametrize("victim, point", [(1, 8), (0, 30), (0, 70)])
 @pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
 def test_sigkill_of_either_rank_at_two_ranks_resumes_to_the_same_bytes(tmp_path, data, reference, victim, point):
     pvc, flags = tmp_path / "pvc", (*SHORT, "--world-size", "2", "--rank-timeout", "2")
     procs = []

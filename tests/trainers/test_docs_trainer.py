@@ -29,6 +29,7 @@ def test_the_documented_trainer_is_the_tested_file_and_under_60_lines():
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_the_documented_trainer_resumes_after_a_kill_to_the_same_bytes(tmp_path):
     assert run(tmp_path / "clean").returncode == 0
     assert run(tmp_path / "killed", "--die-at", 3, "--world-size", 2).returncode == 75

@@ -118,6 +118,7 @@ def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> l
     return said
 
 
+@pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path, reference):
     data, expected = reference
     pvc = tmp_path / "pvc"
@@ -130,6 +131,7 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
 
 
+@pytest.mark.torchrun
 def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoint_and_resumes(tmp_path,
                                                                                              reference):
     data, expected = reference
@@ -150,6 +152,7 @@ def after_each_step(out: Path) -> list[dict[str, list[str]]]:
     return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in (0, 1)]
 
 
+@pytest.mark.torchrun
 def test_torchrun_ranks_make_no_file_system_call_on_a_step_without_a_checkpoint(tmp_path, reference):
     """tests/fscount.py counts trainjob's own file-system calls after each step, at each rank. Through
     torchrun's store: none but at checkpoints (4, 8). Through the PVC's files: a directory listing
@@ -224,6 +227,7 @@ def test_a_state_that_changes_between_checkpoints_exits_2_before_writing_any_of_
     assert snapshot(pvc / "checkpoints") == snapshot(killed_at_1 / "checkpoints")  # step 1, no half of step 2
 
 
+@pytest.mark.killpoint
 def test_a_bfloat16_torch_trainer_killed_before_every_io_call_resumes_to_the_same_bytes(tmp_path):
     """SIGKILL before each write, fsync and rename of a clean run (every one, counted), then a
     relaunch: always the uninterrupted run's artifact, bit for bit (tests/forked_killpoints.py)."""

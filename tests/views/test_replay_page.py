@@ -118,6 +118,7 @@ def test_a_spent_budget_names_the_counts_and_the_gate_its_arithmetic(backoff_log
 
 
 @pytest.mark.process
+@pytest.mark.torchrun
 def test_every_kind_of_line_renders(every_kind_log):
     frames = page_data(build(every_kind_log))["frames"]
     kinds = {f["line"]: f["kind"] for f in frames}
@@ -282,6 +283,7 @@ def console_errors(browser) -> list[dict]:
 @needs_browser
 @pytest.mark.parametrize("which", ["walkthrough", "backoff"])
 @pytest.mark.process
+@pytest.mark.browser
 def test_browser_steps_through_every_line_highlighting_what_status_path_derives(
         browser, request, tmp_path, which):
     log = request.getfixturevalue(f"{which}_log")
@@ -312,6 +314,7 @@ def test_browser_steps_through_every_line_highlighting_what_status_path_derives(
 
 @needs_browser
 @pytest.mark.process
+@pytest.mark.browser
 def test_browser_shows_hostile_text_as_text_and_runs_none_of_it(browser, tmp_path):
     page = tmp_path / "hostile.html"
     page.write_bytes(build(hostile_log(tmp_path)))
@@ -331,6 +334,8 @@ def test_browser_shows_hostile_text_as_text_and_runs_none_of_it(browser, tmp_pat
 
 @needs_browser
 @pytest.mark.process
+@pytest.mark.browser
+@pytest.mark.torchrun
 def test_browser_renders_every_kind_of_line_and_marks_an_illegal_one(browser, tmp_path, every_kind_log):
     page = tmp_path / "every_kind.html"
     page.write_bytes(build(every_kind_log))

@@ -9,7 +9,8 @@ import pytest
 
 from conftest import trainjob
 
-pytestmark = pytest.mark.process  # every test here starts the CLI or another process
+# every test here starts the CLI; the module's PVC is a two-rank job's
+pytestmark = [pytest.mark.process, pytest.mark.torchrun]
 
 
 @pytest.fixture(scope="module")
