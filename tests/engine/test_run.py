@@ -404,8 +404,9 @@ def test_an_odd_but_legal_loss_is_recorded_exactly(pvc, value, milli):
 
 @pytest.mark.parametrize("value, says", [
     (1e308, "too large"), (1e16, "too large"), (10**30, "too large"), (10**5000, "too large"),
-    (np.array([0.5, 0.6]), "2 elements"), (np.array([]), "0 elements"), ("0.5", "not a finite number"),
-], ids=["1e308", "1e16", "10**30", "10**5000", "two-elements", "empty", "str"])
+    (np.array([0.5, 0.6]), "2 elements"), (np.array([]), "0 elements"), ("0.5", "not a number"),
+    (float("nan"), "not a finite number"),
+], ids=["1e308", "1e16", "10**30", "10**5000", "two-elements", "empty", "str", "nan"])
 def test_an_odd_and_wrong_loss_is_exit_2_in_one_line(pvc, capsys, value, says):
     run, _ = own(pvc, reporting(value), steps=2)
     assert run.exit_code == 2 and says in str(run.error), run.error

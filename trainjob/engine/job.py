@@ -83,7 +83,7 @@ class StopFlag:
 
     def install(self) -> Callable[[], None]:
         """Catch SIGTERM and SIGINT from now on; returns what puts the previous handlers back."""
-        displaced = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        displaced: dict[int, Any] = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
         self._displaced = displaced
 
         def uninstall() -> None:

@@ -492,7 +492,9 @@ class Run:
                           "its end; the steps since the last checkpoint are not saved")
 
     def _where(self) -> str:
-        return f"at step {self._step}" if self._step is not None else "before its first step"
+        if self._step is not None:  # the body of this step is running
+            return f"at step {self._step}"
+        return "between steps" if self._iterated else "before its first step"
 
     def _end_with(self, exc: BaseException) -> None:
         """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
@@ -512,8 +514,8 @@ class Run:
         if not isinstance(exc, Exception):  # the process is being ended: said in both modes
             if code == EXIT_INTERNAL:
                 _say("".join(traceback.format_exception(exc)).rstrip())
-            _say(f"trainjob: {_named(exc)} {self._where()}: the run stops without saving this step; "
-                 f"a relaunch resumes from the last checkpoint (exit {code})")
+            _say(f"trainjob: {_named(exc)} {self._where()}: the run stops here, the steps since its last "
+                 f"checkpoint are not saved; a relaunch resumes (exit {code})")
         elif not self.raise_errors:
             if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
                 _say("".join(traceback.format_exception(exc)).rstrip())

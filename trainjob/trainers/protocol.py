@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, memory_errors
+from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, memory_errors, one_line
 from ..records import Score, TensorSpec, is_sha256_hex
 from ..tensors import tensor_specs
 from .builtin import BUILTIN
@@ -136,7 +136,7 @@ def check_resumable(expected: tuple[TensorSpec, ...], found: tuple[TensorSpec, .
 MAX_LOSS = 2**53 / 1000
 
 
-def check_loss(loss: object, step: int) -> float:
+def check_loss(loss: Any, step: int) -> float:
     """A step's loss as a float, or a UsageError (exit 2) saying what is wrong with it: a number
     from 0 to ``MAX_LOSS`` (a Python int of any size, a numpy scalar), or a tensor or array of
     exactly one element. A meta-device tensor holds no value to report."""
@@ -149,14 +149,23 @@ def check_loss(loss: object, step: int) -> float:
         if count != 1:
             raise UsageError(f"{where} has {count} elements; report one number per step (e.g. loss.mean())")
         loss = loss.item()
-    if isinstance(loss, bool) or not isinstance(loss, float | int) or not loss >= 0 or loss == float("inf"):
-        raise UsageError(f"{where} is {repr(loss)[:60]}, not a finite number >= 0 (training diverged: lower --lr)")
+    if isinstance(loss, bool) or not isinstance(loss, float | int):
+        raise UsageError(f"{where} is {_shown(loss)} ({type(loss).__name__}), not a number: report a float, an int "
+                         "or a one-element tensor")
+    if not loss >= 0 or loss == float("inf"):
+        raise UsageError(f"{where} is {_shown(loss)}, not a finite number >= 0 (training diverged: lower --lr)")
     if loss > MAX_LOSS:
-        shown = f"a {loss.bit_length()}-bit integer" if isinstance(loss, int) and loss.bit_length() > 1000 \
-            else f"{loss:.3g}"
-        raise UsageError(f"{where} is {shown}, too large to record: trainjob logs a loss in thousandths, exact up "
-                         f"to {MAX_LOSS:.4g}; training diverged (lower --lr), or scale the loss down")
+        raise UsageError(f"{where} is {_shown(loss)}, too large to record: trainjob logs a loss in thousandths, "
+                         f"exact up to {MAX_LOSS:.4g}; training diverged (lower --lr), or scale the loss down")
     return float(loss)
+
+
+def _shown(value: object) -> str:
+    """A value in a message: short, one line; an int too long to print (Python refuses past 4300
+    digits) by its size."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"a {value.bit_length()}-bit integer"
+    return one_line(repr(value))[:60]
 
 
 def restore(trainer: Stateful, arrays: State) -> None:
