@@ -23,7 +23,7 @@ PUBLIC = [
     "Run", "Stateful",
     "Factory", "Score", "State", "Trainer",
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
-    "RankTimeout",
+    "OutOfMemory", "RankTimeout",
     "Refused", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",
 ]

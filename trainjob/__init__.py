@@ -11,9 +11,9 @@ modules are public too, because ``import trainjob`` must not need their extras:
 from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
-from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
-                     PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
-                     WriteTimeout)
+from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
+                     PeerFailed, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError,
+                     WorldSizeMismatch, WriteTimeout)
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
@@ -36,6 +36,7 @@ __all__ = [
     "InputError",
     "NoSpace",
     "NoVerifiedCheckpoint",
+    "OutOfMemory",
     "PeerFailed",
     "PvcBusy",
     "RankTimeout",

@@ -511,11 +511,15 @@ def entry() -> NoReturn:
     process by the signal (143 to Kubernetes) instead of with the decided code: a run that had
     logged ``completed`` would look killed, be relaunched, and be refused. So late ones are
     ignored: for the whole process, as numpy's BLAS threads would take a signal the main thread
-    blocked, and Python leaves an ignored signal ignored at shutdown.
+    blocked, and Python leaves an ignored signal ignored at shutdown. The same holds when the run
+    ends the process itself (a trainer's ``sys.exit()``: ``Run`` raises ``SystemExit`` with the
+    run's code).
     """
-    code = main()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN)
+    try:
+        code = main()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
     sys.exit(code)
 
 

@@ -11,6 +11,7 @@
     └── TryAgainLater(OSError)    nothing is wrong with the job; relaunch      -> exit 75
         ├── PvcBusy               another process holds the PVC (rank) lock
         ├── NoSpace               the PVC (or a checkpoint about to be saved) is out of space
+        ├── OutOfMemory           host or device memory ran out while loading a checkpoint
         ├── RankTimeout           a bounded wait for another rank ran out
         ├── PeerFailed            the coordinator (rank 0) stopped on error
         ├── WriteTimeout          a background checkpoint write did not end in its bounded wait
@@ -45,6 +46,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import sys
 import unicodedata
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -99,6 +101,11 @@ class NoSpace(TryAgainLater):
     """The PVC is out of space (or below the size of the next checkpoint); nothing was deleted."""
 
 
+class OutOfMemory(TryAgainLater):
+    """Host or device memory ran out while a checkpoint was read or handed to the state: the
+    checkpoint is sound, and the next try (a node with more memory free) may pass."""
+
+
 class RankTimeout(TryAgainLater):
     """A bounded wait for another rank (through the PVC) ran out."""
 
@@ -151,6 +158,30 @@ def os_errors(where: object, doing: str, otherwise: type[TrainJobError] = TryAga
         raise
     except OSError as exc:
         raise classify(exc, otherwise)(f"{where}: {doing}: {exc.strerror or exc}") from exc
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A host ``MemoryError``, or torch's out-of-memory error (CUDA and other devices;
+    ``torch.cuda.OutOfMemoryError`` is the same class). torch is looked up, never imported."""
+    torch = sys.modules.get("torch")
+    device_oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return isinstance(exc, MemoryError) or (isinstance(device_oom, type) and isinstance(exc, device_oom))
+
+
+@contextmanager
+def memory_errors(doing: str) -> Iterator[None]:
+    """Turn an out-of-memory raised inside into OutOfMemory (exit 75), as ``DOING: out of memory
+    (KIND: FIRST LINE)``; every other error passes through untouched."""
+    try:
+        yield
+    except TrainJobError:
+        raise
+    except Exception as exc:
+        if not is_out_of_memory(exc):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise OutOfMemory(f"{doing}: out of memory ({type(exc).__name__}{': ' if first else ''}{first}); "
+                          "the checkpoint is not at fault, relaunch where more memory is free") from exc
 
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

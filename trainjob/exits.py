@@ -6,10 +6,11 @@
     2   usage or input error (bad flag or argument, missing or invalid file, already-completed PVC,
         no checkpoint verifies, world-size mismatch, a misused ``Run``; under ``--idempotent``, a
         completed PVC whose artifact fails its logged sha256)
-    75  killed, preempted, PVC busy, storage trouble or full, a rank that did not answer in time:
-        safe to relaunch
+    75  killed, preempted, PVC busy, storage trouble or full, out of memory while loading a
+        checkpoint, a rank that did not answer in time; in a ``Run``'s body, ``SystemExit`` (any
+        code) or ``KeyboardInterrupt``: safe to relaunch
     70  an unexpected internal error (a bug, never an honest failure), including an error no
-        exit-code base classifies
+        exit-code base classifies, and any other ``BaseException`` (``GeneratorExit``, a bare one)
 
 Errors map to codes by the one exit-code base each subclasses (errors.py draws the tree). The
 engine's ``Run`` and the command line both read this module; how ``supervise`` and ``k8s render``
@@ -25,10 +26,16 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH = 0, 1, 2, 70, 75
 
 # Errors by the exit-code base they subclass (each class has exactly one of these bases). A bare
 # TrainJobError is unclassified: a bug, never an honest failure.
-EXIT_FOR_ERROR: dict[type[TrainJobError], int] = {
+EXIT_FOR_ERROR: dict[type[BaseException], int] = {
     Refused: EXIT_USAGE,           # UsageError, InputError and its kin: retrying cannot help
-    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, RankTimeout, PeerFailed, WriteTimeout, Superseded
+    TryAgainLater: EXIT_RELAUNCH,  # PvcBusy, NoSpace, OutOfMemory, RankTimeout, PeerFailed, WriteTimeout, Superseded
     TrainJobError: EXIT_INTERNAL,
+    # Raised by a Run's own loop before its outcome: the process was asked to end (sys.exit of
+    # any code, Ctrl-C raised as an exception) with the attempt in flight. A SIGTERM or SIGINT
+    # delivered to the process ends in 75 too; the exit code a script chose cannot speak for the
+    # run (0 would claim `completed`, 1 a gate verdict).
+    SystemExit: EXIT_RELAUNCH,
+    KeyboardInterrupt: EXIT_RELAUNCH,
 }
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
 EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, State.job_failed: EXIT_FAILED,
@@ -37,7 +44,8 @@ EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, Sta
 
 def exit_code_for(error: type[BaseException]) -> int:
     """The exit code of the first exit-code base in the error's method resolution order; an
-    error outside the tree (a bug, or the user's own code failing) is internal, 70."""
+    error outside the tree (a bug, or the user's own code failing, any other BaseException) is
+    internal, 70."""
     return next((EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR), EXIT_INTERNAL)
 
 

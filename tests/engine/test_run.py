@@ -7,13 +7,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import trainjob
-from conftest import events
+from conftest import events, snapshot
 from trainjob import Run, Score, cli
 from trainjob.trainers.linear import make as linear
 
@@ -263,3 +266,278 @@ def test_a_resume_with_another_lr_is_refused(pvc):
     assert own(pvc, good, lr=0.1, die_at=2)[0].exit_code == 75
     run, _ = own(pvc, good, lr=0.2)
     assert run.exit_code == 2 and "--lr 0.1" in str(run.error)
+
+
+# --- issue 31: every way out of the `with` block is a code of the table ------------------------
+
+def raises_at(step_no: int, exc: BaseException):
+    def body(run, state, step):
+        good(run, state, step)
+        if step == step_no:
+            raise exc
+    return body
+
+
+def ended(pvc: Path, body, **kw) -> tuple[int, Run]:
+    """The process exit an own loop ends in: what escapes the `with` block (a SystemExit's code),
+    else ``run.exit_code`` (what the script passes to sys.exit)."""
+    holder: list[Run] = []
+
+    def kept(run, state, step):
+        holder[:] = [run]
+        body(run, state, step)
+
+    try:
+        run, _ = own(pvc, kept, **kw)
+    except SystemExit as exc:
+        assert holder and exc.code == holder[0].exit_code, (exc.code, holder[0].exit_code)
+        return exc.code, holder[0]
+    return run.exit_code, run
+
+
+@pytest.mark.parametrize("exc, code", [
+    (SystemExit(0), 75), (SystemExit(None), 75), (SystemExit(1), 75), (SystemExit(3), 75),
+    (SystemExit("a message"), 75), (KeyboardInterrupt(), 75), (GeneratorExit(), 70), (BaseException("bare"), 70),
+], ids=repr)
+def test_a_base_exception_in_the_body_ends_in_a_code_of_the_table_never_0_or_1(pvc, capsys, exc, code):
+    got, run = ended(pvc, raises_at(3, exc))
+    assert got == code and run.error is exc
+    assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started", "checkpointed"]  # step 3 not saved
+    err = capsys.readouterr().err
+    assert f"(exit {code})" in err.splitlines()[-1] and "at step 3" in err.splitlines()[-1]
+    run, _ = own(pvc, good)  # the attempt stays resumable
+    assert run.exit_code == 0 and "resumed" in [e for e, _ in events(pvc / "log.jsonl")]
+
+
+def test_sys_exit_inside_the_block_after_the_outcome_exits_with_the_outcome(pvc, capsys):
+    state = Vector()
+    with pytest.raises(SystemExit) as done:
+        with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+            for step in run:
+                run.report(state.step(step))
+            run.gate(holdout=Score(correct=1, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+            sys.exit(0)  # the script's own idea of success: drift_failed says otherwise
+    assert done.value.code == 1 and run.final == "drift_failed"
+    state = Vector()
+    with pytest.raises(SystemExit) as done:
+        with Run(pvc.parent / "ok", state=state, steps=2, ckpt_every=2) as run:
+            for step in run:
+                run.report(state.step(step))
+            run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+            sys.exit(run.exit_code)
+    assert done.value.code == 0 and run.final == "completed"
+
+
+class Failing(Vector):
+    """A Stateful whose ``method`` raises ``exc`` on its ``after``-th call."""
+
+    def __init__(self, method: str, exc: BaseException, after: int = 0) -> None:
+        super().__init__()
+        self.method, self.exc, self.calls = method, exc, 0
+        self.after = after
+
+    def _maybe(self, method: str) -> None:
+        if method == self.method:
+            self.calls += 1
+            if self.calls > self.after:
+                raise self.exc
+
+    def state_dict(self):
+        self._maybe("state_dict")
+        return super().state_dict()
+
+    def load_state_dict(self, arrays) -> None:
+        self._maybe("load_state_dict")
+        super().load_state_dict(arrays)
+
+
+def enter_with(pvc: Path, state, **kw) -> tuple[int, Run | None]:
+    run = Run(pvc, state=state, steps=4, ckpt_every=2, **kw)
+    try:
+        with run:
+            for step in run:
+                run.report(state.step(step))
+            run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+    except SystemExit as exc:
+        return exc.code, run
+    return run.exit_code, run
+
+
+@pytest.mark.parametrize("exc, code", [(SystemExit(0), 75), (KeyboardInterrupt(), 75), (GeneratorExit(), 70)],
+                         ids=repr)
+def test_a_base_exception_from_load_state_dict_or_state_dict_is_a_code_of_the_table(pvc, capsys, exc, code):
+    assert own(pvc, good, die_at=2)[0].exit_code == 75
+    before = snapshot(pvc)
+    assert enter_with(pvc, Failing("load_state_dict", exc))[0] == code
+    assert snapshot(pvc) == before  # refused before any write
+    assert enter_with(pvc, Failing("state_dict", exc))[0] == code  # the start's first look
+    assert enter_with(pvc, Failing("state_dict", exc, after=1))[0] == code  # at the step-4 checkpoint
+    assert own(pvc, good)[0].exit_code == 0
+
+
+@pytest.mark.parametrize("error", [MemoryError(), "cuda"])
+def test_out_of_memory_while_loading_a_checkpoint_is_retryable_75(pvc, capsys, error):
+    if error == "cuda":
+        torch = pytest.importorskip("torch")
+        error = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert own(pvc, good, die_at=2)[0].exit_code == 75
+    code, run = enter_with(pvc, Failing("load_state_dict", error))
+    assert code == 75 and "out of memory" in str(run.error)
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("(exit 75)")
+    assert own(pvc, good)[0].exit_code == 0  # the checkpoint was fine
+
+
+def reporting(value):
+    def body(run, state, step):
+        state.step(step)
+        run.report(value() if callable(value) else value)
+    return body
+
+
+@pytest.mark.parametrize("value, milli", [(1e12, 10**15), (10**12, 10**15), (np.float32(0.5), 500),
+                                          (np.array([0.25]), 250), (np.int64(3), 3000)], ids=repr)
+def test_an_odd_but_legal_loss_is_recorded_exactly(pvc, value, milli):
+    run, _ = own(pvc, reporting(value), steps=2)
+    assert run.exit_code == 0
+    assert [d for e, d in events(pvc / "log.jsonl") if e == "checkpointed"] == [f"step=2 loss_milli={milli}"]
+
+
+@pytest.mark.parametrize("value, says", [
+    (1e308, "too large"), (1e16, "too large"), (10**30, "too large"), (10**5000, "too large"),
+    (np.array([0.5, 0.6]), "2 elements"), (np.array([]), "0 elements"), ("0.5", "not a number"),
+    (float("nan"), "not a finite number"),
+], ids=["1e308", "1e16", "10**30", "10**5000", "two-elements", "empty", "str", "nan"])
+def test_an_odd_and_wrong_loss_is_exit_2_in_one_line(pvc, capsys, value, says):
+    run, _ = own(pvc, reporting(value), steps=2)
+    assert run.exit_code == 2 and says in str(run.error), run.error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainjob: step 1: ") and err[0].endswith("(exit 2)"), err
+
+
+def test_a_torch_loss_of_one_element_is_accepted_more_or_a_meta_one_is_exit_2(pvc, capsys):
+    torch = pytest.importorskip("torch")
+    run, _ = own(pvc, reporting(lambda: torch.tensor([0.5], requires_grad=True) * 1), steps=2)
+    assert run.exit_code == 0
+    for n, value in enumerate([torch.tensor([0.5, 0.6]), torch.tensor(0.5, device="meta")]):
+        run, _ = own(pvc.parent / str(n), reporting(value), steps=2)
+        assert run.exit_code == 2 and ("2 elements" if n == 0 else "meta") in str(run.error), run.error
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+class MetaState(Vector):
+    def state_dict(self):
+        import torch
+        return {"w": torch.from_numpy(self.w), "ghost": torch.empty(3, device="meta")}
+
+
+def test_a_meta_tensor_in_the_state_or_the_export_is_exit_2_in_one_line(pvc, capsys):
+    torch = pytest.importorskip("torch")
+    run = Run(pvc, state=MetaState(), steps=2, ckpt_every=2)
+    with run:
+        pass
+    assert run.exit_code == 2 and "meta" in str(run.error) and "ghost" in str(run.error)
+    state = Vector()
+    with Run(pvc.parent / "export", state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
+                 export={"w": torch.empty(4, device="meta")})
+    assert run.exit_code == 2 and "meta" in str(run.error)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.endswith("(exit 2)") for line in err), err
+
+
+def test_a_run_entered_off_the_main_thread_is_refused_in_one_line(pvc, capsys):
+    found: list[Run] = []
+    worker = threading.Thread(target=lambda: found.append(own(pvc, good)[0]))
+    worker.start()
+    worker.join()
+    assert found and found[0].exit_code == 2 and "main thread" in str(found[0].error)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].endswith("(exit 2)"), err
+    assert not pvc.exists()
+
+
+def test_a_signal_reaches_every_enclosing_run_and_each_handler_is_put_back(pvc):
+    def mine(*_):
+        received.append("mine")
+
+    received: list[str] = []
+    signal.signal(signal.SIGTERM, mine)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    outer_state = Vector()
+    inner: list[Run] = []
+    with Run(pvc / "outer", state=outer_state, steps=6, ckpt_every=2) as outer:
+        for step in outer:
+            outer.report(outer_state.step(step))
+            if step == 2:
+                def preempted(run, state, at):
+                    good(run, state, at)
+                    if at == 1:
+                        os.kill(os.getpid(), signal.SIGTERM)
+                inner.append(own(pvc / "inner", preempted, steps=6)[0])
+                assert signal.getsignal(signal.SIGTERM) == outer.stop._handle  # the outer's, back
+        outer.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1), export={})
+    assert inner[0].exit_code == 75 and events(pvc / "inner/log.jsonl")[-1] == ("killed", "at_step=1 signal=SIGTERM")
+    assert outer.exit_code == 75 and events(pvc / "outer/log.jsonl")[-1] == ("killed", "at_step=2 signal=SIGTERM")
+    assert received == ["mine"]  # passed on to the script's own handler too
+    assert signal.getsignal(signal.SIGTERM) is mine and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+BODY_ENDS = {
+    "exit0": "sys.exit(0)", "exit1": "sys.exit(1)", "interrupt": "raise KeyboardInterrupt",
+    "generatorexit": "raise GeneratorExit", "bare": "raise BaseException('bare')",
+}
+
+
+@pytest.mark.process
+def test_a_script_whose_body_exits_ends_the_process_with_a_code_of_the_table(tmp_path):
+    """The same as in process, as the operating system sees it: the script's own exit code."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import sys, trainjob\nimport numpy as np\n"
+        "class S:\n    def __init__(self): self.w = np.zeros(2)\n"
+        "    def state_dict(self): return {'w': self.w}\n"
+        "    def load_state_dict(self, a): self.w[...] = a['w']\n"
+        "s = S()\n"
+        "with trainjob.Run(sys.argv[1], state=s, steps=4, ckpt_every=2) as run:\n"
+        "    for step in run:\n"
+        "        run.report(0.5)\n"
+        "        if step == 3:\n"
+        "            exec(sys.argv[2])\n"
+        "    run.gate(holdout=trainjob.Score(correct=1, total=1), baseline=trainjob.Score(correct=1, total=1),"
+        " export=s.state_dict())\n"
+        "sys.exit(run.exit_code)\n")
+    codes = {}
+    for name, statement in BODY_ENDS.items():
+        done = subprocess.run([sys.executable, str(script), str(tmp_path / name), statement],
+                              capture_output=True, text=True, timeout=60)
+        codes[name] = done.returncode
+        assert events(tmp_path / name / "log.jsonl")[-1][0] == "checkpointed", done.stderr
+    assert codes == {"exit0": 75, "exit1": 75, "interrupt": 75, "generatorexit": 70, "bare": 70}
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("statement", ["sys.exit(0)", "raise KeyboardInterrupt"])
+def test_a_trainer_whose_step_exits_through_the_cli_is_75_never_0(tmp_path, statement):
+    (tmp_path / "quitter.py").write_text(
+        "import sys\nfrom trainjob.trainers.linear import make\n"
+        "def factory(data, lr):\n    t = make(data, lr)\n    step = t.step\n"
+        f"    def quitting(n):\n        if n == 3:\n            {statement}\n        return step(n)\n"
+        "    t.step = quitting\n    return t\n")
+    done = subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(tmp_path / "pvc"),
+                           "--trainer", "quitter:factory"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 75, done.stderr
+    assert events(tmp_path / "pvc/log.jsonl")[-1] == ("checkpointed", "step=2 loss_milli=310")
+
+
+def test_the_readmes_misuse_table_has_a_row_for_every_end_tested_here():
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = text[text.index("| in your loop | what happens | exit |"):]
+    rows = table[:table.index("\n\n")].splitlines()
+    for end in ("SIGTERM or SIGINT", "an exception in the body", "`sys.exit(n)` of any `n`", "after the outcome",
+                "`GeneratorExit`", "out of memory", "without `run.report(loss)`", "`run.report` of a number",
+                "meta-device tensor in `state_dict()`", "a `break`", "off the main thread",
+                "inside another `Run`", "locked by another run"):
+        assert sum(end in row for row in rows) == 1, end

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import fcntl
 import os
+import signal
+import socket
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -203,3 +207,117 @@ def test_a_failed_cleanup_does_not_hide_the_retryable_write_error(tmp_path, monk
     with pytest.raises(TryAgainLater, match="write failed: Read-only file system") as caught:
         atomic_write(tmp_path / "state.json", b"{}")
     assert caught.value.__cause__.errno == errno.EROFS
+
+
+# --- issue 31: a lock no forked child keeps, and a busy lock that names its holder -------------
+
+def test_a_busy_lock_names_its_holder_pid_host_and_since_when(tmp_path):
+    with Pvc(tmp_path).lock():
+        with pytest.raises(PvcBusy) as busy:
+            with Pvc(tmp_path).lock():
+                pass
+    text = str(busy.value)
+    assert f"pid {os.getpid()} on {socket.gethostname()} (" in text and "running since 20" in text, text
+    assert "\n" not in text and text.endswith("; relaunch when it has exited")
+    with Pvc(tmp_path).lock(1):
+        with pytest.raises(PvcBusy, match=f"rank-1 process .* pid {os.getpid()} on "):
+            with Pvc(tmp_path).lock(1):
+                pass
+
+
+def test_proc_locks_names_the_granted_holder_not_a_waiter():
+    device = os.makedev(0xfe, 0)
+    text = ("1: POSIX  ADVISORY  WRITE 700 08:01:55 0 EOF\n"
+            "2: FLOCK  ADVISORY  WRITE 15064 fe:00:2155453 0 EOF\n"
+            "2: -> FLOCK  ADVISORY  WRITE 999 fe:00:2155453 0 EOF\n")
+    assert pvc.holder_of(text, device, 2155453) == 15064
+    assert pvc.holder_of(text, device, 55) is None  # another device's inode 55
+
+
+def test_lock_descriptors_are_close_on_exec(tmp_path):
+    with Pvc(tmp_path).lock():
+        held = [fd for fd in pvc._HELD]
+        assert len(held) == 2 and all(fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC for fd in held)
+    assert not pvc._HELD
+
+
+HOLDER = '''
+import multiprocessing, sys, time
+from pathlib import Path
+from trainjob.storage.pvc import Pvc
+
+class Slow:
+    def __len__(self): return 100
+    def __getitem__(self, i): time.sleep(120); return i
+
+(pvc := Pvc(Path(sys.argv[1]))).create()
+with pvc.lock():
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(120,))
+    child.start()
+    pids = [child.pid]
+    if sys.argv[2] == "dataloader":
+        from torch.utils.data import DataLoader
+        workers = iter(DataLoader(Slow(), num_workers=2, multiprocessing_context="fork"))
+        pids += [w.pid for w in workers._workers]
+    print(*pids, flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("children", ["fork", "dataloader"])
+def test_a_sigkilled_holders_forked_children_do_not_keep_the_pvc_locked(tmp_path, children):
+    """A multiprocessing fork, and DataLoader(num_workers=2) workers busy in a slow item: the
+    holder is SIGKILLed, and the lock is free at once while its children live on."""
+    if children == "dataloader":
+        pytest.importorskip("torch")
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    holder = subprocess.Popen([sys.executable, str(script), str(tmp_path / "pvc"), children],
+                              stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in holder.stdout.readline().split()]
+    try:
+        assert len(pids) == (3 if children == "dataloader" else 1), pids
+        holder.kill()
+        holder.wait(30)
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids)  # the children still run
+        with Pvc(tmp_path / "pvc").lock():
+            pass
+    finally:
+        holder.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+STALE = '''
+import ctypes, os, sys, time
+from pathlib import Path
+from trainjob.storage.pvc import Pvc
+
+(pvc := Pvc(Path(sys.argv[1]))).create()
+with pvc.lock():
+    child = ctypes.CDLL(None).fork()  # fork() from C, as a native library may: no Python at-fork hook runs
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+    print(child, flush=True)
+    time.sleep(120)
+'''
+
+
+@pytest.mark.process
+def test_a_lock_kept_by_a_child_forked_outside_python_names_the_holder_that_is_gone(tmp_path):
+    script = tmp_path / "stale.py"
+    script.write_text(STALE)
+    holder = subprocess.Popen([sys.executable, str(script), str(tmp_path / "pvc")], stdout=subprocess.PIPE, text=True)
+    child = int(holder.stdout.readline())
+    try:
+        holder.kill()
+        holder.wait(30)
+        with pytest.raises(PvcBusy, match=f"pid {holder.pid} on .*, which has exited: a process it forked"):
+            with Pvc(tmp_path / "pvc").lock():
+                pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

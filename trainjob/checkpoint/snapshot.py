@@ -63,6 +63,9 @@ def _check(name: str, value: object) -> str:
     where = f"state_dict()[{name!r}]"
     if is_tensor(value):
         t: Any = value
+        if t.device.type == "meta":
+            raise UsageError(f"{where}: a tensor on the meta device holds no values; materialize it "
+                             "(to_empty(), then initialize or load it) before it is checkpointed or exported")
         if t.layout != _torch().strided:
             raise UsageError(f"{where}: a sparse tensor ({t.layout}) cannot be checkpointed; "
                              "return .to_dense() of it")

@@ -68,22 +68,35 @@ def read_artifact_record(data: bytes, where: str) -> Artifact:
 
 
 class StopFlag:
-    """Records SIGTERM/SIGINT so the loop can checkpoint and exit 75 at the next step boundary."""
+    """Records SIGTERM/SIGINT so the loop can checkpoint and exit 75 at the next step boundary.
+
+    A signal is passed on at once to the handler it displaced when that is a Python function (an
+    enclosing ``Run``'s flag, the script's own handler): every enclosing Run stops at its next
+    step boundary too, and the script learns of it as it would without trainjob. The default
+    actions (terminate; ``KeyboardInterrupt``) are not replayed: the run's stop, a checkpoint and
+    exit 75, is the answer to them. Install on the main thread only (Python's rule for signals).
+    """
 
     def __init__(self) -> None:
         self.signal: str | None = None
+        self._displaced: dict[int, Any] = {}
 
     def install(self) -> Callable[[], None]:
         """Catch SIGTERM and SIGINT from now on; returns what puts the previous handlers back."""
-        previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        displaced: dict[int, Any] = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+        self._displaced = displaced
 
         def uninstall() -> None:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for sig, handler in displaced.items():
+                # None: a handler set outside Python, which Python cannot put back; the default is nearest.
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
         return uninstall
 
-    def _handle(self, signum: int, _frame: Any) -> None:
+    def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum).name
+        displaced = self._displaced.get(signum)
+        if callable(displaced) and displaced is not signal.default_int_handler:
+            displaced(signum, frame)
 
 
 class MachineModel:

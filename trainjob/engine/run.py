@@ -15,22 +15,42 @@ is a state on the PVC and an exit code (``exits.py``); ``trainjob run`` is a cli
 class (cli.py's ``train``), so a script gets exactly the CLI's guarantees and log.
 
 Misuse, each with its end (the attempt stays in flight on the PVC, resumable from its newest
-checkpoint, and nothing half-written counts):
+checkpoint, and nothing half-written counts). Every end is decided in ``__exit__`` (``__enter__``
+for the start) through ``exits.py``'s one table, so no way out of the ``with`` block exits 0
+without ``completed``, or 1 without ``drift_failed``/``job_failed``:
 
-    an exception in the loop body       its exit code (a TrainJobError's; 70 for any other), no
-                                        checkpoint of the step it interrupted
+    an exception in the loop body, in  its exit code (a TrainJobError's; 70 for any other), no
+    ``state_dict`` or ``load_state_dict``  checkpoint of the step it interrupted; a refused load is 2
+    ``sys.exit()`` of any code, or a     SystemExit(75): the process ends, the step is not saved
+    raised ``KeyboardInterrupt``, in the  (once the outcome is decided: SystemExit(its code))
+    body or the state's methods
+    ``GeneratorExit``, a bare            SystemExit(70), with its traceback
+    ``BaseException``
+    out of memory loading a checkpoint   OutOfMemory, exit 75 (the checkpoint is not at fault)
     a step ended without ``report``,    UsageError, exit 2
     ``report`` twice in one step
+    a loss that is not a number from 0  UsageError, exit 2, naming the step (``check_loss``: a
+    to 9.0e12, or a tensor or array of  one-element tensor or array is a number; a larger loss
+    other than one element, or on the   would not stay exact in the log)
+    meta device
+    a meta-device tensor in the state   UsageError, exit 2, naming the array
+    or the ``gate``'s export
     a ``break`` out of the loop, or     UsageError, exit 2: the steps since the last checkpoint
     leaving without ``gate`` when due   are not saved, and a relaunch resumes
     ``gate`` before the last step       UsageError, exit 2
+    a Run entered off the main thread   UsageError, exit 2 (signal handlers are the main thread's)
 
-Once the ``with`` block has ended, a SIGTERM with its default action is ignored (the outcome is
-decided; see ``_after_the_run``): end the script promptly with ``sys.exit(run.exit_code)``.
+Signals: SIGTERM and SIGINT are noted, the step finishes, its checkpoint is saved, exit 75. A
+Run inside another's ``with`` block is allowed: the signal is passed on to the handler the
+inner Run displaced (``StopFlag``), so every enclosing Run stops too, as does a script's own
+handler; leaving puts every displaced handler back. Once the ``with`` block has ended, a SIGTERM
+with its default action is ignored (the outcome is decided; see ``_after_the_run``): end the
+script promptly with ``sys.exit(run.exit_code)``.
 
-The ``with`` block ends every error in ``exit_code``: it prints the error in one line (a bug's
-traceback in full) and does not re-raise it, because an uncaught exception would exit 1, which
-here means an honest failure. ``raise_errors=True`` re-raises instead (the CLI maps it itself).
+The ``with`` block ends every ``Exception`` in ``exit_code``: it prints the error in one line (a
+bug's traceback in full) and does not re-raise it, because an uncaught exception would exit 1,
+which here means an honest failure. ``raise_errors=True`` re-raises instead (the CLI maps it
+itself); the BaseExceptions above end the process with SystemExit in either mode.
 
 Must not: write a file or a log line itself (``Job``'s callbacks and the stores do), or decide
 how a launch begins (the machine does, through ``decisions.py``).
@@ -41,6 +61,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -59,8 +80,9 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import InputError, Superseded, TrainJobError, TryAgainLater, UsageError, one_line, os_errors
-from ..exits import exit_code_for, exit_code_for_state
+from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors, one_line,
+                      os_errors)
+from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect
 from ..records import Score, Session
@@ -145,12 +167,17 @@ class Run:
             self._enter()
         except BaseException as exc:
             self._end_with(exc)
-            if self.raise_errors or not isinstance(exc, Exception):
+            if not isinstance(exc, Exception):
+                raise SystemExit(self.exit_code) from exc
+            if self.raise_errors:
                 raise
         return self
 
     def _enter(self) -> None:
         if self.stop is None:
+            if threading.current_thread() is not threading.main_thread():
+                raise UsageError("trainjob.Run must be entered on the main thread: it catches SIGTERM and SIGINT "
+                                 "there (Python's rule for signals) to checkpoint before a stop")
             self.stop = StopFlag()
             self._stack.callback(_after_the_run, self.stop.install())
         spec = resolve_rank(self.rank, self.world_size, os.environ)
@@ -195,11 +222,13 @@ class Run:
         self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
         if not peers.solo:  # which transport the ranks agree through, logged with the launch's first event
             job.notes.append(("ranks_coordinated", dict(transport=peers.transport, world_size=cfg.world_size)))
-        job.read(into=initial)
         # Before any write: a checkpoint holding other arrays than this state's, or a
-        # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched.
-        if job.loaded is not None and job.should_resume():
-            resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
+        # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched;
+        # running out of memory on the way is 75.
+        with memory_errors("loading the newest checkpoint"):
+            job.read(into=initial)
+            if job.loaded is not None and job.should_resume():
+                resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
         del initial  # the engine holds no reference to the state between checkpoints
         if job.saver is not None:
             job.saver.prepare(self.stateful.state_dict())  # the staging buffers, allocated before the loop
@@ -237,9 +266,10 @@ class Run:
         # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
         # before this rank's first shard: a checkpoint that fails here really is damaged.
         if session.checkpoint:
-            loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                                 into=initial)
-            resume_into(self.stateful, self._host, loaded, session.checkpoint)
+            with memory_errors(f"loading {session.checkpoint}"):
+                loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
+                                     into=initial)
+                resume_into(self.stateful, self._host, loaded, session.checkpoint)
             del loaded
         del initial
         if cfg.async_checkpoint:
@@ -308,13 +338,13 @@ class Run:
         return self._end(step, stopped=True)
 
     def report(self, loss: float) -> None:
-        """The loss of the step being trained (a float >= 0, or a 0-d tensor): once per step."""
+        """The loss of the step being trained, once per step: a number >= 0 (``check_loss``: a
+        Python or numpy number, a one-element tensor or array)."""
         if self._step is None:
             raise UsageError("run.report(loss) belongs inside `for step in run`, once per step")
         if self._loss is not None:
             raise UsageError(f"step {self._step}: run.report was called twice; report every step's loss once")
-        value = loss.item() if hasattr(loss, "item") else loss  # a torch or numpy scalar
-        self._loss = decisions.loss_milli(check_loss(value, self._step))
+        self._loss = decisions.loss_milli(check_loss(loss, self._step))
 
     def _save(self, step: int, loss: int, force: bool) -> None:
         if self.cfg.async_checkpoint:  # copy into the staging buffers, and a thread writes
@@ -422,43 +452,74 @@ class Run:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  _tb: TracebackType | None) -> bool:
+        """Every way out of the ``with`` block ends here, in a code of ``exits.py``'s table. An
+        exception (``Exception``) ends in ``exit_code``, suppressed (or re-raised with
+        ``raise_errors``). Any other BaseException (``sys.exit()``, ``KeyboardInterrupt``,
+        ``GeneratorExit``) is the process being ended: it becomes ``SystemExit(exit_code)``, so the
+        process exits with a code of the table whatever the script asked for. Before the
+        outcome that is the error's code (75, or 70); once it is decided (after ``gate``, a stop,
+        an idempotent finding), the outcome's."""
+        leaving = exc is not None and not isinstance(exc, Exception)
+        if leaving and self.final is not None and self.error is None:
+            exc = None  # the outcome stands: the script ends the process with its code
+        made: BaseException | None = None
         if exc is None and self.final is None and self.error is None:
-            if self.gate_due:
-                exc = UsageError("the loop trained the last step but run.gate(...) was never called; "
-                                 "a relaunch resumes at the gate")
-            elif self._loop_over:  # a Superseded follower whose new launch ended unbegun
-                exc = UsageError("the run ended without an outcome")
-            else:
-                where = f"at step {self._step}" if self._step is not None else "before its first step"
-                exc = UsageError(f"the run's loop ended {where} (a break, or no `for step in run`): it must run to "
-                                 "its end; the steps since the last checkpoint are not saved")
-            self._end_with(exc)
-            if self.raise_errors:
-                raise exc
-            return False
+            exc = made = self._unfinished()
         if exc is not None:
             self._end_with(exc)
-            return isinstance(exc, Exception) and not self.raise_errors
-        self._stack.close()
-        if self.completion is not None and not self.raise_errors:
-            _say(f"trainjob: {self.completion.line()}")
-        return False
+        else:
+            try:
+                self._stack.close()
+            except Exception as late:  # putting the signal handlers back, letting go of the lock
+                self._end_with(late)
+                made = late
+            if self.completion is not None and not self.raise_errors:
+                _say(f"trainjob: {self.completion.line()}")
+        if leaving:
+            raise SystemExit(self.exit_code) from None
+        if made is not None and self.raise_errors:
+            raise made
+        return exc is not None and exc is not made and not self.raise_errors
+
+    def _unfinished(self) -> UsageError:
+        """The block ended with no outcome and no error: how the loop was misused."""
+        if self.gate_due:
+            return UsageError("the loop trained the last step but run.gate(...) was never called; "
+                              "a relaunch resumes at the gate")
+        if self._loop_over:  # a Superseded follower whose new launch ended unbegun
+            return UsageError("the run ended without an outcome")
+        return UsageError(f"the run's loop ended {self._where()} (a break, or no `for step in run`): it must run to "
+                          "its end; the steps since the last checkpoint are not saved")
+
+    def _where(self) -> str:
+        if self._step is not None:  # the body of this step is running
+            return f"at step {self._step}"
+        return "between steps" if self._iterated else "before its first step"
 
     def _end_with(self, exc: BaseException) -> None:
         """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
-        if self.error is None:
-            self.error = exc
-            try:
-                self._close_writes()
-                if self._launch_open:
-                    self._launch_open = False
-                    self._peers.finish("error", f"{type(exc).__name__}: {exc}")
-            finally:
-                self._stack.close()
-            if not self.raise_errors and isinstance(exc, Exception):
-                if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
-                    _say("".join(traceback.format_exception(exc)).rstrip())
-                _say(f"trainjob: {one_line(str(exc))} (exit {self.exit_code})")
+        if self.error is not None:
+            return
+        self.error = exc
+        try:
+            self._close_writes()
+            if self._launch_open:
+                self._launch_open = False
+                self._peers.finish("error", f"{type(exc).__name__}: {exc}")
+        except Exception as late:  # the first error decides the exit code; this one is said
+            _say(f"trainjob: while ending the run: {one_line(str(late))}")
+        finally:
+            self._stack.close()
+        code = self.exit_code
+        if not isinstance(exc, Exception):  # the process is being ended: said in both modes
+            if code == EXIT_INTERNAL:
+                _say("".join(traceback.format_exception(exc)).rstrip())
+            _say(f"trainjob: {_named(exc)} {self._where()}: the run stops here, the steps since its last "
+                 f"checkpoint are not saved; a relaunch resumes (exit {code})")
+        elif not self.raise_errors:
+            if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
+                _say("".join(traceback.format_exception(exc)).rstrip())
+            _say(f"trainjob: {one_line(str(exc))} (exit {code})")
 
     @property
     def exit_code(self) -> int:
@@ -479,6 +540,13 @@ def _after_the_run(uninstall: Callable[[], None]) -> None:
     uninstall()
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _named(exc: BaseException) -> str:
+    """A BaseException as the script wrote it, in one short line: ``sys.exit(0)``, ``KeyboardInterrupt``."""
+    if isinstance(exc, SystemExit):
+        return f"sys.exit({one_line(repr(exc.code))[:60]})"
+    return one_line(f"{type(exc).__name__}{': ' if str(exc) else ''}{exc}")[:120]
 
 
 def _say(text: str) -> None:

@@ -40,9 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
-from ..errors import InputError, TrainJobError, UsageError
+from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, memory_errors, one_line
 from ..records import Score, TensorSpec, is_sha256_hex
 from ..tensors import tensor_specs
 from .builtin import BUILTIN
@@ -133,17 +131,50 @@ def check_resumable(expected: tuple[TensorSpec, ...], found: tuple[TensorSpec, .
                          "relaunch with the trainer that wrote it")
 
 
-def check_loss(loss: float, step: int) -> float:
-    if not (isinstance(loss, float | int) and np.isfinite(loss) and loss >= 0):
-        raise UsageError(f"step {step}: the trainer's loss is {loss!r}, not a finite number >= 0 "
-                         "(training diverged: lower --lr)")
+# The largest loss recorded: its thousandths (``loss_milli``, an integer in the log and the
+# manifests) stay exact in every JSON reader, JavaScript's and jq's included (2**53).
+MAX_LOSS = 2**53 / 1000
+
+
+def check_loss(loss: Any, step: int) -> float:
+    """A step's loss as a float, or a UsageError (exit 2) saying what is wrong with it: a number
+    from 0 to ``MAX_LOSS`` (a Python int of any size, a numpy scalar), or a tensor or array of
+    exactly one element. A meta-device tensor holds no value to report."""
+    where = f"step {step}: the loss"
+    if hasattr(loss, "item") and not isinstance(loss, float | int):  # a torch or numpy value
+        if getattr(getattr(loss, "device", None), "type", None) == "meta":
+            raise UsageError(f"{where} is a tensor on the meta device, which holds no values; report a "
+                             "loss computed on a real device")
+        count = loss.numel() if callable(getattr(loss, "numel", None)) else getattr(loss, "size", 1)
+        if count != 1:
+            raise UsageError(f"{where} has {count} elements; report one number per step (e.g. loss.mean())")
+        loss = loss.item()
+    if isinstance(loss, bool) or not isinstance(loss, float | int):
+        raise UsageError(f"{where} is {_shown(loss)} ({type(loss).__name__}), not a number: report a float, an int "
+                         "or a one-element tensor")
+    if not loss >= 0 or loss == float("inf"):
+        raise UsageError(f"{where} is {_shown(loss)}, not a finite number >= 0 (training diverged: lower --lr)")
+    if loss > MAX_LOSS:
+        raise UsageError(f"{where} is {_shown(loss)}, too large to record: trainjob logs a loss in thousandths, "
+                         f"exact up to {MAX_LOSS:.4g}; training diverged (lower --lr), or scale the loss down")
     return float(loss)
+
+
+def _shown(value: object) -> str:
+    """A value in a message: short, one line; an int too long to print (Python refuses past 4300
+    digits) by its size."""
+    if isinstance(value, int) and value.bit_length() > 200:
+        return f"a {value.bit_length()}-bit integer"
+    return one_line(repr(value))[:60]
 
 
 def restore(trainer: Stateful, arrays: State) -> None:
     """Hand a verified checkpoint to the trainer; its failure is bad input (exit 2), not a bug."""
     try:
-        trainer.load_state_dict(arrays)
+        with memory_errors("load_state_dict"):
+            trainer.load_state_dict(arrays)
+    except OutOfMemory:  # the checkpoint is fine: retryable (75), not bad input
+        raise
     except Exception as exc:  # whatever the trainer's own code raises, said in one line
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise UsageError(f"load_state_dict raised {type(exc).__name__}: {first}; it must accept the "
