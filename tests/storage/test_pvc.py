@@ -12,6 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,13 @@ def test_a_sigkilled_holders_forked_children_do_not_keep_the_pvc_locked(tmp_path
     pids = [int(p) for p in holder.stdout.readline().split()]
     try:
         assert len(pids) == (3 if children == "dataloader" else 1), pids
+        # A child closes its copies in Python's after-fork hook, which runs once the child is
+        # scheduled: on a loaded machine that can be after the parent printed its pid.
+        locked = {str(tmp_path / "pvc"), str(tmp_path / "pvc" / ".lock")}
+        deadline = time.monotonic() + 30
+        while any(open_paths(pid) & locked for pid in pids):
+            assert time.monotonic() < deadline, "a forked child still holds the PVC's lock descriptors"
+            time.sleep(0.05)
         holder.kill()
         holder.wait(30)
         assert all(os.path.exists(f"/proc/{pid}") for pid in pids)  # the children still run
@@ -288,6 +296,15 @@ def test_a_sigkilled_holders_forked_children_do_not_keep_the_pvc_locked(tmp_path
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def open_paths(pid: int) -> set[str]:
+    """What the process's file descriptors point at."""
+    found = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            found.add(os.readlink(fd))
+    return found
 
 
 STALE = '''
