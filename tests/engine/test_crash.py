@@ -220,4 +220,5 @@ def test_concurrent_runs_one_proceeds_the_other_exits_75(pvc):
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=30) == 75
     assert second.returncode == 75
-    assert trainjob("run", "--pvc", pvc, "--steps", "2000", "--ckpt-every", "1").returncode == 0
+    # The job then finishes (checkpointing rarely: 2000 durable checkpoints would be most of a minute).
+    assert trainjob("run", "--pvc", pvc, "--steps", "2000", "--ckpt-every", "500").returncode == 0
