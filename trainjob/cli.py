@@ -295,6 +295,7 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     first checks the run's flags and the PVC, before any rendezvous: a bad flag is 2, and a job that
     has ended (completed, or failed with its budget spent) ends this launch at once with its code,
     without waiting for peers that may never come (a pod recreated alone)."""
+    torchrun.stop_on_signals()
     argv = torchrun.run_args(args.torchrun_argv)
     if argv is not None:
         run_args = _parse_run(argv)

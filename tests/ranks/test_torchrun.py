@@ -21,14 +21,79 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, events, trainjob
+from conftest import events, trainjob
+from trainjob import cli
+from trainjob.ranks import torchrun
 
-pytest.importorskip("torch.distributed", reason="torch is not installed (pip install 'trainjob[torch]')")
-
+RENDERED = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "trainjob-0.trainjob:29400", "--rdzv-id", "trainjob", "--max-restarts", "0", "-m", "trainjob"]
 RANK_TIMEOUT = 20  # long enough for W workers importing torch at once on a loaded 2-core machine
 GRACE = 60  # the rendered terminationGracePeriodSeconds (k8s render's default)
 RUN = ["--steps", "3000", "--ckpt-every", "100", "--rank-timeout", str(RANK_TIMEOUT)]
 
+
+# --- in process: the launcher's decisions ------------------------------------------------------------
+
+def test_the_run_arguments_are_found_in_a_torchrun_command_line_without_torchs_parser():
+    assert torchrun.run_args([*RENDERED, "run", "--pvc", "p", "--idempotent"]) == ["--pvc", "p", "--idempotent"]
+    assert torchrun.run_args(["--rdzv-id", "trainjob", "-m", "trainjob", "run"]) == []  # the id is no script
+    assert torchrun.run_args(["--nproc-per-node", "2", "own_loop.py", "--pvc", "p"]) is None  # a loop of your own
+    assert torchrun.run_args(["--nnodes", "2", "trainjob", "run"]) is None  # no -m: a file called trainjob
+
+
+def test_a_worker_reports_its_code_only_under_trainjob_torchrun(tmp_path):
+    torchrun.report(2, {})  # no directory named: a no-op
+    assert list(tmp_path.iterdir()) == []
+    torchrun.report(75, {torchrun.REPORT_DIR: str(tmp_path), "LOCAL_RANK": "1"})
+    torchrun.report(0, {torchrun.REPORT_DIR: str(tmp_path)})
+    (tmp_path / "local-rank-2").write_text("")  # torn: the status speaks for it
+    assert torchrun._reported(tmp_path) == {0: 0, 1: 75}
+
+
+@pytest.mark.parametrize("succeeded, codes, job", [
+    (True, {}, 0),                 # every worker exited 0, none reported (a script of your own)
+    (False, {0: 1}, 1),            # a failed status, unreported
+    (False, {0: 75}, 75),          # a report of 75 beats the status it replaced (the caller merges them)
+    (False, {0: -15}, 75),         # stopped by the agent before it decided anything
+    (False, {}, 75),               # a signal or a lost rendezvous before any worker decided
+    (False, {0: 0, 1: 75}, 0),     # rank 0 completed, then a peer was stopped: it stays completed
+    (False, {0: 2, 1: -15}, 2),    # the worker that met the cause says it
+])
+def test_the_launchs_code_is_the_job_rule_over_what_each_worker_decided(succeeded, codes, job):
+    assert torchrun.launch_code(succeeded, codes) == job
+
+
+@pytest.fixture
+def no_torch_launch(monkeypatch):
+    """``trainjob torchrun`` up to the launch: what it would have launched, nothing started."""
+    launched: list = []
+    monkeypatch.setattr(torchrun, "launch", lambda argv: launched.append(argv) or 99)
+    monkeypatch.setattr(torchrun, "stop_on_signals", lambda: None)
+    return launched
+
+
+def test_a_launch_on_an_ended_job_exits_with_its_code_before_any_rendezvous(tmp_path, no_torch_launch, capsys):
+    pvc, failed = tmp_path / "pvc", tmp_path / "failed"
+    assert cli.main(["run", "--pvc", str(pvc), "--steps", "4"]) == 0
+    command = ["torchrun", *RENDERED, "run", "--pvc", str(pvc), "--steps", "4", "--world-size", "2"]
+    capsys.readouterr()
+    assert cli.main([*command, "--idempotent"]) == 0
+    assert capsys.readouterr().out.startswith("trainjob run: already completed (attempt 1): artifacts/model-v1.json")
+    assert cli.main(command) == 2  # the lab's refusal, as at W = 1
+    for attempt in range(2):  # the gate says no, then the budget of 0 is spent
+        assert cli.main(["run", "--pvc", str(failed), "--backoff-limit", "0", "--force-weights", "0,0,0"]) == 1
+    capsys.readouterr()
+    failing = ["torchrun", *RENDERED, "run", "--pvc", str(failed), "--world-size", "2", "--force-weights", "0,0,0"]
+    assert cli.main([*failing, "--backoff-limit", "0", "--idempotent"]) == 1
+    assert "the job failed: attempts=1 backoffLimit=0" in capsys.readouterr().out
+    assert cli.main(["torchrun", *RENDERED, "run", "--pvc", str(pvc), "--steps", "0"]) == 2  # a bad flag
+    assert no_torch_launch == []
+    assert cli.main([*failing, "--backoff-limit", "1"]) == 99  # a budget left: the launch goes ahead
+    assert cli.main(["torchrun", "--standalone", "own_loop.py", "--pvc", str(pvc)]) == 99  # not trainjob run
+    assert len(no_torch_launch) == 2
+
+
+# --- the rendered pods, as processes --------------------------------------------------------------------
 
 def rendered_command(world: int, pvc: Path) -> list[str]:
     """The rendered container's command and args, with the claim and index 0's name made local."""
@@ -119,6 +184,7 @@ def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path, world):
     0 at once for a pod recreated alone after completion. Four launches of W torch agents each,
     about 2 to 5 minutes on the loaded 2-core machine: one launch per guarantee, each checked in
     every pod."""
+    pytest.importorskip("torch.distributed", reason="torch is not installed (pip install 'trainjob[torch]')")
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, *RUN, "--die-at", "100").returncode == 75  # a checkpoint for 1 rank
 

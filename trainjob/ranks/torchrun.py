@@ -27,8 +27,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..errors import TrainJobError
-from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
+from ..errors import TrainJobError, TryAgainLater
+from ..exits import EXIT_OK, job_exit
 from ..storage.pvc import atomic_write
 
 REPORT_DIR = "TRAINJOB_EXIT_DIR"
@@ -67,6 +67,17 @@ def run_args(argv: Sequence[str]) -> list[str] | None:
     return None
 
 
+def _stopped(signum: int, _frame: object) -> None:
+    raise TryAgainLater(f"stopped by {signal.Signals(signum).name} before any worker started")
+
+
+def stop_on_signals() -> None:
+    """(first) A SIGTERM or SIGINT before the agent starts its workers (and installs handlers of
+    its own, which stop them) ends the launch with 75, not by the signal (143 in a container)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stopped)
+
+
 def launch(argv: Sequence[str]) -> int:
     """Run torchrun with ``argv`` in this process; the job's exit code (module docstring)."""
     import tempfile
@@ -76,32 +87,32 @@ def launch(argv: Sequence[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    def stopped(signum: int, _frame: object) -> None:  # until the agent installs its own handlers
-        raise SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
-
     args = torchrun.parse_args(list(argv))
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, stopped)
     statuses: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="trainjob-exits-") as where:
         os.environ[REPORT_DIR] = where  # the workers inherit it
+        succeeded = False
         try:
             torchrun.run(args)
-            ended = "every worker succeeded"
+            succeeded, ended = True, "every worker succeeded"
         except ChildFailedError as exc:
             statuses = {failure.local_rank: failure.exitcode for failure in exc.failures.values()}
             ended = "a worker failed"
-        except (SignalException, RendezvousError, RuntimeError) as exc:  # RuntimeError: torch's DistError
+        except (SignalException, TryAgainLater, RendezvousError, RuntimeError) as exc:  # RuntimeError: DistError
             ended = f"stopped: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}"
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):  # decided now: a late signal must not change it
                 signal.signal(sig, signal.SIG_IGN)
-        reported = _reported(Path(where))
-    codes = {**statuses, **reported}
-    if ended == "every worker succeeded":
-        code = job_exit([*codes.values(), EXIT_OK])
-    else:
-        code = job_exit(codes.values()) if codes else EXIT_RELAUNCH
+        codes = {**statuses, **_reported(Path(where))}
+    code = launch_code(succeeded, codes)
     print(f"trainjob torchrun: {ended}; workers' codes {dict(sorted(codes.items()))}; the job's is {code}",
           file=sys.stderr, flush=True)
     return code
+
+
+def launch_code(succeeded: bool, codes: Mapping[int, int]) -> int:
+    """The job's code from what the agent said (``succeeded``: every worker exited 0) and each
+    worker's code (its report, else its failed status). A worker neither reported nor failed
+    exited 0 when the agent succeeded; otherwise the agent stopped it, or it never started: 75
+    (``job_exit`` of no code at all)."""
+    return job_exit([*codes.values(), EXIT_OK] if succeeded else codes.values())
