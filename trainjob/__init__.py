@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
-                     PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
+                     PeerRefused, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
                      WriteTimeout)
 from .records import Score
 from .trainers.protocol import Factory, State, Stateful, Trainer
@@ -37,6 +37,7 @@ __all__ = [
     "NoSpace",
     "NoVerifiedCheckpoint",
     "PeerFailed",
+    "PeerRefused",
     "PvcBusy",
     "RankTimeout",
     "Refused",

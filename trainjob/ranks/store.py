@@ -299,8 +299,7 @@ class StoreFollower(StorePeers):
             session = wait_for(lambda: joinable(self._session(), skip, over, self.world_size, settings, seen),
                                self.timeout, lambda: "rank 0 to start a launch this rank can join "
                                f"({'; '.join(seen) or 'no session in the rendezvous store'})",
-                               lambda: (raise_if_failed(self._read_ending("aborted")),
-                                        stopped_before_joining(self.rank, self.stop_signal)))
+                               self._before_joining)
             self.generation, self.step, self.rounds, self.stopping = (session.generation, session.from_step, 0,
                                                                       False)
             self.set(self.key(f"join/{self.rank}"), dumps(RankNote(rank=self.rank, step=session.from_step)))
@@ -310,6 +309,12 @@ class StoreFollower(StorePeers):
                 return session
             except Superseded:
                 skip.add(session.generation)
+
+    def _before_joining(self) -> None:
+        """(ranks >= 1, while joining) End with rank 0's error if it ended before publishing a
+        session, or with a signal that came first."""
+        raise_if_failed(self._read_ending("aborted"))
+        stopped_before_joining(self.rank, self.stop_signal)
 
     def poll(self) -> None:
         """(ranks >= 1) Run during every wait: follow a newer launch, end with a failed rank 0, and
