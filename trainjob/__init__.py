@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, PeerFailed,
-                     PeerRefused, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch,
-                     WriteTimeout)
+                     PeerRefused, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError,
+                     WorldSizeMismatch, WriteTimeout)
 from .records import Score
 from .trainers.protocol import Factory, State, Stateful, Trainer
 

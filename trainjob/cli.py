@@ -476,8 +476,8 @@ def _check_paths(args: argparse.Namespace) -> None:
             check_path(value)
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "torchrun": cmd_torchrun, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
-            "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "torchrun": cmd_torchrun, "status": cmd_status, "supervise": cmd_supervise,
+            "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
             "replay": cmd_replay}
 
 

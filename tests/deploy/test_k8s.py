@@ -100,8 +100,9 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
 
 
 def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
-    """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d rendezvous at index 0, reached by its stable DNS name
-    through a headless Service whose name is the pods' subdomain (Kubernetes' documented pattern)."""
+    """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d
+    rendezvous at index 0, reached by its stable DNS name through a headless Service whose name is
+    the pods' subdomain (Kubernetes' documented pattern)."""
     assert len(service) == 1, "one headless Service for the ranks to meet through"
     (svc,) = service
     pod = job["spec"]["template"]

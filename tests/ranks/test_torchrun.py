@@ -50,17 +50,19 @@ def test_a_worker_reports_its_code_only_under_trainjob_torchrun(tmp_path):
     assert torchrun._reported(tmp_path) == {0: 0, 1: 75}
 
 
-@pytest.mark.parametrize("succeeded, codes, job", [
-    (True, {}, 0),                 # every worker exited 0, none reported (a script of your own)
-    (False, {0: 1}, 1),            # a failed status, unreported
-    (False, {0: 75}, 75),          # a report of 75 beats the status it replaced (the caller merges them)
-    (False, {0: -15}, 75),         # stopped by the agent before it decided anything
-    (False, {}, 75),               # a signal or a lost rendezvous before any worker decided
-    (False, {0: 0, 1: 75}, 0),     # rank 0 completed, then a peer was stopped: it stays completed
-    (False, {0: 2, 1: -15}, 2),    # the worker that met the cause says it
+@pytest.mark.parametrize("succeeded, statuses, reported, job", [
+    (True, {}, {}, 0),                    # every worker exited 0, none reported (a script of your own)
+    (False, {0: 1}, {0: 1}, 1),           # an honest failure, reported
+    (False, {0: 1}, {}, 70),              # an unreported 1: Python's exit on an uncaught exception
+    (False, {0: -15}, {0: 75}, 75),       # the agent stopped it after it decided 75: the report wins
+    (False, {0: -15}, {}, 75),            # stopped by the agent before it decided anything
+    (False, {}, {}, 75),                  # a signal or a lost rendezvous before any worker decided
+    (False, {}, {0: 0}, 0),               # signalled after it completed: it stays completed
+    (False, {1: -15}, {0: 0}, 0),         # rank 0 completed, then a peer was stopped
+    (False, {0: 2, 1: -15}, {0: 2}, 2),   # the worker that met the cause says it
 ])
-def test_the_launchs_code_is_the_job_rule_over_what_each_worker_decided(succeeded, codes, job):
-    assert torchrun.launch_code(succeeded, codes) == job
+def test_the_launchs_code_is_the_job_rule_over_what_each_worker_decided(succeeded, statuses, reported, job):
+    assert torchrun.launch_code(succeeded, statuses, reported) == job
 
 
 @pytest.fixture

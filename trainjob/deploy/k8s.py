@@ -4,8 +4,8 @@ Owns how trainjob's contract becomes Job fields: one pod writes the PVC at a tim
 time to checkpoint, preemption never spends the retry budget, and the Job's ``backoffLimit`` ends
 the Job on the very pod whose run logs ``job_failed``, and a pod run again after the job completed
 exits 0. With W > 1 ranks, an Indexed Job whose pods run ``trainjob torchrun`` (torchrun that exits
-with the job's code) with the c10d rendezvous at index 0, reached through a headless Service: the ranks agree through torch's store, and the shared
-claim holds only data. docs/kubernetes.md explains each choice.
+with the job's code) with the c10d rendezvous at index 0, reached through a headless Service: the
+ranks agree through torch's store, and the shared claim holds only data. docs/kubernetes.md explains each choice.
 
 It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
 by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and

@@ -13,8 +13,9 @@ file of a directory this launcher names in ``$TRAINJOB_EXIT_DIR``, because torch
 loses the codes exactly when they matter most: after a signal (it stops its workers and raises
 ``SignalException``) and after it lost the rendezvous store (a peer's node died). A worker's report
 beats its process status (an outcome decided stays decided, whatever stops the process then);
-a worker that reported nothing is read by its status, and one that torch's launcher stopped, or a
-launch that never started its workers (the rendezvous timed out, a signal came first), is 75.
+a worker that reported nothing is read by its status (1 there is a crash: 70), and one that
+torch's launcher stopped, or a launch that never started its workers (the rendezvous timed out,
+a signal came first), is 75.
 
 Must not import torch at module level (``trainjob --help`` stays light); ``launch`` does.
 """
@@ -28,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..errors import TrainJobError, TryAgainLater
-from ..exits import EXIT_OK, job_exit
+from ..exits import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, job_exit
 from ..storage.pvc import atomic_write
 
 REPORT_DIR = "TRAINJOB_EXIT_DIR"
@@ -103,16 +104,19 @@ def launch(argv: Sequence[str]) -> int:
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):  # decided now: a late signal must not change it
                 signal.signal(sig, signal.SIG_IGN)
-        codes = {**statuses, **_reported(Path(where))}
-    code = launch_code(succeeded, codes)
+        reported = _reported(Path(where))
+    codes = {**statuses, **reported}
+    code = launch_code(succeeded, statuses, reported)
     print(f"trainjob torchrun: {ended}; workers' codes {dict(sorted(codes.items()))}; the job's is {code}",
           file=sys.stderr, flush=True)
     return code
 
 
-def launch_code(succeeded: bool, codes: Mapping[int, int]) -> int:
-    """The job's code from what the agent said (``succeeded``: every worker exited 0) and each
-    worker's code (its report, else its failed status). A worker neither reported nor failed
-    exited 0 when the agent succeeded; otherwise the agent stopped it, or it never started: 75
-    (``job_exit`` of no code at all)."""
+def launch_code(succeeded: bool, statuses: Mapping[int, int], reported: Mapping[int, int]) -> int:
+    """The job's code from what the agent said (``succeeded``: every worker exited 0), the
+    failed workers' ``statuses`` and the codes workers ``reported``, which win. An unreported 1 is
+    a crash (Python's exit on an uncaught exception), never an honest failure. A worker neither
+    reported nor failed exited 0 when the agent succeeded; otherwise the agent stopped it, or it
+    never started: 75 (``job_exit`` of no code at all)."""
+    codes = {**{r: EXIT_INTERNAL if s == EXIT_FAILED else s for r, s in statuses.items()}, **reported}
     return job_exit([*codes.values(), EXIT_OK] if succeeded else codes.values())
