@@ -21,9 +21,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import events, trainjob
+from conftest import ROOT, events, trainjob
 from trainjob import cli
 from trainjob.ranks import torchrun
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from chaos import kill_launch  # noqa: E402
 
 RENDERED = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             "trainjob-0.trainjob:29400", "--rdzv-id", "trainjob", "--max-restarts", "0", "-m", "trainjob"]
@@ -145,20 +148,9 @@ class Pods:
 
 
 def kill_pod(proc: subprocess.Popen) -> None:
-    """SIGKILL every process of a pod at once, as a lost node does: torchrun's workers live in
-    sessions of their own, so the process group alone would miss them."""
-    pids = [proc.pid]
-    for pid in pids:  # grows while walked: every descendant, found before any dies
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """SIGKILL every process of a pod at once, as a lost node does (torchrun's workers live in
+    sessions of their own): the chaos campaign's way."""
+    kill_launch(proc, torchrun=True)
 
 
 def wait_for_training(pvc: Path, pods: Pods, after: int) -> None:
