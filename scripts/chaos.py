@@ -20,8 +20,8 @@ Sections (each trial is a fresh PVC; everything is seeded, so a failure can be r
   security        no unpickling or eval, no group/world-writable files, no forged log lines
 
 ``--launcher torchrun`` runs the two-rank kill and SIGTERM sections (launches and recoveries)
-under torchrun, whose ranks agree through its store; the job's exit code is then read from the
-code torchrun reports for each worker (torchrun itself exits 1 when any worker fails).
+under torchrun, whose ranks agree through its store, as a W > 1 pod runs it: ``trainjob torchrun``,
+which exits with the job's code (the product's rule, ``trainjob.exits.job_exit``).
 
 Kill-storm launches and every recovery are ``run ... --idempotent``, as ``supervise`` and the
 rendered Job run them. After every trial the PVC must recover: a clean relaunch exits 0 with the same artifact bytes as
@@ -92,16 +92,14 @@ def command(args: tuple[str | Path, ...], prefix: tuple[str, ...] = (), torchrun
     """``trainjob ARGS``; with ``torchrun``, one worker per rank of ARGS' --world-size under torchrun."""
     if torchrun:
         world = str(args[list(map(str, args)).index("--world-size") + 1])
-        return [*prefix, sys.executable, "-B", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        return [*prefix, sys.executable, "-B", "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node",
                 world, "--monitor-interval", "0.1", "-m", "trainjob", *map(str, args)]
     return [*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)]
 
 
 def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False,
              **kw) -> subprocess.CompletedProcess:
-    done = subprocess.run(command(args, prefix, torchrun), capture_output=True, text=True, timeout=120, **kw)
-    done.returncode = job_code(done.returncode, done.stderr, torchrun)
-    return done
+    return subprocess.run(command(args, prefix, torchrun), capture_output=True, text=True, timeout=120, **kw)
 
 
 def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False) -> subprocess.Popen:
@@ -126,20 +124,6 @@ def kill_launch(proc: subprocess.Popen, torchrun: bool) -> None:
             os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-
-
-def job_code(returncode: int, stderr: str, torchrun: bool) -> int:
-    """The job's exit code. torchrun exits 1 when any worker fails and names each failed worker's
-    code: the job's is 75 if every one was relaunchable (75, or stopped by torchrun's SIGTERM or
-    SIGKILL after a peer failed), else the first other. torchrun stopped by a signal names none:
-    its workers had that signal passed on to them, so 75 (the caller reads the log to check)."""
-    if not torchrun or returncode == 0:
-        return returncode
-    if re.search(r"SignalException: Process \d+ got signal", stderr):
-        return 75
-    codes = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", stderr)]
-    other = [c for c in codes if c not in (75, -signal.SIGTERM, -signal.SIGKILL)]
-    return other[0] if other else 75 if codes else returncode
 
 
 def last_event(pvc: Path) -> str | None:
@@ -261,8 +245,7 @@ class Campaign:
                         section.injected += 1
                         section.late += late
                     continue
-                stderr = proc.stderr.read()
-                code = job_code(proc.returncode, stderr, self.torchrun(flags))
+                stderr, code = proc.stderr.read(), proc.returncode
                 if code not in ((0,) if done else (0, 75)):
                     section.violation(trial, f"a launch exited {code}: {stderr.strip()[-300:]}")
             self.recover(section, trial, pvc, flags)
@@ -283,14 +266,12 @@ class Campaign:
             time.sleep(self.rng.uniform(0, seconds / 2))
             proc.send_signal(signal.SIGTERM)  # to the launcher alone: it must pass it on
             section.injected += 1
-            code = job_code(proc.wait(timeout=60), proc.stderr.read(), self.torchrun(flags))
+            code = proc.wait(timeout=60)
             event = last_event(pvc)
-            if code == 75 and not (event == "completed" and self.torchrun(flags)):
+            if code == 75:
                 log = (pvc / "log.jsonl").read_text().splitlines()
                 if event != "killed" or "signal=SIGTERM" not in log[-1]:
                     section.violation(trial, f"exit 75 but the log ends with {event}")
-            elif event == "completed" and self.torchrun(flags):
-                pass  # it had finished already: torchrun, signalled after its workers exited 0, says so its way
             elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
                 section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
             self.recover(section, trial, pvc, flags)

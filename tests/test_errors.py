@@ -88,3 +88,16 @@ def test_os_errors_lets_its_own_tree_and_other_exceptions_through():
     assert caught.value is busy
     with pytest.raises(KeyError), os_errors("x", "y", InputError):
         raise KeyError("not an OSError")
+
+
+@pytest.mark.parametrize("codes, job", [
+    ([0, 0], 0), ([75, 75], 75), ([2, 2], 2), ([1, 1], 1),
+    ([0, 75], 0), ([0, -15], 0), ([0, -9], 0),  # a rank stopped after the outcome was decided: it stands
+    ([75, 2], 2), ([-15, 2], 2), ([75, 70], 70), ([1, 75], 1),  # the rank that met the cause says it
+    ([2, 70, 1, 0, 75], 2), ([70, 1], 70), ([1, 0], 1),
+    ([-15, -9], 75), ([143, 137], 75), ([130], 75),  # killed by a launcher or the kernel: relaunchable
+    ([-11], 70), ([139, 75], 70), ([3], 70), ([], 75),  # a crash, never 1; no rank at all: relaunch
+])
+def test_a_launchs_code_is_the_most_telling_of_its_ranks_codes(codes, job):
+    assert exits.job_exit(codes) == job
+    assert exits.job_exit(reversed(codes)) == job  # whichever rank, whatever order

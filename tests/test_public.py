@@ -22,8 +22,8 @@ PUBLIC = [
     "__version__",
     "Run", "Stateful",
     "Factory", "Score", "State", "Trainer",
-    "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "PeerFailed", "PvcBusy",
-    "OutOfMemory", "RankTimeout",
+    "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
+    "PeerFailed", "PeerRefused", "PvcBusy", "RankTimeout",
     "Refused", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",
 ]

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
-                     PeerFailed, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater, UsageError,
-                     WorldSizeMismatch, WriteTimeout)
+                     PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, Superseded, TrainJobError, TryAgainLater,
+                     UsageError, WorldSizeMismatch, WriteTimeout)
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
@@ -38,6 +38,7 @@ __all__ = [
     "NoVerifiedCheckpoint",
     "OutOfMemory",
     "PeerFailed",
+    "PeerRefused",
     "PvcBusy",
     "RankTimeout",
     "Refused",

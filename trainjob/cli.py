@@ -28,7 +28,7 @@ from .deploy import k8s, policy
 from .engine.config import DEFAULT_LOG, RunConfig
 from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
-                    exit_code_for)
+                    exit_code_for, job_exit)
 from .storage.pvc import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--json", action="store_true")
     shape.add_argument("--path", action="store_true",
                        help="print the log's path through the state machine; exit 1 if no run could take it")
+
+    tr = sub.add_parser("torchrun", add_help=False, prefix_chars="\0",  # every argument is torchrun's
+                        help="torchrun (same flags) exiting with the job's code: 0, 1, 2, 70 or 75, as `run` does")
+    tr.add_argument("torchrun_argv", nargs=argparse.REMAINDER, metavar="TORCHRUN ARGS")
 
     child = dict(nargs="*", metavar="-- run ARGS", help="the `trainjob run` command line, after --")
     sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
@@ -270,17 +274,38 @@ def _run_settings(cfg: RunConfig) -> dict[str, object]:
 
 
 def launch(world_size: int, argv: Sequence[str]) -> int:
-    """Run every rank here; the job's exit code is rank 0's, with two exceptions below."""
+    """Run every rank here; the job's exit code is ``exits.job_exit`` of the ranks' codes."""
     from .ranks.launcher import launch_local
 
     received, codes = launch_local(world_size, argv, finished=(EXIT_OK, EXIT_FAILED),
                                    published=(EXIT_OK, EXIT_FAILED, EXIT_RELAUNCH))
-    code = codes[0] if codes[0] >= 0 else EXIT_RELAUNCH  # rank 0 killed by a signal: relaunchable
-    if any(c != code for c in codes[1:]):
-        warn(f"trainjob run: rank exit codes {codes}; the job's is rank 0's ({code})")
+    code = job_exit(codes)
+    if any(c != code for c in codes):
+        warn(f"trainjob run: rank exit codes {codes}; the job's is {code}")
     if received and code == EXIT_OK:  # rank 0 exits 0 only once `completed` is logged: that stands
         warn(f"trainjob run: {received} arrived after the job completed; it stays completed")
     return code
+
+
+def cmd_torchrun(args: argparse.Namespace) -> int:
+    """torchrun whose exit code is the job's (ranks/torchrun.py). Running ``-m trainjob run``, it
+    first checks the run's flags and the PVC, before any rendezvous: a bad flag is 2, and a job that
+    has ended (completed, or failed with its budget spent) ends this launch at once with its code,
+    without waiting for peers that may never come (a pod recreated alone)."""
+    from .engine.completion import ended_job
+    from .ranks import torchrun
+    from .storage.pvc import Pvc
+
+    torchrun.stop_on_signals()
+    argv = torchrun.run_args(args.torchrun_argv)
+    if argv is not None:
+        run_args = _parse_run(argv)
+        check_path(run_args.pvc)
+        over = ended_job(Pvc(run_args.pvc), _log_path(run_args), run_args.backoff_limit, run_args.idempotent)
+        if over is not None:
+            emit(f"trainjob run: {over.line}")
+            return over.code
+    return torchrun.launch(args.torchrun_argv)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -482,8 +507,8 @@ def _check_paths(args: argparse.Namespace) -> None:
             check_path(value)
 
 
-COMMANDS = {"gen": cmd_gen, "run": cmd_run, "status": cmd_status, "supervise": cmd_supervise, "k8s": cmd_k8s,
-            "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
+COMMANDS = {"gen": cmd_gen, "run": cmd_run, "torchrun": cmd_torchrun, "status": cmd_status, "supervise": cmd_supervise,
+            "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
             "replay": cmd_replay}
 
 
@@ -520,6 +545,9 @@ def entry() -> NoReturn:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+    from .ranks import torchrun  # after the command, so that start-up does not pay for it
+
+    torchrun.report(code)  # a worker of `trainjob torchrun`: the code it decided, whatever stops it now
     sys.exit(code)
 
 

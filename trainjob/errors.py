@@ -7,13 +7,15 @@
     │       ├── AlreadyCompleted      the PVC holds a completed job
     │       ├── ArtifactUnverified    a completed job's artifact fails its logged hash
     │       ├── NoVerifiedCheckpoint  checkpoints exist, none verifies
-    │       └── WorldSizeMismatch     newest checkpoint is for another world size
+    │       ├── WorldSizeMismatch     newest checkpoint is for another world size
+    │       └── PeerRefused           rank 0 ended the launch on such an error
     └── TryAgainLater(OSError)    nothing is wrong with the job; relaunch      -> exit 75
         ├── PvcBusy               another process holds the PVC (rank) lock
         ├── NoSpace               the PVC (or a checkpoint about to be saved) is out of space
         ├── OutOfMemory           host or device memory ran out while loading a checkpoint
         ├── RankTimeout           a bounded wait for another rank ran out
-        ├── PeerFailed            the coordinator (rank 0) stopped on error
+        ├── PeerFailed            the coordinator (rank 0) stopped on error (a bug there: a
+        │                         bare TrainJobError, exit 70, as rank 0's own)
         ├── WriteTimeout          a background checkpoint write did not end in its bounded wait
         └── Superseded            a newer launch took over (a rank rejoins it; only escapes
                                   by mistake)
@@ -87,6 +89,11 @@ class NoVerifiedCheckpoint(InputError):
 
 class WorldSizeMismatch(InputError):
     """The newest verified checkpoint was written by another world size; reshard it first."""
+
+
+class PeerRefused(InputError):
+    """Rank 0 ended this launch on a usage or input error (a corrupt PVC file, a world-size
+    mismatch): every rank exits 2 with it, so no launcher counts the launch as relaunchable."""
 
 
 class TryAgainLater(TrainJobError, OSError):

@@ -14,10 +14,17 @@
 
 Errors map to codes by the one exit-code base each subclasses (errors.py draws the tree). The
 engine's ``Run`` and the command line both read this module; how ``supervise`` and ``k8s render``
-read these codes back is cli.py's. Pure: no I/O.
+read these codes back is cli.py's.
+
+A launch of W rank processes (the local launcher, ``trainjob torchrun``) exits with one code for
+the job, ``job_exit`` of its ranks' codes: the rule every launcher, ``supervise``'s children and
+the chaos campaign read a launch by. Pure: no I/O.
 """
 
 from __future__ import annotations
+
+import signal
+from collections.abc import Iterable
 
 from .errors import Refused, TrainJobError, TryAgainLater
 from .states import State
@@ -47,6 +54,36 @@ def exit_code_for(error: type[BaseException]) -> int:
     error outside the tree (a bug, or the user's own code failing, any other BaseException) is
     internal, 70."""
     return next((EXIT_FOR_ERROR[base] for base in error.__mro__ if base in EXIT_FOR_ERROR), EXIT_INTERNAL)
+
+
+# A rank's status that is not one of trainjob's codes, read as one: stopped by a launcher or the
+# kernel (SIGTERM, SIGINT; SIGKILL, an OOM kill included; negative as Python reports it, 128 + N
+# as a shell or a container runtime does) is relaunchable, as a kill always is; any other signal
+# or code is a crash, never an honest failure.
+_STOPS = (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)
+STOPPED_BY = frozenset({-s for s in _STOPS} | {128 + s for s in _STOPS})
+TRAINJOBS = frozenset({EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL, EXIT_RELAUNCH})
+# When ranks disagree, the code that says most about the job wins: an input no relaunch can fix,
+# then a bug, then an honest failure, then success; "relaunch" only when nothing else was said.
+# Ranks agree on every outcome rank 0 decides (they exit with its outcome, ranks/); they
+# disagree when a rank meets a cause first and the others only see it go (75), or when a rank is
+# stopped after the outcome was decided (0 and 75: the outcome stands, as nothing exits 0 before
+# rank 0 logged ``completed``).
+PRECEDENCE = (EXIT_USAGE, EXIT_INTERNAL, EXIT_FAILED, EXIT_OK, EXIT_RELAUNCH)
+
+
+def rank_exit(code: int) -> int:
+    """One rank process's exit status (negative: the signal that ended it) as trainjob's code."""
+    if code in TRAINJOBS:
+        return code
+    return EXIT_RELAUNCH if code in STOPPED_BY else EXIT_INTERNAL
+
+
+def job_exit(codes: Iterable[int]) -> int:
+    """The job's exit code from its rank processes' exit statuses: the most telling of them
+    (``PRECEDENCE``), each read by ``rank_exit``; no rank at all is relaunchable."""
+    said = {rank_exit(code) for code in codes}
+    return next((code for code in PRECEDENCE if code in said), EXIT_RELAUNCH)
 
 
 def exit_code_for_state(state: str) -> int:

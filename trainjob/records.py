@@ -197,11 +197,14 @@ class RankNote:
 
 @attrs.frozen
 class Outcome:
-    """How rank 0 ended a generation: a final machine state, or ``error`` with its message."""
+    """How rank 0 ended a generation (0: before it published one): a final machine state, or
+    ``error`` with its message; ``code`` is the exit code rank 0 ends with, which every other rank
+    exits with too (75 for an error whose code rank 0 did not say)."""
 
     generation: int = attrs.field(validator=v.ge(0))
     state: str
     message: str = ""
+    code: int = attrs.field(default=75, validator=v.in_((0, 1, 2, 70, 75)))
 
 
 @attrs.frozen

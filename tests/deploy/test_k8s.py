@@ -100,8 +100,9 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
 
 
 def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
-    """W > 1: torchrun in every pod, the c10d rendezvous at index 0, reached by its stable DNS name
-    through a headless Service whose name is the pods' subdomain (Kubernetes' documented pattern)."""
+    """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d
+    rendezvous at index 0, reached by its stable DNS name through a headless Service whose name is
+    the pods' subdomain (Kubernetes' documented pattern)."""
     assert len(service) == 1, "one headless Service for the ranks to meet through"
     (svc,) = service
     pod = job["spec"]["template"]
@@ -111,8 +112,9 @@ def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
     assert svc["spec"]["selector"].items() <= pod["metadata"]["labels"].items(), "the Service must select the pods"
     assert pod["spec"].get("subdomain") == svc["metadata"]["name"], "pods get DNS names under the Service"
     command = container["command"]
-    assert command[0] == "torchrun" and command[-2:] == ["-m", "trainjob"], "one trainjob rank per torchrun"
-    launcher = torchrun_parser().parse_args(command[1:])
+    assert command[:2] == ["trainjob", "torchrun"], "plain torchrun exits 1 or by a signal: not the job's code"
+    assert command[-2:] == ["-m", "trainjob"], "one trainjob rank per torchrun"
+    launcher = torchrun_parser().parse_args(command[2:])
     assert (launcher.rdzv_backend, launcher.nnodes, launcher.nproc_per_node) == ("c10d", str(world_size), "1")
     host, port = launcher.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}", "the rendezvous is index 0's pod"
@@ -239,6 +241,7 @@ INDEXED_BREAKAGES = {
         _command(docs[2]).index("--rdzv-backend") + 1, "static"),
     "trainjob without torchrun": lambda docs: docs[2]["spec"]["template"]["spec"]["containers"][0].update(
         command=["trainjob"]),
+    "plain torchrun": lambda docs: _command(docs[2]).__delitem__(0),
 }
 
 

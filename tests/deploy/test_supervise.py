@@ -302,3 +302,15 @@ def test_a_log_with_only_supervisor_lines_is_not_a_run_outcome(tmp_path):
     supervise(*FAST, "--", "run", "--pvc", "P", "--data", "no-such-dir", cwd=tmp_path)
     shown = status(tmp_path / "P/log.jsonl", tmp_path)
     assert shown.returncode == 2 and "holds no events from trainjob run" in shown.stderr
+
+
+def test_a_w_rank_child_whose_rank_1_meets_bad_input_first_stops_the_supervisor_with_2(tmp_path):
+    """supervise reads a W-rank child by the product's rule (exits.job_exit, in the local launcher):
+    rank 1 refuses its input and rank 0, stopped for it, says 75; the launch is 2, not relaunched."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}
+    done = subprocess.run([*TRAINJOB, "supervise", "--max-starts", "3", *FAST, "--", "run",
+                           "--pvc", str(tmp_path / "pvc"), "--trainer", "user_trainers:refused_at_rank_1", "--world-size", "2", *LONG_RUN],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "rank 1: its data cannot be read" in done.stderr
+    assert "stop | start=1 exit=2 ending=input_error reason=final" in done.stderr

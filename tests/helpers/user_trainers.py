@@ -1,5 +1,9 @@
 """Trainers for the tests of ``--trainer package.module:factory`` (on PYTHONPATH as ``user_trainers``)."""
 
+import os
+import sys
+
+from trainjob.errors import InputError
 from trainjob.trainers.data import load_dataset
 from trainjob.trainers.digits import DigitsTrainer, make
 from trainjob.trainers.linear import LinearTrainer
@@ -58,3 +62,11 @@ def raises(data, lr):
 
 def exits(data, lr):
     raise SystemExit(0)  # would end the run with exit 0, having trained nothing
+
+
+def refused_at_rank_1(data, lr):
+    """Rank 1 alone meets bad input (its own data, say): the launch must end 2, not 75."""
+    argv = sys.argv
+    if os.environ.get("RANK") == "1" or ("--rank" in argv and argv[argv.index("--rank") + 1] == "1"):
+        raise InputError("rank 1: its data cannot be read")
+    return Watched(load_dataset(data), lr)

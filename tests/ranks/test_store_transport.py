@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, trainjob
-from trainjob.errors import PeerFailed, RankTimeout, UsageError
+from trainjob.errors import PeerFailed, PeerRefused, RankTimeout, TrainJobError, UsageError
+from trainjob.exits import exit_code_for
 from trainjob.ranks import connect
 from trainjob.ranks.coordination import Coordinator, Follower
 from trainjob.ranks.peers import PvcCoordinator
@@ -173,6 +174,35 @@ def test_rank_0_failing_releases_a_rank_waiting_in_a_round(server, pvc):
     with pytest.raises(PeerFailed, match="rank 0 stopped this launch: NoSpace"):
         rank1.stop_wanted()
     assert time.monotonic() - started < 5  # not the 30 s round timeout
+
+
+@pytest.mark.parametrize("code, error", [(2, PeerRefused), (70, TrainJobError), (75, PeerFailed)])
+def test_every_rank_ends_with_rank_0s_exit_code_and_rank_0_waits_until_they_read_it(server, pvc, code, error):
+    """The store may die with rank 0's process: rank 0 returns from finish only once every other
+    rank has read its outcome, unless the code is 75, which a rank that loses the store says anyway."""
+    rank0, followers = launch(server, pvc, 3, timeout=30.0)
+    finished: list[float] = []
+    t = threading.Thread(target=lambda: (rank0.finish("error", "InputError: state.json is corrupt", code),
+                                         finished.append(time.monotonic())))
+    t.start()
+    time.sleep(0.5)
+    assert bool(finished) == (code == 75)  # nobody has read it yet
+    read_at = time.monotonic()
+    results = in_threads(followers, lambda f: f.stop_wanted())
+    t.join(10)
+    assert [type(r) for r in results] == [error, error]
+    assert {exit_code_for(type(r)) for r in results} == {code}
+    assert code == 75 or finished[0] >= read_at
+
+
+def test_rank_0_failing_before_it_published_a_session_ends_every_joining_rank_with_its_code(server, pvc):
+    rank0 = StoreCoordinator(client(server), pvc, 2, 30.0, lambda: None)
+    rank1 = StoreFollower(client(server), 1, 2, 30.0, lambda: None)
+    threading.Thread(target=rank0.finish, args=("error", "WorldSizeMismatch: reshard first", 2)).start()
+    started = time.monotonic()
+    with pytest.raises(PeerRefused, match="WorldSizeMismatch"):
+        rank1.join("s", set())
+    assert time.monotonic() - started < 5  # not the 30 s join timeout
 
 
 def test_a_store_that_goes_away_is_rank_timeout(pvc):

@@ -3,9 +3,9 @@
 Owns how trainjob's contract becomes Job fields: one pod writes the PVC at a time, SIGTERM gets
 time to checkpoint, preemption never spends the retry budget, and the Job's ``backoffLimit`` ends
 the Job on the very pod whose run logs ``job_failed``, and a pod run again after the job completed
-exits 0. With W > 1 ranks, an Indexed Job whose pods run ``torchrun`` with the c10d rendezvous at
-index 0, reached through a headless Service: the ranks agree through torch's store, and the shared
-claim holds only data. docs/kubernetes.md explains each choice.
+exits 0. With W > 1 ranks, an Indexed Job whose pods run ``trainjob torchrun`` (torchrun that exits
+with the job's code) with the c10d rendezvous at index 0, reached through a headless Service: the
+ranks agree through torch's store, and the shared claim holds only data. docs/kubernetes.md explains each choice.
 
 It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
 by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and
@@ -114,11 +114,12 @@ class Target:
         return f"{self.name}-0.{self.name}:{RDZV_PORT}"
 
     def launcher(self) -> list[str]:
-        """The command of a W > 1 pod: torchrun, one trainjob rank per pod, meeting the others
-        through the c10d rendezvous that index 0's torchrun agent hosts (its store is also where
-        the ranks agree, ranks/store.py). No torchrun restarts: the Job relaunches pods and
-        trainjob resumes from the claim."""
-        return ["torchrun", "--nnodes", str(self.world_size), "--nproc-per-node", "1",
+        """The command of a W > 1 pod: ``trainjob torchrun`` (torchrun's agent, exiting with the
+        job's code rather than torchrun's 1 or a signal: ranks/torchrun.py), one trainjob rank per
+        pod, meeting the others through the c10d rendezvous that index 0's agent hosts (its store
+        is also where the ranks agree, ranks/store.py). No torchrun restarts: the Job relaunches
+        pods and trainjob resumes from the claim."""
+        return ["trainjob", "torchrun", "--nnodes", str(self.world_size), "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rendezvous, "--rdzv-id", self.name,
                 "--max-restarts", "0", "-m", "trainjob"]
 

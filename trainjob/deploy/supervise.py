@@ -4,7 +4,9 @@ This module owns the process side only: starting the child, forwarding SIGTERM/S
 the grace period, the back-off sleep, and writing the supervisor's lines to the log. Every
 judgment (what a start amounted to, whether to start again, how long to wait) is a pure function
 in ``policy.py``; exit codes are ``cli.py``'s. It never touches the PVC: the child owns that,
-behind its lock. It reads only the child's exit code and the child's log.
+behind its lock. It reads only the child's exit code and the child's log. A child of W > 1 ranks
+(the local launcher, or ``trainjob torchrun``) exits with one code for the launch, by the rule of
+``exits.job_exit``, so the supervisor judges it as it judges one rank.
 
 Log lines (``source: "supervisor"``, in the run's own log, one per decision):
 

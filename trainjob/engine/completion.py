@@ -3,7 +3,9 @@
 An idempotent start (``Run(idempotent=True)``, ``trainjob run --idempotent``) asks this under the
 job lock before anything else, so a relaunch after a late kill, or a second supervisor, ends with
 the completed job's answer instead of a refusal. ``trainjob verify`` checks artifacts with the
-same function. Read-only: it writes nothing and decides nothing beyond "over, and trustworthy".
+same function. ``ended_job`` asks the wider question a launcher asks before it waits for any peer
+(``trainjob torchrun``): would this start end at once, and with which code? Read-only: they write
+nothing and decide nothing beyond "over, and how".
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import attrs
 
 from ..checkpoint import plan
 from ..errors import ArtifactUnverified, InputError
+from ..exits import EXIT_FAILED, EXIT_OK
 from ..storage.eventlog import EventLog, read_log
 from ..storage.pvc import Pvc
 from . import decisions
-from .job import artifact_names
+from .job import already_completed, artifact_names
 from .machine import parse_detail
 
 
@@ -90,3 +93,35 @@ def completed_job(pvc: Pvc, log_path: Path) -> Completion | None:
             f"the published model cannot be trusted: run `trainjob verify --pvc {pvc.root}`, then restore "
             "the artifact or start over on a fresh --pvc")
     return Completion(attempt=last.attempt, artifact=item)
+
+
+@attrs.frozen
+class Ended:
+    """A job found over before a launch: the code its start would end with, and why."""
+
+    code: int
+    line: str
+
+
+def ended_job(pvc: Pvc, log_path: Path, backoff_limit: int, idempotent: bool) -> Ended | None:
+    """How a start of ``trainjob run`` on this PVC would end without training, or None if it
+    would train (or resume). The same decisions the start makes (``decisions.py``), read-only:
+
+    completed, ``idempotent``    0 once the artifact verifies (ArtifactUnverified, exit 2, if not)
+    completed                    AlreadyCompleted, exit 2: the lab's refusal
+    an ended attempt and no      1: the start would log ``job_failed`` again (the log already
+    budget left                  ends in it; this writes nothing)
+
+    A corrupt state, log or attempts file is the InputError (2) the start would raise too.
+    """
+    if idempotent and (done := completed_job(pvc, log_path)) is not None:
+        return Ended(EXIT_OK, done.line())
+    last = pvc.read_state()
+    state = last.state if last else None
+    if decisions.completion_announced(state, EventLog(log_path).last_event() == "completed"):
+        raise already_completed(pvc, last.attempt)  # type: ignore[union-attr]  # completed needs a state
+    if state in decisions.ATTEMPT_ENDED and not decisions.within_backoff(attempts := pvc.read_attempts(),
+                                                                          backoff_limit):
+        return Ended(EXIT_FAILED, f"the job failed: attempts={attempts} backoffLimit={backoff_limit}; its retry "
+                                  "budget is spent (a larger --backoff-limit allows another attempt)")
+    return None

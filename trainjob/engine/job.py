@@ -119,6 +119,12 @@ class MachineModel:
         self.notes.clear()
 
 
+def already_completed(pvc: Pvc, attempt: int) -> AlreadyCompleted:
+    """The lab's refusal of a start on a completed job (without ``--idempotent``)."""
+    return AlreadyCompleted(f"{pvc.root}: this job already completed (attempt {attempt}); use a fresh --pvc for a "
+                            "new job")
+
+
 class Job(MachineModel, AsyncCheckpoints):
     """The state machine's model for rank 0 (the coordinator) of one launch."""
 
@@ -155,10 +161,7 @@ class Job(MachineModel, AsyncCheckpoints):
         self.completion_announced = decisions.completion_announced(
             self.last.state if self.last else None, log.last_event() == "completed")
         if self.completion_announced:
-            raise AlreadyCompleted(
-                f"{pvc.root}: this job already completed (attempt {self.last.attempt}); "
-                "use a fresh --pvc for a new job"
-            )
+            raise already_completed(pvc, self.last.attempt)
         self.pointer = pvc.read_checkpoint()
         self.attempts_started = pvc.read_attempts()  # the PVC's counter: attempts begun so far
         self.attempt = max(self.attempts_started, 1)  # the one this process runs; set by the start

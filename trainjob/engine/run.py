@@ -84,7 +84,7 @@ from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, Usag
                       os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
-from ..ranks import connect
+from ..ranks import connect, torchrun
 from ..records import Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
@@ -155,7 +155,7 @@ class Run:
         self._skip: set[int] = set()  # generations a follower left (rank 0 relaunched)
         self._host = HostState()
         self._saver: BackgroundSaver[int] | None = None  # a follower's, with async_checkpoint (rank 0: the Job's)
-        self._launch_open = False  # rank 0 published a launch it has not finished
+        self._launch_open = False  # rank 0 leads a launch it has not finished (published or not)
         self._iterated = self._loop_over = self.gate_due = False
         self._step: int | None = None  # the step the loop body is training
         self._loss: int | None = None  # its reported loss, in thousandths
@@ -218,6 +218,7 @@ class Run:
         """Rank 0: let the machine decide how this launch begins, then lead the other ranks."""
         cfg = self.cfg
         self._peers = peers = connect.coordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
+        self._launch_open = True  # from here, an error ends the launch for every rank, with its code
         initial = self._host.snapshot(self.stateful.state_dict(), 0)  # checks the state; host views of it
         self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
         if not peers.solo:  # which transport the ranks agree through, logged with the launch's first event
@@ -236,7 +237,6 @@ class Run:
         loaded = job.loaded if job.state == JobState.resumed else None
         checkpoint, sha = (loaded.ref.name, loaded.manifest_sha256) if loaded else (None, None)
         job.loaded = loaded = None  # its arrays are the state's now (or were never used)
-        self._launch_open = True
         if not peers.solo:
             peers.publish(lambda g: Session(
                 generation=g, world_size=cfg.world_size, attempt=job.attempt, from_step=job.from_step,
@@ -459,6 +459,13 @@ class Run:
         process exits with a code of the table whatever the script asked for. Before the
         outcome that is the error's code (75, or 70); once it is decided (after ``gate``, a stop,
         an idempotent finding), the outcome's."""
+        try:
+            return self._leave(exc)
+        finally:
+            if self.final is not None or self.error is not None:
+                torchrun.report(self.exit_code)  # under `trainjob torchrun`: the code decided, whatever comes next
+
+    def _leave(self, exc: BaseException | None) -> bool:
         leaving = exc is not None and not isinstance(exc, Exception)
         if leaving and self.final is not None and self.error is None:
             exc = None  # the outcome stands: the script ends the process with its code
@@ -505,7 +512,7 @@ class Run:
             self._close_writes()
             if self._launch_open:
                 self._launch_open = False
-                self._peers.finish("error", f"{type(exc).__name__}: {exc}")
+                self._peers.finish("error", f"{type(exc).__name__}: {exc}", exit_code_for(type(exc)))
         except Exception as late:  # the first error decides the exit code; this one is said
             _say(f"trainjob: while ending the run: {one_line(str(late))}")
         finally:

@@ -77,9 +77,10 @@ class Coordinator(Coordination, Protocol):
     def peer_signal(self) -> str | None:
         """(rank 0, when a stop ends the launch) Which rank's signal started it, for the log."""
 
-    def finish(self, state: str, message: str = "") -> None:
-        """(rank 0, last) End the launch with the machine's final ``state`` (or ``"error"`` and a
-        message); the other ranks exit as it says."""
+    def finish(self, state: str, message: str = "", code: int | None = None) -> None:
+        """(rank 0, last; also after an error before ``publish``) End the launch with the
+        machine's final ``state`` (or ``"error"``, a message and the exit ``code`` rank 0 ends
+        with); the other ranks exit as it says, with rank 0's code."""
 
 
 @runtime_checkable

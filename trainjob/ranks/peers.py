@@ -36,9 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import InputError, PeerFailed, RankTimeout, Superseded, TryAgainLater, os_errors
+from ..errors import (InputError, PeerFailed, PeerRefused, RankTimeout, Superseded, TrainJobError, TryAgainLater,
+                      os_errors)
 from ..storage.pvc import Pvc, atomic_write, make_dir
 from ..records import Outcome, RankNote, Session, ShardEntry, dumps
+from ..exits import exit_code_for_state
 from .coordination import Follower
 
 T = TypeVar("T")
@@ -99,6 +101,12 @@ def begun_or_ended(follower: Follower) -> bool | None:
     outcome = follower.read_outcome()
     raise_if_failed(outcome)
     return None if outcome is None else True
+
+
+def ended(generation: int, state: str, message: str, code: int | None) -> Outcome:
+    """(rank 0, either transport) The Outcome of a launch: the state's exit code unless given."""
+    return Outcome(generation=generation, state=state, message=message,
+                   code=exit_code_for_state(state) if code is None else code)
 
 
 # --- every rank ------------------------------------------------------------------------------------
@@ -245,12 +253,12 @@ class PvcCoordinator(PvcPeers):
                 return f"{note.signal}@rank{r}"
         return None
 
-    def finish(self, state: str, message: str = "") -> None:
-        """(rank 0, last) How this launch ended (the machine's state, or "error"): the others exit
-        with it."""
+    def finish(self, state: str, message: str = "", code: int | None = None) -> None:
+        """(rank 0, last) How this launch ended (the machine's state, or "error" and its exit
+        ``code``): the others exit with it. Before a launch was published there is nothing to
+        write: the other ranks wait for a session, bounded, and the launcher reads the codes."""
         if not self.solo and self.generation:
-            self._write(self.gen_dir() / "outcome.json", Outcome(generation=self.generation, state=state,
-                                                                 message=message))
+            self._write(self.gen_dir() / "outcome.json", ended(self.generation, state, message, code))
 
 
 # --- ranks >= 1 ------------------------------------------------------------------------------------
@@ -327,6 +335,8 @@ class PvcFollower(PvcPeers):
 
 
 def raise_if_failed(outcome: Outcome | None) -> None:
-    """(ranks >= 1, either transport) PeerFailed when rank 0 ended the launch in an error."""
+    """(ranks >= 1, either transport) When rank 0 ended the launch in an error, the error that
+    ends this rank with rank 0's exit code: 2 (PeerRefused), 70 (a bug there), else PeerFailed (75)."""
     if outcome is not None and outcome.state == "error":
-        raise PeerFailed(f"rank 0 stopped this launch: {outcome.message}")
+        kind = {2: PeerRefused, 70: TrainJobError}.get(outcome.code, PeerFailed)
+        raise kind(f"rank 0 stopped this launch: {outcome.message}")

@@ -15,13 +15,20 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/round/17/done    its total, set by the last rank to arrive (END if rank 0 finished)
     g00000003/staged/8         rank 0 created the staging directory of step 8
     g00000003/receipt/8/1      rank 1's shard of step 8 is durable: its ShardEntry (size, sha256)
-    g00000003/outcome          Outcome: how rank 0 ended generation 3
+    g00000003/outcome          Outcome: how rank 0 ended generation 3, with its exit code
+    g00000003/outcome/read     how many other ranks have read it
+    aborted, aborted/read      the same, when rank 0 ended on an error before publishing a session
 
 Unlike the files, a stop is agreed in *rounds*: after every step every rank adds its vote to that
 step's round key and waits until all have (``stop_wanted``), so all learn in the same round that
 some rank wants to stop, at the same step: a collective, which is what ranks in lockstep (DDP)
 need, and no file-system call. Every wait is bounded by ``--rank-timeout`` (RankTimeout, exit 75);
 a store that stops answering is RankTimeout too.
+
+The store lives as long as its host (torchrun's agent on rank 0's node, or rank 0's own process),
+and a rank that loses it exits 75. So rank 0, ending with any other code, waits (bounded) until
+every other rank has read its outcome before it exits: each pod, each launcher, ends with the
+code rank 0 decided, whichever process ends first.
 
 Must not import torch (``connect.py`` does, lazily): it drives any object with the store's
 methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi_get``, ``clone``).
@@ -38,9 +45,11 @@ from typing import Any, TypeVar
 
 from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
+from ..exits import EXIT_RELAUNCH
 from ..records import Outcome, RankNote, Session, ShardEntry, dumps, load
 from ..storage.pvc import Pvc
-from .peers import PvcCoordinator, begun_or_ended, joinable, raise_if_failed, stopped_before_joining, wait_for
+from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
+                    wait_for)
 
 T = TypeVar("T")
 STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals = total % STOP
@@ -76,6 +85,7 @@ class StorePeers:
         self.step = 0
         self.rounds = 0  # stop rounds this rank took part in this generation
         self.stopping = False  # a round said stop (or, before begin, this rank noted one)
+        self.acked: set[str] = set()  # (ranks >= 1) the endings this rank has counted as read
 
     @property
     def solo(self) -> bool:
@@ -225,23 +235,56 @@ class StoreCoordinator(StorePeers):
                     return f"{note.signal}@rank{r}"
         return None
 
-    def finish(self, state: str, message: str = "") -> None:
-        """(rank 0, last) The outcome, and the end of the round the others may be waiting in."""
-        if not self.solo and self.generation:
-            self.set(self.key("outcome"), dumps(Outcome(generation=self.generation, state=state, message=message)))
+    def finish(self, state: str, message: str = "", code: int | None = None) -> None:
+        """(rank 0, last) The outcome, and the end of the round the others may be waiting in; an
+        error before any session was published ends the launch's wait for one (``aborted``). Then,
+        unless the code is 75 (what a rank that loses the store exits with anyway), wait until
+        every other rank has read it, at most ``--rank-timeout``: the store may die with this
+        process, and a rank that has not read the outcome by then could only say 75."""
+        if self.solo:
+            return
+        outcome = ended(self.generation, state, message, code)
+        if self.generation:
+            key = self.key("outcome")
+            self.set(key, dumps(outcome))
             # A rank still training waits in the next round, which rank 0 will never join.
             self.set(self.key(f"round/{self.rounds + 1}/done"), END)
+        else:
+            key = "aborted"
+            self.set(key, dumps(outcome))
+        if outcome.code != EXIT_RELAUNCH:
+            try:
+                wait_for(lambda: True if self.count(key + "/read") >= self.world_size - 1 else None, self.timeout,
+                         lambda: f"every rank to read how rank 0 ended ({outcome.state})", lambda: None)
+            except RankTimeout:
+                pass  # the outcome stands; a rank that never read it exits 75 on its own
+
+    def count(self, key: str) -> int:
+        with answering(f"reading {key}"):
+            return int(self.kv.add(key, 0))
 
 
 class StoreFollower(StorePeers):
     """(ranks >= 1) Follows the launch rank 0 leads through the store: ``Follower`` on a store."""
 
+
     def begun(self, generation: int | None = None) -> bool:
         return self.has(self.key("begin", generation))
 
     def read_outcome(self, generation: int | None = None) -> Outcome | None:
-        key = self.key("outcome", generation)
-        return self.read(key, Outcome) if self.has(key) else None
+        return self._read_ending(self.key("outcome", generation))
+
+    def _read_ending(self, key: str) -> Outcome | None:
+        """How rank 0 ended (``key``: a generation's outcome, or ``aborted``), counted as read once
+        (rank 0 waits for that before it exits and the store may go with it)."""
+        if not self.has(key):
+            return None
+        outcome = self.read(key, Outcome)
+        if key not in self.acked:
+            self.acked.add(key)
+            with answering(f"acknowledging {key}"):
+                self.kv.add(key + "/read", 1)
+        return outcome
 
     def _session(self) -> Session | None:
         return self.read("session", Session) if self.has("session") else None
@@ -256,7 +299,7 @@ class StoreFollower(StorePeers):
             session = wait_for(lambda: joinable(self._session(), skip, over, self.world_size, settings, seen),
                                self.timeout, lambda: "rank 0 to start a launch this rank can join "
                                f"({'; '.join(seen) or 'no session in the rendezvous store'})",
-                               lambda: stopped_before_joining(self.rank, self.stop_signal))
+                               self._before_joining)
             self.generation, self.step, self.rounds, self.stopping = (session.generation, session.from_step, 0,
                                                                       False)
             self.set(self.key(f"join/{self.rank}"), dumps(RankNote(rank=self.rank, step=session.from_step)))
@@ -266,6 +309,12 @@ class StoreFollower(StorePeers):
                 return session
             except Superseded:
                 skip.add(session.generation)
+
+    def _before_joining(self) -> None:
+        """(ranks >= 1, while joining) End with rank 0's error if it ended before publishing a
+        session, or with a signal that came first."""
+        raise_if_failed(self._read_ending("aborted"))
+        stopped_before_joining(self.rank, self.stop_signal)
 
     def poll(self) -> None:
         """(ranks >= 1) Run during every wait: follow a newer launch, end with a failed rank 0, and
