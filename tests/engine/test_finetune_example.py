@@ -1,0 +1,138 @@
+"""examples/finetune.py, the README's typical training script (AdamW, warm-up + cosine, dropout,
+a shuffling StatefulDataLoader over 3 epochs, clipping, accumulation), as a user runs it:
+SIGKILLed mid-epoch, at an epoch boundary during a checkpoint, and at random instants of a sync
+and an async run, each relaunch ends with the uninterrupted run's artifact bytes and prints the
+uninterrupted loss for every step after its resume point. A control per piece of the state
+(the same script with that piece left out of its TrainingState) shows the comparison can fail;
+the script without trainjob reaches the same weights bit for bit.
+
+Slow (about a minute under load): each case runs the script two or three times."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchdata")
+pytestmark = pytest.mark.process
+
+EXAMPLE = ROOT / "examples/finetune.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
+
+
+def launch(script: Path, pvc: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), "--pvc", str(pvc), *flags], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def losses(text: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+def finish(script: Path, pvc: Path, *flags: str) -> dict[int, str]:
+    out, err = launch(script, pvc, *flags).communicate(timeout=600)
+    assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
+    return losses(out)
+
+
+def killed(script: Path, pvc: Path, *flags: str, at_line: int | None = None, after: float | None = None) -> None:
+    """Run until the loss line of step ``at_line`` is printed (or ``after`` seconds), then SIGKILL."""
+    proc = launch(script, pvc, *flags)
+    began = time.monotonic()
+    if at_line is not None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(f"step {at_line} "):
+                break
+    else:
+        time.sleep(after or 0)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"ended by itself after {time.monotonic() - began:.1f}s"
+
+
+def artifact(pvc: Path) -> bytes:
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[bytes, dict[int, str], float]:
+    pvc = tmp_path_factory.mktemp("reference") / "pvc"
+    began = time.monotonic()
+    lines = finish(EXAMPLE, pvc)
+    assert len(lines) == 45 and "completed" in (pvc / "log.jsonl").read_text()
+    return artifact(pvc), lines, time.monotonic() - began
+
+
+def resumed_matches(reference, pvc: Path, script: Path = EXAMPLE, *flags: str) -> bool:
+    """Relaunch (once more if a random kill landed before any checkpoint); the artifact and each
+    step's loss after the resume point as the uninterrupted run's."""
+    expected_bytes, expected_lines, _ = reference
+    lines = finish(script, pvc, *flags)
+    assert lines and max(lines) == 45
+    return artifact(pvc) == expected_bytes and all(expected_lines[s] == v for s, v in lines.items())
+
+
+@pytest.mark.parametrize("line", [12, 15], ids=["mid-epoch", "epoch-boundary-during-checkpoint"])
+def test_a_kill_resumes_to_the_uninterrupted_bytes_and_losses(reference, tmp_path, line):
+    pvc = tmp_path / "pvc"
+    killed(EXAMPLE, pvc, at_line=line)
+    assert resumed_matches(reference, pvc)
+
+
+@pytest.mark.parametrize("flags", [(), ("--async-checkpoint",)], ids=["sync", "async"])
+def test_kills_at_random_instants_resume_to_the_uninterrupted_bytes_and_losses(reference, tmp_path, flags):
+    rng = random.Random(SEED)
+    pvc = tmp_path / "pvc"
+    for _ in range(2):
+        killed(EXAMPLE, pvc, *flags, after=rng.uniform(0.5, reference[2] * 0.8))
+    assert resumed_matches(reference, pvc, EXAMPLE, *flags), f"TRAINJOB_KILL_SEED={SEED}"
+
+
+CONTROLS = {
+    "rng": ("loader=loader)", "loader=loader, rng=False)"),
+    "loader": (", loader=loader)", ")"),
+    "scheduler": (", scheduler=sched", ""),
+    "optimizer": (", optimizer=opt", ""),
+}
+
+
+@pytest.mark.parametrize("piece", CONTROLS)
+def test_a_resume_without_one_piece_of_the_state_differs(reference, tmp_path, piece):
+    """The control: the same script with one piece left out of its TrainingState."""
+    old, new = CONTROLS[piece]
+    call, text = "TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader)", EXAMPLE.read_text()
+    assert text.count(call) == 1
+    script = tmp_path / "finetune.py"
+    script.write_text(text.replace(call, call.replace(old, new)))
+    pvc = tmp_path / "pvc"
+    killed(script, pvc, at_line=12)
+    assert not resumed_matches(reference, pvc, script)
+
+
+def test_the_script_without_trainjob_reaches_the_same_weights(reference, tmp_path):
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--bare", str(tmp_path / "bare.pt")], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from safetensors.torch import load
+    published = load(reference[0])
+    bare = torch.load(tmp_path / "bare.pt")
+    assert published.keys() == bare.keys()
+    assert all(torch.equal(published[k].view(torch.int32), bare[k].view(torch.int32)) for k in bare)
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    block = re.search(r"### A typical training script.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block and block[1] == EXAMPLE.read_text()
