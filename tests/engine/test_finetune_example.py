@@ -136,3 +136,36 @@ def test_the_script_without_trainjob_reaches_the_same_weights(reference, tmp_pat
 def test_the_readme_shows_the_example_as_it_is():
     block = re.search(r"### A typical training script.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block and block[1] == EXAMPLE.read_text()
+
+
+def torchrun(pvc: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "--monitor-interval", "0.1", str(EXAMPLE), "--pvc", str(pvc)], env=ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+@pytest.mark.torchrun
+def test_under_torchrun_a_kill_of_either_rank_resumes_to_the_uninterrupted_bytes_and_losses(tmp_path):
+    """DDP over gloo, each rank with its own loader and RNG (rank-local state, saved per rank). Slow
+    (about a minute): four torchrun launches. Also: a reshard to one rank refuses the rank-local
+    state unless told to drop it, and logs the drop."""
+    from test_run_example import newest_step, rank_pid
+    out, err = torchrun(tmp_path / "ref").communicate(timeout=600)
+    assert "completed" in (tmp_path / "ref/log.jsonl").read_text(), err[-2000:]
+    expected, expected_bytes = losses(out), artifact(tmp_path / "ref")
+    rng, pvc = random.Random(SEED), tmp_path / "pvc"
+    for victim in (1, 0):
+        launcher, after = torchrun(pvc), newest_step(pvc) + 5 * rng.randrange(1, 3)
+        while newest_step(pvc) < after and launcher.poll() is None:
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.3))  # a random instant of the next steps, checkpoints included
+        os.kill(rank_pid(launcher.pid, victim), signal.SIGKILL)
+        launcher.communicate(timeout=120)
+    reshard = [sys.executable, "-m", "trainjob", "reshard", "--pvc", str(pvc), "--world-size", "1"]
+    refused = subprocess.run(reshard, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "holds rank-local state" in refused.stderr and "--drop-rank-local" in refused.stderr
+    dropped = subprocess.run([*reshard, "--drop-rank-local"], capture_output=True, text=True, timeout=120)
+    assert dropped.returncode == 0 and '"rank_local_dropped"' in (pvc / "log.jsonl").read_text(), dropped.stderr
+    out, err = torchrun(pvc).communicate(timeout=600)  # at W=2 it resumes from the W=2 checkpoint, kept
+    assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
+    assert artifact(pvc) == expected_bytes and all(expected[s] == v for s, v in losses(out).items()), f"seed {SEED}"
