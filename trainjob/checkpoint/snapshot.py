@@ -225,8 +225,9 @@ class HostState:
         (keys, kinds), or a document the live state has is missing (the rank-local one may be, when
         ``local_dropped``: a reshard was told to drop it, and the state keeps its own)."""
         docs = []
-        for name, like, text in (("plain values", self.plain, plain_text), ("rank-local state", self.local, local_text)):
-            if like is None or (text is None and local_dropped and like is self.local):
+        for name, like, text, may_lack in (("plain values", self.plain, plain_text, False),
+                                           ("rank-local state", self.local, local_text, local_dropped)):
+            if like is None or (text is None and may_lack):
                 docs.append(None)
                 continue
             if text is None:
