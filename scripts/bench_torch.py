@@ -288,22 +288,23 @@ def async_peers(directory: Path, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def timed(loop, into: list[float]):
+    """Yield ``loop``'s items, appending to ``into`` the seconds from one item's start to the next's."""
+    last = None
+    for item in loop:
+        now = time.perf_counter()
+        if last is not None:
+            into.append(now - last)
+        last = now
+        yield item
+
+
 def steps(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
     """Seconds per step with no checkpoint due, under trainjob.Run and bare, alternating blocks."""
     from trainjob import Run
 
     model = BigTorch()
     times: dict[str, list[float]] = {"trainjob": [], "bare": []}
-
-    def timed(loop, into: list[float]) -> None:
-        last = None
-        for step in loop:
-            now = time.perf_counter()
-            if last is not None:
-                into.append(now - last)
-            last = now
-            yield step
-
     for block in range(blocks):
         for step in timed(range(1, n + 1), times["bare"]):
             model.step(step)
@@ -351,16 +352,6 @@ def full_state(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
         return loss.item()
 
     times: dict[str, list[float]] = {"trainjob": [], "bare": [], "snapshot_whole": [], "snapshot_tensors": []}
-
-    def timed(loop, into: list[float]):
-        last = None
-        for i in loop:
-            now = time.perf_counter()
-            if last is not None:
-                into.append(now - last)
-            last = now
-            yield i
-
     for block in range(blocks):
         for _ in timed(range(n), times["bare"]):
             step()
