@@ -1,0 +1,408 @@
+"""``trainjob prove``: kill a user's training command at random instants and say where its resume diverges.
+
+One uninterrupted run (the reference), then N trials: each is killed once, at an instant chosen in
+one of four phases of the run (before the first checkpoint, between checkpoints, during a
+checkpoint write, after ``completed``), and relaunched as a supervisor would (while the launch's
+code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial passes when it
+ends with the reference's code, publishes the reference's artifact bytes and leaves a PVC that
+``trainjob verify`` accepts. When one does not, ``divergence`` reads both PVCs: the first step
+whose logged loss differs, and the state entries that differ at the first checkpoint after the
+resume that both still hold. Pure decisions (targets, verdicts, hints) are apart from the launches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO
+
+import attrs
+
+from ..errors import InputError, UsageError
+from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
+from .launches import artifacts, events, kill_when, spawn
+
+PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
+SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
+MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
+PVC = "{pvc}"
+# Entry names that hold an optimizer's state or randomness: what a hint can point at.
+OPTIMIZER = re.compile(r"optim|momentum|exp_avg|buf|^v[A-Z_a-z]?$", re.IGNORECASE)
+RANDOMNESS = re.compile(r"rng|generator|seed|random", re.IGNORECASE)
+SCHEDULER = re.compile(r"sched|lr", re.IGNORECASE)
+
+
+@attrs.frozen
+class Outcome:
+    """One run of the command (several launches when killed): how it ended and what it left."""
+
+    pvc: Path
+    codes: tuple[int, ...]
+    code: int  # the job's code: the last launch's, read by exits.job_exit
+    seconds: float
+    artifacts: dict[str, bytes] = attrs.field(repr=False)
+    phase: str = ""
+    signal: str = ""
+    landed: str = ""  # the last logged event when the signal landed
+    checkpoint_times: tuple[float, ...] = ()
+
+
+@attrs.frozen
+class Verdict:
+    trial: int
+    problems: tuple[str, ...]
+
+
+@attrs.frozen
+class EntryDiff:
+    name: str
+    what: str  # "max abs diff 0.0123", "only in the reference", "shape (3,) vs (4,)"
+
+
+@attrs.frozen
+class Divergence:
+    first_loss_step: int | None
+    losses: tuple[int | None, int | None]  # loss_milli of the reference and the trial at that step
+    resumed_from: int | None
+    compared_step: int | None
+    entries: tuple[EntryDiff, ...]
+    hints: tuple[str, ...]
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+def check_command(cmd: Sequence[str], kills: int) -> None:
+    """Bad usage, found before anything runs (exit 2)."""
+    if kills < 1:
+        raise UsageError(f"--kills must be at least 1, got {kills}")
+    if not cmd:
+        raise UsageError("no command: trainjob prove [options] -- CMD ... (with {pvc} where its PVC goes)")
+    if not any(PVC in arg for arg in cmd):
+        raise UsageError(f"{PVC} appears nowhere in the command: put it where the command takes its PVC directory")
+    if shutil.which(cmd[0]) is None:
+        raise UsageError(f"{cmd[0]}: command not found")
+
+
+def for_pvc(cmd: Sequence[str], pvc: Path) -> list[str]:
+    return [arg.replace(PVC, str(pvc)) for arg in cmd]
+
+
+# --- targets: when a trial's signal goes (pure but for the clock and the PVC it watches) -----------
+
+def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Callable[[], bool]:
+    """A predicate that turns true at the instant to signal a trial in ``phase``, judged from the
+    trial's own log (so a loaded machine does not shift the phase) and the reference's pace."""
+    times = reference.checkpoint_times
+    count = len(times)
+    gap = (times[-1] - times[0]) / (count - 1) if count > 1 else reference.seconds / 2
+    nth = rng.randint(1, max(1, count - 1))  # a checkpoint to resume from, not the last one
+    state: dict[str, float] = {}
+
+    def checkpoints() -> int:
+        return sum(e["event"] == "checkpointed" for e in events(pvc))
+
+    if phase == PHASES[0]:
+        deadline = time.monotonic() + rng.uniform(0, times[0] if times else reference.seconds)
+        return lambda: time.monotonic() >= deadline or checkpoints() > 0
+    if phase == PHASES[1]:
+        delay = rng.uniform(0, gap)
+
+        def between() -> bool:
+            if "since" not in state:
+                if checkpoints() < nth:
+                    return False
+                state["since"] = time.monotonic()
+            return time.monotonic() - state["since"] >= delay
+        return between
+    if phase == PHASES[2]:
+        staging = pvc / "checkpoints"
+        return lambda: checkpoints() >= nth and any(p.name.startswith(".tmp-") for p in _listing(staging))
+    return lambda: bool(events(pvc)) and events(pvc)[-1]["event"] == "completed"
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
+# --- running -----------------------------------------------------------------------------------------
+
+def _launch(cmd: list[str], pvc: Path, n: int) -> tuple[subprocess.Popen, IO[str]]:
+    """Start one launch, its stderr kept beside the PVC (named in the report when a trial fails)."""
+    err = open(pvc.parent / f"launch-{n:02d}.stderr", "w")  # noqa: SIM115 (closed by the caller)
+    return spawn(cmd, stderr=err), err
+
+
+def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Outcome:
+    """The uninterrupted run, timing each checkpoint line as it appears (the trials' pace)."""
+    pvc = work / name / "pvc"
+    pvc.parent.mkdir(parents=True)
+    started = time.monotonic()
+    proc, err = _launch(for_pvc(cmd, pvc), pvc, 1)
+    times: list[float] = []
+    while proc.poll() is None:
+        seen = sum(e["event"] == "checkpointed" for e in events(pvc))
+        times += [time.monotonic() - started] * (seen - len(times))
+        time.sleep(0.005)
+    err.close()
+    seen = sum(e["event"] == "checkpointed" for e in events(pvc))
+    times += [time.monotonic() - started] * (seen - len(times))
+    code = proc.returncode
+    return Outcome(pvc, (code,), job_exit([code]), time.monotonic() - started, artifacts(pvc),
+                   checkpoint_times=tuple(times))
+
+
+def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, reference: Outcome,
+              rng: random.Random) -> Outcome:
+    """Signal the first launch at the phase's instant, then relaunch while the job says relaunch."""
+    pvc = work / f"trial-{index:02d}" / "pvc"
+    pvc.parent.mkdir(parents=True)
+    started = time.monotonic()
+    ready = target(phase, reference, rng, pvc)
+    proc, err = _launch(for_pvc(cmd, pvc), pvc, 1)
+    delivered = kill_when(proc, ready, sig)
+    logged = events(pvc)
+    landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
+    writing = [p.name for p in _listing(pvc / "checkpoints") if p.name.startswith(".tmp-")]
+    if not delivered:
+        landed = "not delivered: the launch had ended"
+    elif writing:
+        landed += f", while {writing[0]} was being written"
+    codes = [proc.wait()]
+    err.close()
+    code = job_exit(codes)
+    while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
+        if events(pvc) and events(pvc)[-1]["event"] == "completed":
+            code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
+            break
+        proc, err = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
+        codes.append(proc.wait())
+        err.close()
+        code = job_exit(codes[-1:])
+    return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
+                   phase, signal.Signals(sig).name, landed)
+
+
+def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path], str | None]) -> Verdict:
+    problems = []
+    if trial.code != reference.code:
+        problems.append(f"ended {trial.code} (launches {list(trial.codes)}), the reference {reference.code}")
+    if trial.artifacts != reference.artifacts:
+        if set(trial.artifacts) != set(reference.artifacts):
+            problems.append(f"published {sorted(trial.artifacts) or 'nothing'}, the reference "
+                            f"{sorted(reference.artifacts)}")
+        else:
+            problems.append("published other bytes than the reference")
+    if (refused := verify(trial.pvc)) is not None:
+        problems.append(f"trainjob verify refuses its PVC: {refused}")
+    return Verdict(index, tuple(problems))
+
+
+def verify_problem(pvc: Path) -> str | None:
+    """What ``trainjob verify`` would say is wrong with the PVC, or None when it accepts it."""
+    from ..storage.pvc import Pvc
+    from ..views.verify import verify_pvc
+    try:
+        report = verify_pvc(Pvc(pvc), pvc / "log.jsonl")
+    except InputError as exc:
+        return str(exc)
+    if report.ok:
+        return None
+    bad = [i for i in report.items if i.status not in ("ok", "partial")] or report.items
+    return f"{bad[0].path}: {bad[0].status} {bad[0].detail}" if bad else "not sound"
+
+
+# --- where two runs part -----------------------------------------------------------------------------
+
+def losses(pvc: Path) -> dict[int, int]:
+    """loss_milli by step from the log's ``checkpointed`` lines; a step logged twice (a resume redid
+    it) keeps the later value, the one the run went on from."""
+    found = {}
+    for e in events(pvc):
+        fields = dict(re.findall(r"(\w+)=(-?\d+)", e["detail"]))
+        if e["event"] == "checkpointed" and "step" in fields and "loss_milli" in fields:
+            found[int(fields["step"])] = int(fields["loss_milli"])
+    return found
+
+
+def resumed_from(pvc: Path) -> int | None:
+    steps = [int(m.group(1)) for e in events(pvc) if e["event"] == "resumed"
+             if (m := re.search(r"from_step=(\d+)", e["detail"]))]
+    return max(steps) if steps else None
+
+
+def _checkpoints(pvc: Path) -> dict[int, object]:
+    from ..checkpoint.store import CheckpointStore
+    from ..storage.pvc import Pvc
+    try:
+        return {ref.step: ref for ref in CheckpointStore(Pvc(pvc)).committed()}
+    except InputError:
+        return {}
+
+
+def _load(pvc: Path, ref) -> dict | None:
+    from ..checkpoint.store import CheckpointStore
+    from ..storage.pvc import Pvc
+    try:
+        return CheckpointStore(Pvc(pvc)).load(ref).tensors
+    except InputError:
+        return None
+
+
+def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
+    import numpy as np
+    found = []
+    for name in sorted(set(reference) | set(trial)):
+        a, b = reference.get(name), trial.get(name)
+        if a is None or b is None:
+            found.append(EntryDiff(name, "only in the " + ("trial" if a is None else "reference")))
+        elif a.shape != b.shape:
+            found.append(EntryDiff(name, f"shape {a.shape} vs {b.shape}"))
+        elif a.tobytes() != b.tobytes():
+            diff = np.abs(a.astype(np.float64) - b.astype(np.float64))
+            found.append(EntryDiff(name, f"max abs diff {float(diff.max()):.6g}"))
+    return found
+
+
+def hints(names: Sequence[str], differing: Sequence[EntryDiff], first_loss_step: int | None,
+          resumed: int | None) -> list[str]:
+    """A cause per common bug, where the evidence points to it. The checkpoint the run resumed from
+    was its own and verified, so what differs after it was state the checkpoint did not hold."""
+    found = []
+    if resumed is None or not (differing or first_loss_step is not None):
+        return found
+    if not any(OPTIMIZER.search(n) for n in names):
+        found.append("optimizer state: the checkpoint holds no optimizer entry (momentum buffers, Adam moments); "
+                     "if the optimizer keeps state, return it from state_dict() and restore it in load_state_dict()")
+    elif not any(RANDOMNESS.search(n) for n in names):
+        found.append("RNG or data loader position: the model and optimizer were restored, yet the run went elsewhere "
+                     "after the resume; a generator or iterator created before the loop restarts on a relaunch: "
+                     "derive each step's randomness from the step (np.random.default_rng([seed, step])) or save its "
+                     "state")
+    if any(SCHEDULER.search(d.name) for d in differing) and not any(OPTIMIZER.search(d.name) for d in differing):
+        found.append("scheduler: only a learning-rate entry differs; restore the scheduler's position on a resume")
+    return found
+
+
+def divergence(reference: Path, trial: Path) -> Divergence:
+    ref_loss, trial_loss = losses(reference), losses(trial)
+    parted = [s for s in sorted(set(ref_loss) & set(trial_loss)) if ref_loss[s] != trial_loss[s]]
+    first = parted[0] if parted else None
+    resumed = resumed_from(trial)
+    ref_ckpts, trial_ckpts = _checkpoints(reference), _checkpoints(trial)
+    common = sorted(set(ref_ckpts) & set(trial_ckpts))
+    after = [s for s in common if resumed is None or s > resumed]
+    step = after[0] if after else (common[-1] if common else None)
+    diffs: list[EntryDiff] = []
+    names: list[str] = []
+    if step is not None:
+        a, b = _load(reference, ref_ckpts[step]), _load(trial, trial_ckpts[step])
+        if a is not None and b is not None:
+            diffs, names = entry_diffs(a, b), sorted(a)
+    return Divergence(first, (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None),
+                      resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)))
+
+
+def describe(d: Divergence, against: str = "the reference") -> list[str]:
+    lines = []
+    if d.resumed_from is not None:
+        lines.append(f"resumed from step {d.resumed_from}")
+    if d.first_loss_step is not None:
+        lines.append(f"first differing loss: step {d.first_loss_step} (loss_milli {d.losses[0]} in {against}, "
+                     f"{d.losses[1]} here)")
+    else:
+        lines.append("every logged loss agrees")
+    if d.compared_step is not None:
+        if d.entries:
+            lines.append(f"state at step {d.compared_step}: {len(d.entries)} entries differ")
+            lines += [f"  {e.name}: {e.what}" for e in d.entries[:8]]
+            if len(d.entries) > 8:
+                lines.append(f"  ... and {len(d.entries) - 8} more")
+        else:
+            lines.append(f"state at step {d.compared_step}: every entry equal")
+    else:
+        lines.append("no checkpoint step held by both runs to compare")
+    lines += [f"hint: {h}" for h in d.hints]
+    return lines
+
+
+# --- the whole proof -----------------------------------------------------------------------------------
+
+def plan(kills: int, signals: str, rng: random.Random) -> list[tuple[str, int]]:
+    """Each trial's phase and signal: the phases in turn from a seeded start, so that a few trials
+    already cover most of them, the signals alternating when both are asked for."""
+    start = rng.randrange(len(PHASES))
+    sigs = SIGNALS[signals]
+    return [(PHASES[(start + i) % len(PHASES)], sigs[i % len(sigs)]) for i in range(kills)]
+
+
+def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
+          progress: Callable[[str], None]) -> tuple[int, list[str]]:
+    """The exit code (0 proven, 1 a resume diverged or the command is not deterministic) and the report."""
+    check_command(cmd, kills)
+    rng = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix="trainjob-prove-"))
+    progress("prove: reference run (uninterrupted)")
+    reference = run_reference(cmd, work)
+    if reference.code != EXIT_OK or not reference.artifacts:
+        raise UsageError(f"the uninterrupted reference run exited {reference.code} and published "
+                         f"{sorted(reference.artifacts) or 'nothing'}: prove needs a command that completes "
+                         f"(its output: {reference.pvc.parent / 'launch-01.stderr'})")
+    progress(f"prove: reference done in {reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints")
+    if twice:
+        progress("prove: second reference run (--twice)")
+        again = run_reference(cmd, work, "reference-again")
+        if again.artifacts != reference.artifacts or again.code != reference.code:
+            lines = ["trainjob prove: NOT DETERMINISTIC: two uninterrupted runs of the command published different "
+                     "bytes, so a resume cannot be judged; set the seeds and torch.use_deterministic_algorithms(True) "
+                     "(docs/prove.md)", *describe(divergence(reference.pvc, again.pvc), "the first run"),
+                     f"runs kept in {work}"]
+            return 1, lines
+    trials, verdicts = [], []
+    for index, (phase, sig) in enumerate(plan(kills, signals, rng), 1):
+        trial = run_trial(cmd, work, index, phase, sig, reference, rng)
+        verdict = judge(index, trial, reference, verify_problem)
+        trials.append(trial)
+        verdicts.append(verdict)
+        progress(f"prove: trial {index}/{kills} {trial.signal} {phase}: launches {list(trial.codes)}: "
+                 + ("ok" if not verdict.problems else "; ".join(verdict.problems)))
+    lines = report(reference, trials, verdicts, work)
+    failed = [v for v in verdicts if v.problems]
+    if not failed:
+        shutil.rmtree(work, ignore_errors=True)
+        return 0, lines
+    return 1, lines
+
+
+def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], work: Path) -> list[str]:
+    failed = [v for v in verdicts if v.problems]
+    delivered = sum(not t.landed.startswith("not delivered") for t in trials)
+    lines = [f"trainjob prove: {len(trials)} trials, {delivered} signals delivered, reference "
+             f"{reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints",
+             f"{'trial':<6}{'signal':<9}{'phase':<28}{'launches':<14}result"]
+    for t, v in zip(trials, verdicts):
+        lines.append(f"{v.trial:<6}{t.signal:<9}{t.phase:<28}{' '.join(map(str, t.codes)):<14}"
+                     + ("same bytes, verified" if not v.problems else "DIFFERS"))
+        lines.append(f"{'':<6}landed {t.landed}")
+    if not failed:
+        name, blob = next(iter(reference.artifacts.items()))
+        lines.append(f"verdict: PROVEN: every trial resumed to the reference's {name} "
+                     f"(sha256 {hashlib.sha256(blob).hexdigest()[:12]}...)")
+        return lines
+    first = failed[0]
+    trial = trials[first.trial - 1]
+    lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
+                 + "; ".join(first.problems))
+    lines += describe(divergence(reference.pvc, trial.pvc))
+    lines.append(f"runs kept in {work} (reference/pvc, trial-{first.trial:02d}/pvc, each launch's stderr)")
+    return lines
