@@ -71,6 +71,7 @@ def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
 # --- real launches -----------------------------------------------------------------------------------
 
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_prove_passes_the_own_loop_example(capsys):
     """Slower than 20 s: five launches of a torch script (the reference, two trials of two)."""
     code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, str(ROOT / "examples/own_loop.py"),
@@ -81,6 +82,7 @@ def test_prove_passes_the_own_loop_example(capsys):
 
 
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_a_batch_generator_living_across_steps_is_caught_at_the_first_step_after_the_resume(tmp_path, capsys):
     """Slower than 20 s: as above, on a copy of the example whose batches come from one generator."""
     source = (ROOT / "examples/own_loop.py").read_text()
@@ -106,6 +108,7 @@ def digits(tmp_path_factory) -> Path:
 
 
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries_named(digits, monkeypatch,
                                                                                       capsys):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests/helpers"))
@@ -119,6 +122,7 @@ def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries
 
 
 @pytest.mark.process
+@pytest.mark.killpoint
 def test_the_lab_trainer_is_proven_and_twice_finds_it_deterministic(capsys):
     code = cli.main(["prove", "--kills", "2", "--twice", "--signal", "both", "--", PYTHON, "-m", "trainjob",
                      "run", "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "2", "--idempotent"])
