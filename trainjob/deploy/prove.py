@@ -1,8 +1,8 @@
 """``trainjob prove``: kill a user's training command at random instants and say where its resume diverges.
 
 One uninterrupted run (the reference), then N trials: each is killed once, at an instant chosen in
-one of four phases of the run (before the first checkpoint, between checkpoints, during a
-checkpoint write, after ``completed``), and relaunched as a supervisor would (while the launch's
+one of four phases of the run (between checkpoints, during a checkpoint write, before the first
+checkpoint, after ``completed``, in that order), and relaunched as a supervisor would (while the launch's
 code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial passes when it
 ends with the reference's code, publishes the reference's artifact bytes and leaves a PVC that
 ``trainjob verify`` accepts. When one does not, ``divergence`` reads both PVCs: the first step
@@ -31,6 +31,9 @@ from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
 from .launches import artifacts, events, kill_when, spawn
 
 PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
+# The order trials take them in: first where a resume from a checkpoint can go wrong, so that two
+# trials already test one; a kill before any checkpoint only restarts the run.
+ORDER = (PHASES[1], PHASES[2], PHASES[0], PHASES[3])
 SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
 MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
 PVC = "{pvc}"
@@ -53,6 +56,7 @@ class Outcome:
     signal: str = ""
     landed: str = ""  # the last logged event when the signal landed
     checkpoint_times: tuple[float, ...] = ()
+    first_line: float = 0.0  # seconds until the log's first line: start-up (imports) before it
 
 
 @attrs.frozen
@@ -109,9 +113,16 @@ def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Cal
     def checkpoints() -> int:
         return sum(e["event"] == "checkpointed" for e in events(pvc))
 
-    if phase == PHASES[0]:
-        deadline = time.monotonic() + rng.uniform(0, times[0] if times else reference.seconds)
-        return lambda: time.monotonic() >= deadline or checkpoints() > 0
+    if phase == PHASES[0]:  # a random delay after the run's first log line (start-up is not the run)
+        delay = rng.uniform(0, (times[0] if times else reference.seconds) - reference.first_line)
+
+        def before() -> bool:
+            if "since" not in state:
+                if not events(pvc):
+                    return False
+                state["since"] = time.monotonic()
+            return time.monotonic() - state["since"] >= delay or checkpoints() > 0
+        return before
     if phase == PHASES[1]:
         delay = rng.uniform(0, gap)
 
@@ -150,8 +161,12 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
     started = time.monotonic()
     proc, err = _launch(for_pvc(cmd, pvc), pvc, 1)
     times: list[float] = []
+    first_line = None
     while proc.poll() is None:
-        seen = sum(e["event"] == "checkpointed" for e in events(pvc))
+        logged = events(pvc)
+        if first_line is None and logged:
+            first_line = time.monotonic() - started
+        seen = sum(e["event"] == "checkpointed" for e in logged)
         times += [time.monotonic() - started] * (seen - len(times))
         time.sleep(0.005)
     err.close()
@@ -159,7 +174,7 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
     times += [time.monotonic() - started] * (seen - len(times))
     code = proc.returncode
     return Outcome(pvc, (code,), job_exit([code]), time.monotonic() - started, artifacts(pvc),
-                   checkpoint_times=tuple(times))
+                   checkpoint_times=tuple(times), first_line=first_line or 0.0)
 
 
 def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, reference: Outcome,
@@ -338,12 +353,11 @@ def describe(d: Divergence, against: str = "the reference") -> list[str]:
 
 # --- the whole proof -----------------------------------------------------------------------------------
 
-def plan(kills: int, signals: str, rng: random.Random) -> list[tuple[str, int]]:
-    """Each trial's phase and signal: the phases in turn from a seeded start, so that a few trials
-    already cover most of them, the signals alternating when both are asked for."""
-    start = rng.randrange(len(PHASES))
+def plan(kills: int, signals: str) -> list[tuple[str, int]]:
+    """Each trial's phase and signal: the phases in turn (``ORDER``), the signals alternating when
+    both are asked for. The seed picks the instants within them."""
     sigs = SIGNALS[signals]
-    return [(PHASES[(start + i) % len(PHASES)], sigs[i % len(sigs)]) for i in range(kills)]
+    return [(ORDER[i % len(ORDER)], sigs[i % len(sigs)]) for i in range(kills)]
 
 
 def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
@@ -369,7 +383,7 @@ def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
                      f"runs kept in {work}"]
             return 1, lines
     trials, verdicts = [], []
-    for index, (phase, sig) in enumerate(plan(kills, signals, rng), 1):
+    for index, (phase, sig) in enumerate(plan(kills, signals), 1):
         trial = run_trial(cmd, work, index, phase, sig, reference, rng)
         verdict = judge(index, trial, reference, verify_problem)
         trials.append(trial)
