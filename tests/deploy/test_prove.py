@@ -113,10 +113,11 @@ def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests/helpers"))
     code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, "-m", "trainjob", "run", "--pvc", "{pvc}",
                      "--data", str(digits), "--trainer", "user_trainers:forgetful", "--steps", "8",
-                     "--ckpt-every", "2", "--idempotent"])
+                     "--ckpt-every", "2", "--keep", "10", "--idempotent"])
     out = capsys.readouterr().out
     assert code == 1, out
     assert "published other bytes than the reference" in out
+    assert "equals the reference's: what was saved was right, what differs after the resume was never saved" in out
     assert "  W: max abs diff" in out and "hint: optimizer state" in out
 
 

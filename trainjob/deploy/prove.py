@@ -79,6 +79,7 @@ class Divergence:
     compared_step: int | None
     entries: tuple[EntryDiff, ...]
     hints: tuple[str, ...]
+    same_at_resume: bool | None = None  # both runs' checkpoints at the resume step equal (None: not both held)
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -324,14 +325,23 @@ def divergence(reference: Path, trial: Path) -> Divergence:
         a, b = _load(reference, ref_ckpts[step]), _load(trial, trial_ckpts[step])
         if a is not None and b is not None:
             diffs, names = entry_diffs(a, b), sorted(a)
+    same = None
+    if resumed in ref_ckpts and resumed in trial_ckpts:
+        a, b = _load(reference, ref_ckpts[resumed]), _load(trial, trial_ckpts[resumed])
+        same = None if a is None or b is None else not entry_diffs(a, b)
     return Divergence(first, (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None),
-                      resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)))
+                      resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)), same)
 
 
 def describe(d: Divergence, against: str = "the reference") -> list[str]:
     lines = []
     if d.resumed_from is not None:
         lines.append(f"resumed from step {d.resumed_from}")
+    if d.same_at_resume:
+        lines.append(f"the checkpoint at step {d.resumed_from} equals {against}'s: what was saved was right, "
+                     "what differs after the resume was never saved")
+    elif d.same_at_resume is False:
+        lines.append(f"the checkpoint at step {d.resumed_from} already differs from {against}'s")
     if d.first_loss_step is not None:
         lines.append(f"first differing loss: step {d.first_loss_step} (loss_milli {d.losses[0]} in {against}, "
                      f"{d.losses[1]} here)")
