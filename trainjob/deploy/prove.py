@@ -189,11 +189,11 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
     delivered = kill_when(proc, ready, sig)
     logged = events(pvc)
     landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
-    writing = [p.name for p in _listing(pvc / "checkpoints") if p.name.startswith(".tmp-")]
+    writing = [m.group(1) for p in _listing(pvc / "checkpoints") if (m := re.match(r"\.tmp-step-0*(\d+)", p.name))]
     if not delivered:
         landed = "not delivered: the launch had ended"
     elif writing:
-        landed += f", while {writing[0]} was being written"
+        landed += f", mid-write of step {writing[0]}"
     codes = [proc.wait()]
     err.close()
     code = job_exit(codes)
@@ -302,7 +302,7 @@ def hints(names: Sequence[str], differing: Sequence[EntryDiff], first_loss_step:
                      "if the optimizer keeps state, return it from state_dict() and restore it in load_state_dict()")
     elif not any(RANDOMNESS.search(n) for n in names):
         found.append("RNG or data loader position: the model and optimizer were restored, yet the run went elsewhere "
-                     "after the resume; a generator or iterator created before the loop restarts on a relaunch: "
+                     "after the resume; a generator or iterator made before the loop restarts on a relaunch: "
                      "derive each step's randomness from the step (np.random.default_rng([seed, step])) or save its "
                      "state")
     if any(SCHEDULER.search(d.name) for d in differing) and not any(OPTIMIZER.search(d.name) for d in differing):
