@@ -28,7 +28,7 @@ import attrs
 
 from ..errors import InputError, UsageError
 from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
-from .launches import artifacts, events, kill_when, spawn
+from .launches import artifacts, events, kill_when, last_event, spawn
 
 PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
 # The order trials take them in: first where a resume from a checkpoint can go wrong, so that two
@@ -109,35 +109,30 @@ def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Cal
     count = len(times)
     gap = (times[-1] - times[0]) / (count - 1) if count > 1 else reference.seconds / 2
     nth = rng.randint(1, max(1, count - 1))  # a checkpoint to resume from, not the last one
-    state: dict[str, float] = {}
 
     def checkpoints() -> int:
         return sum(e["event"] == "checkpointed" for e in events(pvc))
 
     if phase == PHASES[0]:  # a random delay after the run's first log line (start-up is not the run)
-        delay = rng.uniform(0, (times[0] if times else reference.seconds) - reference.first_line)
-
-        def before() -> bool:
-            if "since" not in state:
-                if not events(pvc):
-                    return False
-                state["since"] = time.monotonic()
-            return time.monotonic() - state["since"] >= delay or checkpoints() > 0
-        return before
+        ready = _after(lambda: bool(events(pvc)), rng.uniform(0, (times[0] if times else reference.seconds)
+                                                             - reference.first_line))
+        return lambda: ready() or checkpoints() > 0
     if phase == PHASES[1]:
-        delay = rng.uniform(0, gap)
-
-        def between() -> bool:
-            if "since" not in state:
-                if checkpoints() < nth:
-                    return False
-                state["since"] = time.monotonic()
-            return time.monotonic() - state["since"] >= delay
-        return between
+        return _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
     if phase == PHASES[2]:
-        staging = pvc / "checkpoints"
-        return lambda: checkpoints() >= nth and any(p.name.startswith(".tmp-") for p in _listing(staging))
-    return lambda: bool(events(pvc)) and events(pvc)[-1]["event"] == "completed"
+        return lambda: checkpoints() >= nth and any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
+    return lambda: last_event(pvc) == "completed"
+
+
+def _after(started: Callable[[], bool], delay: float) -> Callable[[], bool]:
+    """True from ``delay`` seconds after ``started()`` first held."""
+    since: list[float] = []
+
+    def ready() -> bool:
+        if not since and started():
+            since.append(time.monotonic())
+        return bool(since) and time.monotonic() - since[0] >= delay
+    return ready
 
 
 def _listing(folder: Path) -> list[Path]:
@@ -198,7 +193,7 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
     err.close()
     code = job_exit(codes)
     while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
-        if events(pvc) and events(pvc)[-1]["event"] == "completed":
+        if last_event(pvc) == "completed":
             code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
             break
         proc, err = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
