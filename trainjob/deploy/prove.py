@@ -117,8 +117,9 @@ def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Cal
         ready = _after(lambda: bool(events(pvc)), rng.uniform(0, (times[0] if times else reference.seconds)
                                                              - reference.first_line))
         return lambda: ready() or checkpoints() > 0
-    if phase == PHASES[1]:
-        return _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
+    if phase == PHASES[1]:  # a random delay after the nth checkpoint, and before the next one commits
+        ready = _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
+        return lambda: ready() or checkpoints() > nth
     if phase == PHASES[2]:
         return lambda: checkpoints() >= nth and any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
     return lambda: last_event(pvc) == "completed"
