@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prove", help="kill your training command at random instants; exit 0 only if every "
                                       "resume reaches the uninterrupted run's bytes")
     pr.add_argument("--kills", type=int, default=4, help="trials, each killed once (default %(default)s)")
-    pr.add_argument("--seed", type=int, default=0, help="seeds the phases and instants (default %(default)s)")
+    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase (default %(default)s)")
     pr.add_argument("--signal", choices=("KILL", "TERM", "both"), default="KILL",
                     help="what each trial receives (default %(default)s; both: alternating)")
     pr.add_argument("--twice", action="store_true",

@@ -45,12 +45,17 @@ def kill_launch(proc: subprocess.Popen, torchrun: bool = True, sig: int = signal
 def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], sig: int = signal.SIGKILL,
               torchrun: bool = True) -> bool:
     """Signal the launch the first time ``ready()`` holds while it runs; True when the signal was
-    delivered to a launch that had not ended by itself in between."""
+    delivered to a launch that had not ended by itself in between. SIGKILL goes to every process of
+    the launch (a node dies); any other signal to its first process alone, as the kubelet sends
+    SIGTERM: the launcher must pass it on."""
     while proc.poll() is None and not ready():
         time.sleep(POLL)
     if proc.poll() is not None:
         return False
-    kill_launch(proc, torchrun, sig)
+    if sig == signal.SIGKILL:
+        kill_launch(proc, torchrun, sig)
+    else:
+        proc.send_signal(sig)
     # A SIGKILL that found the launch already exiting shows as its own exit status, not -9.
     return sig != signal.SIGKILL or proc.wait() == -signal.SIGKILL
 

@@ -28,13 +28,14 @@ import attrs
 
 from ..errors import InputError, UsageError
 from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
-from .launches import artifacts, events, kill_when, last_event, spawn
+from .launches import artifacts, events, kill_launch, kill_when, last_event, spawn
 
 PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
 # The order trials take them in: first where a resume from a checkpoint can go wrong, so that two
 # trials already test one; a kill before any checkpoint only restarts the run.
 ORDER = (PHASES[1], PHASES[2], PHASES[0], PHASES[3])
 SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
+GRACE = 120  # seconds a signalled launch gets to checkpoint and exit before it is killed whole
 MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
 PVC = "{pvc}"
 # Entry names that hold an optimizer's state or randomness: what a hint can point at.
@@ -190,7 +191,11 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
         landed = "not delivered: the launch had ended"
     elif writing:
         landed += f", mid-write of step {writing[0]}"
-    codes = [proc.wait()]
+    try:
+        codes = [proc.wait(timeout=GRACE)]
+    except subprocess.TimeoutExpired:  # a SIGTERM the command ignored: as the kubelet, kill it
+        kill_launch(proc)
+        codes = [proc.wait()]
     err.close()
     code = job_exit(codes)
     while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
