@@ -114,15 +114,18 @@ def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Cal
     def checkpoints() -> int:
         return sum(e["event"] == "checkpointed" for e in events(pvc))
 
+    def writing() -> bool:
+        return any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
+
     if phase == PHASES[0]:  # a random delay after the run's first log line (start-up is not the run)
         ready = _after(lambda: bool(events(pvc)), rng.uniform(0, (times[0] if times else reference.seconds)
                                                              - reference.first_line))
-        return lambda: ready() or checkpoints() > 0
+        return lambda: ready() or writing() or checkpoints() > 0  # at the latest, as the first one is written
     if phase == PHASES[1]:  # a random delay after the nth checkpoint, and before the next one commits
         ready = _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
         return lambda: ready() or checkpoints() > nth
     if phase == PHASES[2]:
-        return lambda: checkpoints() >= nth and any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
+        return lambda: checkpoints() >= nth and writing()
     return lambda: last_event(pvc) == "completed"
 
 
