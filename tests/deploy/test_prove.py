@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, trainjob
 from trainjob import cli
-from trainjob.deploy import prove
+from trainjob.deploy import divergence, prove
 
 PYTHON = sys.executable
 BETWEEN_AND_DURING = ["--kills", "2"]
@@ -46,16 +46,16 @@ def test_the_plan_covers_every_phase_in_four_trials_resumes_first_and_alternates
 def test_entry_diffs_name_each_entry_with_its_largest_difference():
     a = {"w": np.array([1.0, 2.0]), "same": np.zeros(2), "gone": np.ones(1)}
     b = {"w": np.array([1.0, 2.5]), "same": np.zeros(2), "new": np.ones(1)}
-    assert [(d.name, d.what) for d in prove.entry_diffs(a, b)] == [
+    assert [(d.name, d.what) for d in divergence.entry_diffs(a, b)] == [
         ("gone", "only in the reference"), ("new", "only in the trial"), ("w", "max abs diff 0.5")]
 
 
 def test_hints_point_at_the_optimizer_when_the_checkpoint_holds_none_and_else_at_randomness():
-    differ = [prove.EntryDiff("W", "max abs diff 1")]
-    assert prove.hints(["W", "b"], differ, 3, 2)[0].startswith("optimizer state")
-    assert prove.hints(["model.0.weight", "optim.0.momentum_buffer"], differ, 3, 2)[0].startswith("RNG")
-    assert prove.hints(["W"], [], None, 2) == []  # nothing differs: nothing to blame
-    assert prove.hints(["W"], differ, 3, None) == []  # no resume: not the resume's fault
+    differ = [divergence.EntryDiff("W", "max abs diff 1")]
+    assert divergence.hints(["W", "b"], differ, 3, 2)[0].startswith("optimizer state")
+    assert divergence.hints(["model.0.weight", "optim.0.momentum_buffer"], differ, 3, 2)[0].startswith("RNG")
+    assert divergence.hints(["W"], [], None, 2) == []  # nothing differs: nothing to blame
+    assert divergence.hints(["W"], differ, 3, None) == []  # no resume: not the resume's fault
 
 
 def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
@@ -63,8 +63,8 @@ def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
     lines = [("checkpointed", "step=2 loss_milli=310"), ("checkpointed", "step=4 loss_milli=241"),
              ("resumed", "from_step=2"), ("checkpointed", "step=4 loss_milli=240")]
     log.write_text("".join(f'{{"ts":"t","event":"{e}","detail":"{d}"}}\n' for e, d in lines) + '{"torn')
-    assert prove.losses(tmp_path) == {2: 310, 4: 240}
-    assert prove.resumed_from(tmp_path) == 2
+    assert divergence.losses(tmp_path) == {2: 310, 4: 240}
+    assert divergence.resumed_from(tmp_path) == 2
 
 
 # --- real launches -----------------------------------------------------------------------------------
