@@ -11,6 +11,7 @@ thread. The state is the weight, the bias and their momentum buffers: 128 MiB at
     python scripts/bench_torch.py engine MODE DIR STEPS EVERY OUT            # trainjob run, loop timed
     python scripts/bench_torch.py async-peers DIR REPEAT                     # async save peers, one state
     python scripts/bench_torch.py steps DIR STEPS BLOCKS                     # per-step time, Run vs bare
+    python scripts/bench_torch.py full-state DIR STEPS BLOCKS                # the same, with TrainingState
 
 ``bare`` trains STEPS steps and, when EVERY > 0, saves model and optimizer with ``torch.save`` and
 fsyncs every EVERY steps and the model once at the end (what a user writes without trainjob).
@@ -26,6 +27,10 @@ of one step's body to the start of the next, so the engine's work between steps 
 stop check, "is a checkpoint due?") is inside the interval, under ``trainjob.Run`` (a checkpoint
 only at the last step, whose interval is not counted) and in a bare ``for`` loop, in BLOCKS
 alternating blocks of STEPS steps; JSON lists of seconds per step.
+``full-state`` is ``steps`` for a script's whole state (``trainjob.torch.TrainingState``: the same
+Linear, AdamW, a warm-up LambdaLR, a StatefulDataLoader, the RNG streams), plus the milliseconds a
+checkpoint's snapshot spends on the plain values and RNG streams: a snapshot of the whole state
+less one of the model and optimizer tensors alone, interleaved.
 ``async-peers`` times, on the same live state: one in-memory copy of it into buffers kept (the
 copy limit), trainjob's ``BackgroundSaver`` (stall: the hand-off; end to end: until the commit)
 and ``torch.distributed.checkpoint.async_save`` (stall: until it returns; end to end: its
@@ -283,22 +288,23 @@ def async_peers(directory: Path, repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def timed(loop, into: list[float]):
+    """Yield ``loop``'s items, appending to ``into`` the seconds from one item's start to the next's."""
+    last = None
+    for item in loop:
+        now = time.perf_counter()
+        if last is not None:
+            into.append(now - last)
+        last = now
+        yield item
+
+
 def steps(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
     """Seconds per step with no checkpoint due, under trainjob.Run and bare, alternating blocks."""
     from trainjob import Run
 
     model = BigTorch()
     times: dict[str, list[float]] = {"trainjob": [], "bare": []}
-
-    def timed(loop, into: list[float]) -> None:
-        last = None
-        for step in loop:
-            now = time.perf_counter()
-            if last is not None:
-                into.append(now - last)
-            last = now
-            yield step
-
     for block in range(blocks):
         for step in timed(range(1, n + 1), times["bare"]):
             model.step(step)
@@ -311,8 +317,64 @@ def steps(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
     return times
 
 
+def full_state(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
+    """Seconds per step, trainjob.Run with a TrainingState vs bare; seconds per snapshot of the
+    plain values and RNG streams (the whole state less its tensors alone)."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainjob import Run
+    from trainjob.checkpoint.snapshot import HostState
+    from trainjob.torch import TrainingState
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Linear(DIM, DIM)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    data = torch.utils.data.TensorDataset(torch.randn(BATCH * 8, DIM))
+    loader = StatefulDataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(0))
+    state = TrainingState(model=net, optimizer=opt, scheduler=sched, loader=loader)
+    tensors_only = TrainingState(model=net, optimizer=opt, rng=False)
+    batches = iter(())
+
+    def step() -> float:
+        nonlocal batches
+        try:
+            (x,) = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            (x,) = next(batches)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), x)
+        loss.backward()
+        opt.step()
+        sched.step()
+        return loss.item()
+
+    times: dict[str, list[float]] = {"trainjob": [], "bare": [], "snapshot_whole": [], "snapshot_tensors": []}
+    for block in range(blocks):
+        for _ in timed(range(n), times["bare"]):
+            step()
+        pvc = directory / f"full{block}"
+        with Run(pvc, state=state, steps=n, ckpt_every=n, raise_errors=True) as run:
+            for _ in timed(run, times["trainjob"]):
+                run.report(step())
+            run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
+                     export=dict(net.state_dict()))
+        shutil.rmtree(pvc)
+        for _ in range(5):  # a snapshot on the host is views, so the difference is the plain values' cost
+            for name, which in (("snapshot_whole", state), ("snapshot_tensors", tensors_only)):
+                began = time.perf_counter()
+                HostState().snapshot(which.state_dict(), 1)
+                times[name].append(time.perf_counter() - began)
+    return times
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "full-state":
+        print(json.dumps(full_state(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
+        sys.exit(0)
     if mode == "engine":
         engine(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), Path(sys.argv[6]))
         sys.exit(0)

@@ -32,14 +32,15 @@ if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0
     rm -f "$apt_log"
 fi
 python3 -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
-# The torchrun test (tests/trainers/test_torch.py) needs torch. This exact pin is the CPU wheel CI has on
-# local disk (any other version downloads gigabytes); where it cannot be installed the test skips
-# with the reason, except under CI=true, where a missing torch fails the run.
+# The torch tests (tests/trainers/test_torch.py, examples/finetune.py's) need torch. This exact pin is
+# the CPU wheel CI has on local disk (any other version downloads gigabytes); where it cannot be
+# installed those tests skip with the reason, except under CI=true, where a missing torch fails the
+# run. It goes in first: the test extra's torchdata requires some torch, and pip then keeps this one.
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
     .venv/bin/python -m pip install -q --disable-pip-version-check 'torch==2.13.0' \
         || { echo "test.sh: could not install torch==2.13.0${CI:+ (CI needs it)}" >&2; [ -z "${CI:-}" ] || exit 1; }
 fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 
 failed=()
 step() {  # step NAME COMMAND...: run it, say how it ended, remember a failure

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "trainjob"
-FOUNDATION = ("errors", "exits", "records", "states", "tensors", "defaults")
+FOUNDATION = ("errors", "exits", "records", "states", "tensors", "defaults", "plain", "state_tree")
 # A module may import its own part and any part of a lower rank.
 RANK = {**dict.fromkeys(FOUNDATION, 0), "trainers": 1, "storage": 2, "checkpoint": 3, "ranks": 4,
-        "engine": 5, "views": 6, "deploy": 7, "cli": 8, "__main__": 8, "": 8}
+        "engine": 5, "views": 6, "deploy": 7, "cli": 8, "__main__": 8, "": 8,
+        "torch": 8}
 
 
 def module_name(path: Path) -> str:

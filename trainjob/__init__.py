@@ -1,9 +1,10 @@
 """trainjob: a training-job engine that refuses silent success.
 
 What trainer authors and library users import comes from here, and only what ``__all__`` lists is
-promised; every other module path may move (``tests/test_public.py`` pins the list). Two optional
+promised; every other module path may move (``tests/test_public.py`` pins the list). Optional
 modules are public too, because ``import trainjob`` must not need their extras:
-``trainjob.trainers.torch_state`` (the PyTorch adapter, ``trainjob[torch]``) and
+``trainjob.torch`` (the PyTorch adapter: ``TrainingState``, ``trainjob[torch]``),
+``trainjob.trainers.torch_state`` (its older, tensors-only helpers) and
 ``trainjob.trainers.digits`` (the built-in digits data and trainer). The command line is
 ``trainjob.cli.main``; the parts of the package are described in the README, "Reading the code".
 """

@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--pvc", type=Path, required=True)
     rs.add_argument("--world-size", type=int, required=True)
     rs.add_argument("--step", type=int, help="the step to reshard (default: the newest that verifies)")
+    rs.add_argument("--drop-rank-local", action="store_true",
+                    help="reshard a checkpoint holding rank-local state (RNG streams, loader positions) without it")
     rs.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
@@ -348,7 +350,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         raise InputError(f"{pvc.root}: not a PVC directory")
     check_writable(_log_path(args))
     with pvc.lock():
-        job = Reshard(pvc, EventLog(_log_path(args)), spec.world_size, args.step)
+        job = Reshard(pvc, EventLog(_log_path(args)), spec.world_size, args.step, args.drop_rank_local)
         if job.target_exists():
             emit(f"checkpoints/{job.target.name} already exists and verifies; nothing to do")
             return EXIT_OK

@@ -304,6 +304,7 @@ def test_a_log_with_only_supervisor_lines_is_not_a_run_outcome(tmp_path):
     assert shown.returncode == 2 and "holds no events from trainjob run" in shown.stderr
 
 
+@pytest.mark.torchrun
 def test_a_w_rank_child_whose_rank_1_meets_bad_input_first_stops_the_supervisor_with_2(tmp_path):
     """supervise reads a W-rank child by the product's rule (exits.job_exit, in the local launcher):
     rank 1 refuses its input and rank 0, stopped for it, says 75; the launch is 2, not relaunched."""

@@ -40,7 +40,7 @@ class TorchLab:
         if self.steps < self.bad_at or self.bad in ("", "load_raises"):
             return live
         w = live["model.0.weight"]
-        broken = {"not_a_tensor": [1.0, 2.0], "renamed": w, "reshaped": w.reshape(-1),
+        broken = {"not_a_tensor": {1.0, 2.0}, "renamed": w, "reshaped": w.reshape(-1),
                   "retyped": w.double(), "non_contiguous": w.t(), "sparse": w.to_sparse()}[self.bad]
         name = "model.0.renamed" if self.bad == "renamed" else "model.0.weight"
         del live["model.0.weight"]

@@ -169,7 +169,7 @@ def test_an_illegal_log_is_refused_not_drawn(tmp_path, walkthrough_log):
     result = trainjob("diagram", "--log", log)
     assert result.returncode == 2 and result.stdout == ""
     assert ("line 5: illegal step from killed: job_started "
-            "(expected one of: ranks_coordinated, cleaned_up, checkpoint_rejected, resumed, resharded)") in result.stderr
+            "(expected one of: ranks_coordinated, cleaned_up, checkpoint_rejected, resumed, rank_local_dropped, resharded)") in result.stderr
 
 
 # --- the committed pictures -----------------------------------------------------------------------

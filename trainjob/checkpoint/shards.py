@@ -169,7 +169,8 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
 
 
 def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray] | None,
-                  size: int | None = None, sha256: str | None = None) -> str | None:
+                  size: int | None = None, sha256: str | None = None,
+                  metadata: dict[str, str] | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
     every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
     header says exactly what ``holds`` says, else the reason.
@@ -201,6 +202,8 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
         except ValueError as exc:
             raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
         seen = 8 + n
+        if metadata is not None:  # handed out as read; the caller uses it only once this returns None
+            metadata.update(_metadata(path.name, header))
         for h in _check_header(path.name, header, holds, total - seen):
             if dest is None:  # verify only: the same checks, the bytes through a bounded buffer
                 want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
@@ -243,6 +246,14 @@ def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:
     return done
 
 
+def _metadata(name: str, header: object) -> dict[str, str]:
+    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError(f"{name + ': ' if name else ''}not a valid safetensors file (__metadata__ is not a map "
+                         "of strings)")
+    return meta
+
+
 def read_metadata(data: bytes) -> dict[str, str]:
     """The ``__metadata__`` of a safetensors file held in ``data``; ValueError when it is not one."""
     n = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
@@ -252,10 +263,7 @@ def read_metadata(data: bytes) -> dict[str, str]:
         header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
     except ValueError as exc:
         raise ValueError(f"not a valid safetensors file ({exc})") from None
-    meta = header.get("__metadata__", {}) if isinstance(header, dict) else None
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError("not a valid safetensors file (__metadata__ is not a map of strings)")
-    return meta
+    return _metadata("", header).copy()
 
 
 def read(path: Path, holds: Sequence[TensorSlice]) -> dict[str, np.ndarray]:

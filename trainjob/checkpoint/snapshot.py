@@ -8,9 +8,16 @@ device once into a host buffer it keeps for the next checkpoint (pinned when CUD
 ``live`` turns host arrays read from a checkpoint back into the types the trainer handed out,
 for its ``load_state_dict``: a torch tensor viewing the host array, never a numpy round trip.
 
-It also holds the rules a state must keep between checkpoints (the same names, shapes and
-dtypes as at the first snapshot; dense, contiguous, at least one axis) and refuses a state that
-breaks one with a UsageError naming the array and what to change, before anything is written.
+A state may nest mappings and hold plain values beside its arrays (``state_tree.py``): a snapshot
+names each array by its path and encodes the plain values as JSON text (``plain.py``), one
+document of the replicated values and one of the rank-local parts, which travel with the host
+arrays (``HostArrays.metadata``) into the shard's header, covered by its sha256.
+
+It also holds the rules a state must keep between checkpoints (the same array names, shapes and
+dtypes as at the first snapshot; dense, contiguous, at least one axis; plain values of the types
+``plain.py`` knows) and refuses a state that breaks one with a UsageError naming the entry and
+what to change, before anything is written. At a resume, ``live`` checks a checkpoint's plain
+values against the live state's (the same keys and kinds) before handing anything over.
 
 torch is never imported here: a value is a tensor only if torch is already loaded (the trainer
 imported it). No I/O.
@@ -25,12 +32,35 @@ from typing import Any
 import numpy as np
 
 from . import shards
-from ..errors import UsageError
+from .. import plain, state_tree as tree
+from ..errors import InputError, UsageError
 from ..records import TensorSpec
 
 # torch dtype name -> safetensors code; the numpy side of each code is in shards.py.
 _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+PLAIN_KEY, LOCAL_KEY = "trainjob.plain", "trainjob.local"  # shard metadata: the two plain documents
+
+
+class HostArrays(dict[str, np.ndarray]):
+    """One snapshot's host arrays, with its plain values as JSON text: ``plain`` (replicated,
+    stored in rank 0's shard) and ``local`` (this rank's RankLocal parts, in its own shard)."""
+
+    def __init__(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
+                 local_text: str | None = None) -> None:
+        super().__init__(arrays)
+        self.plain, self.local = plain_text, local_text
+
+    def metadata(self, rank: int) -> dict[str, str]:
+        """What rank ``rank``'s shard header holds besides its arrays."""
+        meta = {}
+        if self.plain is not None and rank == 0:
+            meta[PLAIN_KEY] = self.plain
+        if self.local is not None:
+            meta[LOCAL_KEY] = self.local
+        return meta
 
 
 def _torch() -> Any:
@@ -127,6 +157,9 @@ class HostState:
     def __init__(self, copy: bool = False) -> None:
         self.copy = copy
         self.specs: tuple[TensorSpec, ...] | None = None
+        self.paths: dict[str, tuple[str, ...]] = {}  # array name -> its path in a nested state
+        self.plain: Any = None  # the first snapshot's plain documents, what a checkpoint's must fit
+        self.local: Any = None
         self.tensors: set[str] = set()  # names whose live value is a torch tensor
         self.buffers: dict[str, np.ndarray] = {}
 
@@ -144,14 +177,25 @@ class HostState:
             self.buffers[name] = buf
         return buf
 
-    def snapshot(self, state: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
-        """Host arrays holding ``state`` (a trainer's ``state_dict()``) as it is now.
+    def snapshot(self, state: Mapping[str, Any], step: int) -> HostArrays:
+        """Host arrays holding ``state`` (a trainer's ``state_dict()``) as it is now, and its
+        plain values as text.
 
         The first call fixes the names, shapes and dtypes; a later state that differs is a
         UsageError naming the array (``step`` says when). Raises before anything is written."""
+        if not isinstance(state, Mapping):
+            raise UsageError(f"state_dict() returned {type(state).__name__}, expected a mapping of names to arrays")
+        try:
+            parts = tree.split(state, _torch())
+            plain_text = None if parts.plain is None else plain.encode(parts.plain)
+            local_text = None if parts.local is None else plain.encode(parts.local)
+        except plain.PlainError as exc:
+            raise UsageError(f"state_dict(): {exc}") from None
+        state = parts.arrays
         specs = specs_of(state)
         if self.specs is None:
-            self.specs = specs
+            self.specs, self.paths = specs, parts.paths
+            self.plain, self.local = parts.plain, parts.local
             self.tensors = {n for n, v in state.items() if is_tensor(v)}
         elif specs != self.specs:
             raise UsageError(f"step {step}: {_changes(self.specs, specs)}")
@@ -172,9 +216,33 @@ class HostState:
             out[spec.name] = buf
         if device_copies:
             _torch().cuda.synchronize()  # the non-blocking copies above must land before a write
-        return out
+        return HostArrays(out, plain_text, local_text)
 
-    def live(self, arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        """``arrays`` (host arrays read from a checkpoint) as the types the trainer's state holds:
-        a CPU tensor viewing the same memory where its value was a tensor, else the array."""
-        return {n: as_tensor(a) if n in self.tensors else a for n, a in arrays.items()}
+    def live(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
+             local_text: str | None = None, where: str = "the checkpoint",
+             local_dropped: bool = False) -> dict[str, Any]:
+        """A checkpoint as the state the trainer handed out: ``arrays`` (host arrays read from it)
+        as a CPU tensor viewing the same memory where its value was a tensor, else the array, at
+        their paths, with the plain values decoded from ``plain_text`` and ``local_text`` (the
+        shard metadata). InputError (exit 2) naming the entry when they do not fit the live state's
+        (keys, kinds), or a document the live state has is missing (the rank-local one may be, when
+        ``local_dropped``: a reshard was told to drop it, and the state keeps its own)."""
+        docs = []
+        for name, like, text, may_lack in (("plain values", self.plain, plain_text, False),
+                                           ("rank-local state", self.local, local_text, local_dropped)):
+            if like is None or (text is None and may_lack):
+                docs.append(None)
+                continue
+            if text is None:
+                raise InputError(f"{where}: holds no {name}, but the live state has some; relaunch with the "
+                                 "script that wrote it")
+            try:
+                found = plain.decode(text)
+                plain.check_like(like, found)
+            except plain.PlainError as exc:
+                raise InputError(f"{where}: {name}: {exc}") from None
+            docs.append(found)
+        tensors = {n: as_tensor(a) if n in self.tensors else a for n, a in arrays.items()}
+        if docs == [None, None] and all(len(p) == 1 for p in self.paths.values()):
+            return tensors  # a flat mapping of arrays, as it was handed out
+        return tree.join(tensors, self.paths, docs[0], docs[1])

@@ -40,6 +40,7 @@ import numpy as np
 
 from . import plan
 from . import shards
+from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
 from ..errors import InputError, NoSpace, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
@@ -76,6 +77,7 @@ class Verification:
     sha256: str | None
     reason: str | None
     tensors: dict[str, np.ndarray] | None = attrs.field(default=None, eq=False, repr=False)
+    metadata: dict[int, dict[str, str]] | None = attrs.field(default=None, eq=False, repr=False)  # by rank
 
 
 @attrs.frozen
@@ -84,10 +86,15 @@ class Loaded:
     manifest: Manifest
     manifest_sha256: str
     tensors: dict[str, np.ndarray]
+    metadata: dict[int, dict[str, str]] = attrs.field(factory=dict)  # each rank's shard header metadata
 
     @property
     def size(self) -> int:
         return sum(s.size for s in self.manifest.shards)
+
+    def documents(self, rank: int) -> tuple[str | None, str | None]:
+        """The plain values (rank 0's shard) and rank ``rank``'s rank-local state, as JSON text."""
+        return self.metadata.get(0, {}).get(PLAIN_KEY), self.metadata.get(rank, {}).get(LOCAL_KEY)
 
 
 class CheckpointStore:
@@ -158,12 +165,13 @@ class CheckpointStore:
                 problems.append(f"{shard.file}: {actual} bytes, the manifest says {shard.size}")
         return problems
 
-    def check_files(self, ref: Ref, manifest: Manifest,
-                    into: Mapping[str, np.ndarray] | None = None) -> str | None:
+    def check_files(self, ref: Ref, manifest: Manifest, into: Mapping[str, np.ndarray] | None = None,
+                    metadata: dict[int, dict[str, str]] | None = None) -> str | None:
         """Size and sha256 of every shard, one thread per shard; and no file beside them.
 
         With ``into`` (the whole state's arrays), each shard is read straight into its rows while
         it is hashed, and its header is checked against the manifest: one read of every byte.
+        ``metadata`` receives each shard's header metadata, by rank (the plain values).
         """
         directory = self.path(ref)
         expected = {MANIFEST, *(s.file for s in manifest.shards)}
@@ -175,7 +183,8 @@ class CheckpointStore:
             # One verification for run, reshard and verify: with or without ``into``, the header
             # is checked against the manifest and every byte hashed (what verify calls ok loads).
             rows = None if into is None else {h.name: into[h.name][h.rows] for h in shard.holds}
-            return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256)
+            meta = None if metadata is None else metadata.setdefault(shard.rank, {})
+            return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256, meta)
 
         if len(manifest.shards) == 1:
             reasons = [check(manifest.shards[0])]
@@ -202,8 +211,10 @@ class CheckpointStore:
             return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                                f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
-        reason = self.check_files(ref, manifest, full)
-        return Verification(manifest, sha, reason, full if reason is None else None)
+        metadata: dict[int, dict[str, str]] | None = {} if load else None
+        reason = self.check_files(ref, manifest, full, metadata)
+        return Verification(manifest, sha, reason, full if reason is None else None,
+                            metadata if reason is None else None)
 
     def load(self, ref: Ref, expect_sha256: str | None = None, verdict: Verification | None = None,
              into: Mapping[str, np.ndarray] | None = None) -> Loaded:
@@ -214,7 +225,7 @@ class CheckpointStore:
             verdict = self.verify(ref, expect_sha256, load=True, into=into)
         if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None or verdict.tensors is None:
             raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
-        return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors)
+        return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors, verdict.metadata or {})
 
     def staging(self, ref: Ref, generation: int) -> Path:
         """Where launch ``generation`` builds checkpoint ``ref`` before rank 0 commits it."""
@@ -242,15 +253,18 @@ class ShardWriter(CheckpointStore):
                     tensors: Mapping[str, np.ndarray]) -> ShardEntry:
         """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
         holds = plan.plan_shards(tensor_specs(tensors), world_size)[rank]
+        documents = tensors.metadata(rank) if isinstance(tensors, HostArrays) else {}
         return self.write_slices(staging, rank, world_size, step, holds,
-                                 {h.name: tensors[h.name][h.rows] for h in holds})
+                                 {h.name: tensors[h.name][h.rows] for h in holds}, documents)
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
-                     holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray]) -> ShardEntry:
+                     holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray],
+                     documents: Mapping[str, str] | None = None) -> ShardEntry:
         """(all ranks; reshard writes every rank's) Write rank ``rank``'s shard holding ``mine``
-        (described by ``holds``) into ``staging``."""
+        (described by ``holds``) and ``documents`` (its plain values, ``HostArrays.metadata``)
+        into ``staging``."""
         name = plan.shard_file(rank, world_size)
-        meta = {"rank": str(rank), "world_size": str(world_size), "step": str(step)}
+        meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
         written = write_staged(staging / name, shards.encode(mine, meta))
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 

@@ -315,6 +315,8 @@ class Job(MachineModel, AsyncCheckpoints):
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
         exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
+        if exported.plain is not None or exported.local is not None:  # an artifact holds arrays only
+            raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
         record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
                           holdout=kw["holdout"], baseline=kw["baseline"])
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers

@@ -104,11 +104,12 @@ ANNOUNCED_WITHIN = {"artifact_written": State.completed}
 # Optional notes a process's first transition may log first, in this order, each zero or more
 # times: event -> the states that transition may enter. (How the ranks of a W > 1 launch reach
 # each other; what killed writers left and was cleaned up; each checkpoint that failed
-# verification and was set aside.)
+# verification and was set aside; the rank-local state a reshard was told to drop.)
 NOTED_WITHIN: dict[str, tuple[str, ...]] = {
     "ranks_coordinated": (State.completed, State.resumed, State.started, State.job_failed),
     "cleaned_up": (State.completed, State.resumed, State.started, State.job_failed, State.resharded),
     "checkpoint_rejected": (State.resumed,),
+    "rank_local_dropped": (State.resharded,),
 }
 # States whose event claims nothing on disk (the state was copied in memory for the writer
 # thread): appended without an fsync of its own, so the loop's stall is the copy, not a log
@@ -139,6 +140,7 @@ DETAIL: dict[str, tuple[str, ...]] = {
     "ranks_coordinated": ("transport={transport} world_size={world_size:int}",),
     "cleaned_up": ("removed={removed:int} paths={paths}",),
     "checkpoint_rejected": ("path={path} moved_to={moved_to} reason={reason}",),
+    "rank_local_dropped": ("from_world_size={from_world_size:int} world_size={world_size:int}",),
     "resharded": ("step={step:int} from_world_size={from_world_size:int} world_size={world_size:int} "
                   "path={path} source_manifest_sha256={source_manifest_sha256}",),
 }

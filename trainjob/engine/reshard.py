@@ -6,6 +6,11 @@ shard from the pure plan in ``plan.plan_reshard`` and commit it like any other: 
 tmp directory, manifest last, one rename. The source is left alone (rotation removes it later),
 so a kill at any instant leaves the PVC as it was, plus at most a staging directory that the
 next start deletes. Takes the job lock: never runs beside a ``run``.
+
+Plain values (the replicated document in rank 0's shard) go to the new rank 0's shard. Rank-local
+state (each rank's RNG streams, data loader position) cannot be mapped to another number of
+ranks: a source that holds some is refused (exit 2) unless ``drop_rank_local`` is given, and the
+drop is logged (``rank_local_dropped``).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from transitions import EventData
 
 from ..checkpoint import plan
 from . import machine
+from ..checkpoint.snapshot import LOCAL_KEY, PLAIN_KEY
 from ..checkpoint.store import CheckpointStore, Verification
 from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from ..storage.eventlog import EventLog
@@ -52,7 +58,8 @@ class Reshard(MachineModel):
 
     state: str  # set by transitions.Machine
 
-    def __init__(self, pvc: Pvc, log: EventLog, world_size: int, step: int | None) -> None:
+    def __init__(self, pvc: Pvc, log: EventLog, world_size: int, step: int | None,
+                 drop_rank_local: bool = False) -> None:
         super().__init__(pvc, log)
         last = pvc.read_state()
         if last is not None and last.state == State.completed:
@@ -61,6 +68,16 @@ class Reshard(MachineModel):
         assert verdict.manifest is not None and verdict.sha256 is not None
         self.manifest, self.source_sha, self.source_tensors = verdict.manifest, verdict.sha256, verdict.tensors
         self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
+        metadata, self.dropped = verdict.metadata or {}, False
+        self.plain = metadata.get(0, {}).get(PLAIN_KEY)
+        if any(LOCAL_KEY in m for m in metadata.values()) and world_size != self.source.world_size:
+            if not drop_rank_local:
+                raise InputError(
+                    f"{self.store.rel(self.store.path(self.source))}: holds rank-local state (each rank's RNG streams or "
+                    f"data loader position) for {self.source.world_size} rank(s), which cannot be mapped to "
+                    f"{world_size}; rerun with --drop-rank-local to reshard without it (each rank then resumes "
+                    "with its own RNG and loader as the script builds them)")
+            self.dropped = True
         machine.build(self)
 
     def target_exists(self) -> bool:
@@ -80,6 +97,8 @@ class Reshard(MachineModel):
         # Each source rank's rows, as views of the verified state (held once, 1x).
         parts = {s.rank: {h.name: self.source_tensors[h.name][h.rows] for h in s.holds}
                  for s in src.shards}
+        if self.dropped:  # after persist_cleanup's note, in NOTED_WITHIN's order
+            self.notes.append(("rank_local_dropped", dict(from_world_size=src.world_size, world_size=n)))
         staging = self.store.create_staging(self.target, STAGING_GENERATION)
         entries = []
         dest_layout = plan.plan_shards(src.tensors, n)
@@ -87,7 +106,8 @@ class Reshard(MachineModel):
             mine = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
                 mine[p.tensor][p.dest_rows] = parts[p.src_rank][p.tensor][p.src_rows]
-            entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine))
+            documents = {PLAIN_KEY: self.plain} if rank == 0 and self.plain is not None else {}
+            entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine, documents))
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,
                             resharded_from=self.source_sha)

@@ -97,12 +97,14 @@ NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b8
 Progress = Callable[[int, int], None]
 
 
-def resume_into(stateful: Stateful, host: HostState, loaded: Loaded, where: str) -> None:
+def resume_into(stateful: Stateful, host: HostState, loaded: Loaded, where: str, rank: int) -> None:
     """Hand a verified checkpoint to the live state, once it is known to hold exactly its arrays
-    (host arrays that were read in place are the state's own memory: its copy is a no-op)."""
+    and plain values that fit (host arrays that were read in place are the state's own memory:
+    its copy is a no-op); ``rank`` takes its own rank-local state."""
     assert host.specs is not None
     check_resumable(host.specs, loaded.manifest.tensors, where)
-    restore(stateful, host.live(loaded.tensors))
+    dropped = loaded.manifest.resharded_from is not None  # `reshard --drop-rank-local` (the log says so)
+    restore(stateful, host.live(loaded.tensors, *loaded.documents(rank), where=where, local_dropped=dropped))
 
 
 class Run:
@@ -229,7 +231,7 @@ class Run:
         with memory_errors("loading the newest checkpoint"):
             job.read(into=initial)
             if job.loaded is not None and job.should_resume():
-                resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)))
+                resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)), 0)
         del initial  # the engine holds no reference to the state between checkpoints
         if job.saver is not None:
             job.saver.prepare(self.stateful.state_dict())  # the staging buffers, allocated before the loop
@@ -269,7 +271,7 @@ class Run:
             with memory_errors(f"loading {session.checkpoint}"):
                 loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
                                      into=initial)
-                resume_into(self.stateful, self._host, loaded, session.checkpoint)
+                resume_into(self.stateful, self._host, loaded, session.checkpoint, self.rank)
             del loaded
         del initial
         if cfg.async_checkpoint:

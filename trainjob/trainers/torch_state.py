@@ -1,5 +1,9 @@
 """PyTorch adapter: a module's and an optimizer's live tensors as one trainjob state, and back.
 
+For a whole training script (any optimizer from step 0, scheduler, data loader, RNG streams),
+use ``trainjob.torch.TrainingState`` instead; these older, tensors-only helpers stay for trainers
+written against them.
+
 Needs the optional ``torch`` extra. ``state_dict`` hands out the live tensors themselves (no copy,
 any device): trainjob reads them only when a checkpoint is due and writes them into safetensors
 shards from host memory (checkpoint/snapshot.py copies device tensors once, into reusable

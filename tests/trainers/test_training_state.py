@@ -1,0 +1,206 @@
+"""trainjob.torch.TrainingState in process: through trainjob's own snapshot and load, a resumed
+state trains on to the uninterrupted bits, for each optimizer and scheduler; taking the state
+changes nothing; and DCP's known traps (a dummy step for lazy state, initial_lr, later param
+groups, compiled FQNs) are each checked."""
+
+from __future__ import annotations
+
+import math
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainjob.checkpoint.snapshot import HostState  # noqa: E402
+from trainjob.errors import UsageError  # noqa: E402
+from trainjob.torch import TrainingState  # noqa: E402
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "adam": lambda p: torch.optim.Adam(p, lr=0.01),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "rmsprop": lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.1),
+}
+SCHEDULERS = {
+    "lambda": lambda o: torch.optim.lr_scheduler.LambdaLR(
+        o, lambda s: (s + 1) / 3 if s < 3 else 0.5 * (1 + math.cos(math.pi * (s - 3) / 7))),
+    "onecycle": lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20),
+    "sequential": lambda o: torch.optim.lr_scheduler.SequentialLR(o, [
+        torch.optim.lr_scheduler.LinearLR(o, start_factor=0.1, total_iters=3),
+        torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=7)], milestones=[3]),
+}
+
+
+class Setup:
+    """A small model with dropout, an optimizer over two param groups, a scheduler: a script's state."""
+
+    def __init__(self, optimizer="adamw", scheduler="lambda", **state_kw):
+        torch.manual_seed(0)
+        self.model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+        groups = [{"params": self.model[0].parameters()},
+                  {"params": self.model[2].parameters(), "lr": 0.003, "weight_decay": 0.5}]
+        self.opt = OPTIMIZERS[optimizer](groups)
+        self.sched = SCHEDULERS[scheduler](self.opt) if scheduler else None
+        self.state = TrainingState(model=self.model, optimizer=self.opt, scheduler=self.sched, **state_kw)
+        self.data = torch.randn(32, 6)
+
+    def step(self, n=1):
+        for _ in range(n):
+            batch = self.data[torch.randint(0, 32, (8,))]  # the global RNG, as dropout draws from it too
+            self.model(batch).pow(2).mean().backward()
+            self.opt.step()
+            if self.sched is not None:
+                self.sched.step()
+            self.opt.zero_grad()
+
+    def bits(self):
+        return [p.detach().clone() for p in self.model.parameters()]
+
+
+def checkpoint(state):
+    """What trainjob writes and reads back: host arrays (copied, as a file would hold them) and the
+    plain documents as text."""
+    arrays = HostState().snapshot(state.state_dict(), 1)
+    return {k: np.array(v) for k, v in arrays.items()}, arrays.plain, arrays.local
+
+
+def resume(setup, saved):
+    host = HostState()
+    host.snapshot(setup.state.state_dict(), 0)  # a run's first snapshot: what a checkpoint must fit
+    arrays, plain_text, local_text = saved
+    setup.state.load_state_dict(host.live(arrays, plain_text, local_text))
+
+
+def equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_taking_the_state_at_every_step_changes_nothing(optimizer):
+    plain = Setup(optimizer)
+    plain.step(3)
+    watched = Setup(optimizer)
+    for _ in range(3):
+        checkpoint(watched.state)  # from step 0, while torch has created no optimizer state yet
+        watched.step()
+    assert equal(plain.bits(), watched.bits())
+
+
+@pytest.mark.parametrize("optimizer, scheduler", [(o, "lambda") for o in OPTIMIZERS]
+                         + [("adamw", s) for s in SCHEDULERS if s != "lambda"])
+def test_a_resumed_state_trains_on_to_the_uninterrupted_bits(optimizer, scheduler):
+    straight = Setup(optimizer, scheduler)
+    straight.step(6)
+    first = Setup(optimizer, scheduler)
+    first.step(3)
+    saved = checkpoint(first.state)
+    torch.manual_seed(123)  # the relaunch's RNG is not the killed run's
+    again = Setup(optimizer, scheduler)
+    resume(again, saved)
+    again.step(3)
+    assert equal(straight.bits(), again.bits())
+    assert [{k: v for k, v in g.items() if k != "params"} for g in again.opt.param_groups] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in straight.opt.param_groups]  # lr, initial_lr, group 2
+
+
+@pytest.mark.parametrize("leave_out", ["rng", "scheduler", "optimizer"])
+def test_a_resume_without_one_piece_differs(leave_out):
+    """The control: the test above fails when a piece of the state is missing."""
+    kw = {"rng": False} if leave_out == "rng" else {}
+    straight = Setup(scheduler="lambda")
+    straight.step(6)
+    first = Setup(**kw)
+    if leave_out != "rng":
+        setattr(first.state, leave_out, None)
+    first.step(3)
+    saved = checkpoint(first.state)
+    torch.manual_seed(123)
+    again = Setup(**kw)
+    if leave_out != "rng":
+        setattr(again.state, leave_out, None)
+    resume(again, saved)
+    again.step(3)
+    assert not equal(straight.bits(), again.bits())
+
+
+def test_a_checkpoint_before_the_first_step_leaves_the_optimizer_state_uncreated():
+    setup = Setup("sgd")
+    saved = checkpoint(setup.state)
+    assert set(saved[0]) >= {"optim.state.0.weight.momentum_buffer"}  # the names a later checkpoint has
+    setup.step(2)
+    again = Setup("sgd")
+    resume(again, saved)
+    assert not again.opt.state  # torch creates it at the first step, exactly as it would have
+    again.step(2)
+    assert equal(setup.bits(), again.bits())
+
+
+def test_a_dummy_step_would_have_changed_adamw():
+    """The trap this adapter avoids: DCP's get_optimizer_state_dict at step 0 steps the optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    plain = Setup("adamw")
+    plain.step(3)
+    dcp = Setup("adamw")
+    get_optimizer_state_dict(dcp.model, dcp.opt)
+    dcp.step(3)
+    assert not equal(plain.bits(), dcp.bits())
+
+
+@pytest.mark.process
+def test_a_compiled_model_has_the_plain_model_s_names():
+    """In a process of its own: importing torch.compile's machinery takes seconds."""
+    script = ("import torch; from trainjob.torch import TrainingState\n"
+              "m = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 1))\n"
+              "s = TrainingState(model=torch.compile(m), optimizer=torch.optim.Adam(m.parameters())).state_dict()\n"
+              "print(sorted(s['model']), sorted(s['optim']['state']))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    names = ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert out.stdout.strip() == f"{names} {names}", out.stderr[-2000:]
+
+
+def test_the_scaler_the_global_streams_and_named_generators_come_back():
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    gen, npgen = torch.Generator().manual_seed(5), np.random.default_rng(2 ** 100)
+    setup = Setup(scaler=scaler, extra={"noise": gen, "np": npgen})
+    scaler._growth_tracker = torch.tensor([7], dtype=torch.int32)
+    saved = checkpoint(setup.state)
+    expect = (random.random(), np.random.rand(), torch.rand(2), torch.rand(1, generator=gen), npgen.random())
+    torch.manual_seed(9), random.seed(9), np.random.seed(9)
+    scaler2, gen2, npgen2 = torch.amp.GradScaler("cpu", init_scale=2.0), torch.Generator(), np.random.default_rng(0)
+    again = Setup(scaler=scaler2, extra={"noise": gen2, "np": npgen2})
+    resume(again, saved)
+    assert scaler2.get_scale() == 512.0 and scaler2._get_growth_tracker() == 7
+    got = (random.random(), np.random.rand(), torch.rand(2), torch.rand(1, generator=gen2), npgen2.random())
+    assert got[:2] == expect[:2] and torch.equal(got[2], expect[2]) and torch.equal(got[3], expect[3])
+    assert got[4] == expect[4]
+
+
+class Counter:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"seen": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["seen"]["n"]
+
+
+@pytest.mark.parametrize("value, says", [({1, 2}, "extra.counter.seen: a set cannot be checkpointed"),
+                                         (b"x", "extra.counter.seen: a bytes"),
+                                         ({"n": {2: 1}}, "extra.counter.seen.n: a key of type int")])
+def test_a_value_that_is_not_plain_is_refused_naming_its_key(value, says):
+    setup = Setup(extra={"counter": Counter(value)})
+    with pytest.raises(UsageError) as info:
+        HostState().snapshot(setup.state.state_dict(), 0)
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_loader_that_cannot_say_where_it_is_is_refused():
+    with pytest.raises(UsageError, match="use torchdata.stateful_dataloader.StatefulDataLoader"):
+        TrainingState(model=torch.nn.Linear(1, 1), loader=torch.utils.data.DataLoader([1, 2]))

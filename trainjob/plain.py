@@ -1,0 +1,136 @@
+"""Plain (non-tensor) state values as JSON text, exactly, without pickle.
+
+A state's plain leaves are int (any size), float (binary64), bool, str and None, in lists,
+tuples and dicts with str keys. JSON holds most of them as they are; what it cannot hold exactly
+is written as a one-key object whose key starts with ``$``:
+
+    {"$int": "-0x1f"}            an int outside +-2**53 (JSON readers round those; Python refuses
+                                 to print ints of more than 4300 digits, hex has no such limit)
+    {"$float": "7ff8000000000000"}  a non-finite float, by its 64 bits (nan payloads included)
+    {"$tuple": [...]}            a tuple (torch's ``betas``, python ``random``'s state)
+
+A dict key that starts with ``$`` is written with one more ``$`` in front, so no user key can
+be read back as one of those. Finite floats are written by ``repr`` (exact, ``-0.0`` included).
+``encode`` of any other type (a set, bytes, an object, a lambda, a tensor) raises ``PlainError``
+naming the path of the value; ``decode`` raises it for text ``encode`` cannot have written.
+
+``check_like`` compares a checkpoint's values with the live state's before either is used.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
+
+_EXACT = 2 ** 53  # every int of smaller magnitude survives any JSON reader
+
+
+class PlainError(ValueError):
+    """A value that is not plain, or text that does not decode: the message names the path."""
+
+
+def _bits(x: float) -> str:
+    return struct.pack(">d", x).hex()
+
+
+def _to_json(value: Any, path: str) -> Any:
+    # bool before int: True is an int in Python, and stays a bool here.
+    if value is None or isinstance(value, bool | str):
+        return value
+    if isinstance(value, int):
+        return int(value) if -_EXACT < value < _EXACT else {"$int": hex(value)}
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"$float": _bits(value)}
+    if isinstance(value, list):
+        return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"$tuple": [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]}
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise PlainError(f"{path}: a key of type {type(k).__name__} ({k!r}); keys must be str")
+            out["$" + k if k.startswith("$") else k] = _to_json(v, f"{path}.{k}" if path else k)
+        return out
+    raise PlainError(f"{path or 'the value'}: a {type(value).__name__} cannot be checkpointed as a plain value; "
+                     "use int, float, bool, str, None, or lists/tuples/dicts of them")
+
+
+def encode(value: Any, path: str = "") -> str:
+    """Canonical JSON text holding ``value`` exactly (sorted keys, no spaces)."""
+    return json.dumps(_to_json(value, path), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _from_json(value: Any, path: str) -> Any:
+    if isinstance(value, list):
+        return [_from_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        (key, inner), = value.items()
+        if key == "$int" and isinstance(inner, str):
+            try:
+                return int(inner, 16)
+            except ValueError:
+                raise PlainError(f"{path}: {inner!r} is not a hex int") from None
+        if key == "$float" and isinstance(inner, str) and len(inner) == 16:
+            try:
+                return struct.unpack(">d", bytes.fromhex(inner))[0]
+            except ValueError:
+                raise PlainError(f"{path}: {inner!r} is not the hex of a float's 64 bits") from None
+        if key == "$tuple" and isinstance(inner, list):
+            return tuple(_from_json(v, f"{path}[{i}]") for i, v in enumerate(inner))
+    if any(k.startswith("$") and not k.startswith("$$") for k in value):
+        raise PlainError(f"{path}: an object with a key starting with a single '$' that is not an encoded value")
+    out = {}
+    for k, v in value.items():
+        name = k[1:] if k.startswith("$") else k
+        out[name] = _from_json(v, f"{path}.{name}" if path else name)
+    return out
+
+
+def decode(text: str) -> Any:
+    """The value ``encode`` wrote as ``text``; PlainError for anything else."""
+    def reject(name: str) -> None:
+        raise PlainError(f"non-finite number {name} (encode writes them as $float)")
+
+    try:
+        parsed = json.loads(text, parse_constant=reject)
+    except RecursionError:
+        raise PlainError("nested too deeply") from None
+    except ValueError as exc:  # json.JSONDecodeError, and ints past Python's digit limit
+        raise PlainError(str(exc)) from None
+    return _from_json(parsed, "")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int | float):
+        return "number"  # an lr given as 1 becomes 0.5 once a scheduler scales it
+    return type(value).__name__
+
+
+def check_like(live: Any, found: Any, path: str = "") -> None:
+    """Raise PlainError naming the first entry where ``found`` (from a checkpoint) does not fit
+    ``live`` (the state it would be loaded into): the same dict keys, the same list lengths, and
+    the same kind of leaf (int and float are both numbers; None fits anything, either way)."""
+    if live is None or found is None:
+        return
+    where = path or "the plain values"
+    if _kind(live) != _kind(found):
+        raise PlainError(f"{where}: the checkpoint holds a {_kind(found)}, the live state a {_kind(live)}")
+    if isinstance(live, dict):
+        if set(live) != set(found):
+            missing, extra = sorted(set(live) - set(found)), sorted(set(found) - set(live))
+            raise PlainError(f"{where}: keys differ (the checkpoint lacks {missing}, has extra {extra})")
+        for k in live:
+            check_like(live[k], found[k], f"{path}.{k}" if path else k)
+    elif isinstance(live, list | tuple):
+        if len(live) != len(found):
+            raise PlainError(f"{where}: the checkpoint holds {len(found)} items, the live state {len(live)}")
+        for i, (a, b) in enumerate(zip(live, found)):
+            check_like(a, b, f"{path}[{i}]")

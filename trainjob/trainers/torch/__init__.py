@@ -1,0 +1,15 @@
+"""The PyTorch adapter: a training script's whole state as one trainjob Stateful.
+
+    from trainjob.torch import TrainingState
+    state = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader, scaler=scaler)
+
+One module per part, each small: ``tensors`` (the model and optimizer state on
+torch.distributed.checkpoint's FQN-keyed helpers), ``optim`` (optimizer state torch has not
+created yet), ``rng`` (each rank's random streams), ``loader`` (a data loader's position), and
+``state`` (``TrainingState``, which holds them together). Needs the optional ``torch`` extra
+(``trainjob[torch]``); ``torchdata`` for a ``StatefulDataLoader``.
+"""
+
+from .state import TrainingState
+
+__all__ = ["TrainingState"]

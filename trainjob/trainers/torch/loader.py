@@ -1,0 +1,79 @@
+"""A data loader's position as one plain value.
+
+torchdata's ``StatefulDataLoader`` hands out where it is (``state_dict()``: the sampler's
+generator as a uint8 tensor, counters, with workers a snapshot per worker) and takes it back
+before its next ``iter()``. Its shape changes as it runs (before the first batch, mid-epoch, with
+workers), so the checkpoint holds it as one JSON string: the loader checks its own state when it
+loads it; trainjob checks that the checkpoint has one.
+
+A trap, measured with torchdata 0.11: resumed mid-epoch, the loader rebuilds the epoch's
+permutation from its generator's state at the epoch's start, but draws from that generator more
+times than an uninterrupted loader did, so every *later* epoch is shuffled differently. So the
+generators a loader shuffles with are saved as they are now, and a load builds the resumed
+iterator at once (the loader's next ``iter()`` returns it) and then puts them back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ... import plain
+
+_TENSOR = "trainjob.tensor"  # not a name torchdata's state uses: marks a tensor in the text
+
+
+def check(loader: object) -> None:
+    if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+        raise TypeError(f"loader= is a {type(loader).__name__}, which cannot hand out its position; use "
+                        "torchdata.stateful_dataloader.StatefulDataLoader (the same arguments as DataLoader)")
+
+
+def _out(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes().hex()
+                          if t.numel() else ""]}
+    if isinstance(value, dict):
+        return {k: _out(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_out(v) for v in value)
+    return value
+
+
+def _in(value: Any) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {_TENSOR}:
+            dtype, shape, data = value[_TENSOR]
+            raw = torch.frombuffer(bytearray.fromhex(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            return raw.view(getattr(torch, dtype)).reshape(shape).clone()
+        return {k: _in(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_in(v) for v in value)
+    return value
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    found: list[torch.Generator] = []
+    for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None)):
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+    return found
+
+
+def state_dict(loader: Any) -> str:
+    state = {"loader": loader.state_dict(), "generators": [g.get_state() for g in _generators(loader)]}
+    return plain.encode(_out(state), "loader")
+
+
+def load_state_dict(loader: Any, text: str) -> None:
+    state = _in(plain.decode(text))
+    loader.load_state_dict(state["loader"])
+    generators = _generators(loader)
+    if len(generators) != len(state["generators"]):
+        raise ValueError(f"the loader shuffles with {len(generators)} generator(s), the checkpoint's with "
+                         f"{len(state['generators'])}")
+    loader.state_dict()  # builds the resumed iterator now, drawing what it draws; next iter() returns it
+    for g, saved in zip(generators, state["generators"]):
+        g.set_state(saved)

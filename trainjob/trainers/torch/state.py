@@ -1,0 +1,133 @@
+"""``TrainingState``: everything a PyTorch training script's next step depends on, as one Stateful.
+
+    state = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader, scaler=scaler,
+                          extra={"ema": ema, "noise": generator})
+    with trainjob.Run(pvc, state=state, ...) as run: ...
+
+``state_dict()`` hands out, as one nested mapping (``state_tree.py``):
+
+    model       the module's tensors by FQN (torch.distributed.checkpoint's get_model_state_dict:
+                plain, DDP and torch.compile'd modules alike), the live tensors, never copies
+    optim       the optimizer's state by parameter FQN, from step 0 (``optim.py``), its param
+                groups (lr as the scheduler left it, betas, weight decay, initial_lr) as plain values
+    scheduler   any torch.optim.lr_scheduler's state_dict(): plain values
+    scaler      a torch.amp.GradScaler's state_dict(): plain values
+    extra       each named member's state_dict() (an object with state_dict/load_state_dict)
+    rank        RankLocal: this rank's RNG streams (``rng.py``; ``rng=False`` leaves them out), the
+                loader's position (``loader.py``), the named torch/numpy Generators in ``extra``
+
+``load_state_dict`` puts each back where it came from, in that order. Under DDP every rank holds
+the same model, optimizer and scheduler: those are written once, split across ranks; the ``rank``
+part is each rank's own. Nothing here runs per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from . import loader as loader_state, optim, rng as streams
+from ...plain import PlainError
+from ...state_tree import RankLocal
+from ...errors import UsageError
+
+
+class TrainingState:
+    """A training script's whole state, for ``trainjob.Run(state=...)`` (module docstring).
+
+    ``model``: the module (DDP- or torch.compile-wrapped, or not). ``optimizer`` any torch.optim
+    optimizer over the model's parameters; ``scheduler`` any LR scheduler; ``loader`` a
+    torchdata ``StatefulDataLoader``; ``scaler`` a ``torch.amp.GradScaler``; ``extra``: more
+    members by name, each an object with ``state_dict()``/``load_state_dict()`` (same on every
+    rank) or a ``torch.Generator``/``numpy.random.Generator`` (per rank). ``rng=False``: leave
+    the global RNG streams out (a script that draws nothing random after its start).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, loader: Any = None, scaler: Any = None,
+                 extra: Mapping[str, Any] | None = None, rng: bool = True) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"TrainingState(model=...) must be a torch.nn.Module, got {type(model).__name__}")
+        for name, member in (("scheduler", scheduler), ("scaler", scaler), *(extra or {}).items()):
+            if member is not None and not _is_stateful(member) and not streams.is_generator(member):
+                raise UsageError(f"TrainingState: {name} is a {type(member).__name__}, which has no "
+                                 "state_dict()/load_state_dict()")
+        if loader is not None:
+            try:
+                loader_state.check(loader)
+            except TypeError as exc:
+                raise UsageError(f"TrainingState: {exc}") from None
+        self.model, self.optimizer, self.scheduler, self.loader, self.scaler = model, optimizer, scheduler, loader, scaler
+        self.extra, self.rng = dict(extra or {}), rng
+        self._layout: optim.Layout | None = None
+        if optimizer is not None:
+            try:
+                self._layout = optim.Layout(model, optimizer)
+            except ValueError as exc:
+                raise UsageError(f"TrainingState: {exc}") from None
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"model": {k: _axis(v) for k, v in get_model_state_dict(self.model).items()}}
+        if self.optimizer is not None:
+            assert self._layout is not None
+            out["optim"] = optim.state_dict(self.model, self.optimizer, self._layout)
+        if self.scheduler is not None:
+            out["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
+        local: dict[str, Any] = {}
+        shared = {k: m.state_dict() for k, m in self.extra.items() if not streams.is_generator(m)}
+        if shared:
+            out["extra"] = shared
+        generators = {k: streams.generator_state(m) for k, m in self.extra.items() if streams.is_generator(m)}
+        if generators:
+            local["generators"] = generators
+        if self.rng:
+            local["rng"] = streams.capture()
+        if self.loader is not None:
+            try:
+                local["loader"] = loader_state.state_dict(self.loader)
+            except PlainError as exc:
+                raise UsageError(f"TrainingState: the loader's state_dict(): {exc}") from None
+        if local:
+            out["rank"] = RankLocal(local)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        live = get_model_state_dict(self.model)
+        set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in state["model"].items()})
+        if self.optimizer is not None:
+            assert self._layout is not None
+            optim.load_state_dict(self.model, self.optimizer, self._layout, state["optim"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        for k, m in self.extra.items():
+            if not streams.is_generator(m):
+                m.load_state_dict(state["extra"][k])
+        local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
+        if local is None:
+            return
+        for k, m in self.extra.items():
+            if streams.is_generator(m):
+                streams.set_generator_state(m, local["generators"][k])
+        if self.rng:
+            streams.restore(local["rng"])
+        if self.loader is not None:
+            loader_state.load_state_dict(self.loader, local["loader"])
+
+
+def _is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _axis(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(1) if t.dim() == 0 else t.detach()
+
+
+def _unaxis(t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return t.reshape(shape) if len(shape) == 0 and t.shape == (1,) else t
