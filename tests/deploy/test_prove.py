@@ -67,6 +67,12 @@ def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
     assert divergence.resumed_from(tmp_path) == 2
 
 
+def test_printed_losses_are_read_from_every_launch_the_later_one_winning(tmp_path):
+    (tmp_path / "launch-01.stdout").write_text("step 1 loss 0.5\nstep 2 loss 0.4\nother 3\n")
+    (tmp_path / "launch-02.stdout").write_text("step 2 loss 0.41\nstep 3 loss 0.3\n")
+    assert divergence.printed_losses(tmp_path / "pvc") == {1: "0.5", 2: "0.41", 3: "0.3"}
+
+
 # --- real launches -----------------------------------------------------------------------------------
 
 @pytest.mark.process

@@ -29,12 +29,13 @@ class EntryDiff:
 @attrs.frozen
 class Divergence:
     first_loss_step: int | None
-    losses: tuple[int | None, int | None]  # loss_milli of the reference and the trial at that step
+    losses: tuple[object, object]  # the reference's and the trial's loss at that step
     resumed_from: int | None
     compared_step: int | None
     entries: tuple[EntryDiff, ...]
     hints: tuple[str, ...]
     same_at_resume: bool | None = None  # both runs' checkpoints at the resume step equal (None: not both held)
+    loss_source: str = "loss_milli"  # "printed loss": the command's own per-step lines
 
 
 def losses(pvc: Path) -> dict[int, int]:
@@ -45,6 +46,16 @@ def losses(pvc: Path) -> dict[int, int]:
         fields = dict(re.findall(r"(\w+)=(-?\d+)", e["detail"]))
         if e["event"] == "checkpointed" and "step" in fields and "loss_milli" in fields:
             found[int(fields["step"])] = int(fields["loss_milli"])
+    return found
+
+
+def printed_losses(pvc: Path) -> dict[int, str]:
+    """The loss by step from the ``step N loss X`` lines the command printed on stdout (kept by
+    prove beside the PVC, one file per launch), the later launch's value for a step redone."""
+    found = {}
+    for out in sorted(pvc.parent.glob("launch-*.stdout")):
+        for step, loss in re.findall(r"^step (\d+) loss (\S+)$", out.read_text(errors="replace"), re.M):
+            found[int(step)] = loss
     return found
 
 
@@ -108,8 +119,12 @@ def hints(names: Sequence[str], differing: Sequence[EntryDiff], first_loss_step:
 
 
 def divergence(reference: Path, trial: Path) -> Divergence:
-    ref_loss, trial_loss = losses(reference), losses(trial)
-    parted = [s for s in sorted(set(ref_loss) & set(trial_loss)) if ref_loss[s] != trial_loss[s]]
+    ref_loss: dict[int, object] = dict(printed_losses(reference))
+    trial_loss: dict[int, object] = dict(printed_losses(trial))
+    source = "printed loss"  # every step's, when the command prints them; else the log's, per checkpoint
+    if not (ref_loss and trial_loss):
+        ref_loss, trial_loss, source = losses(reference), losses(trial), "loss_milli"
+    parted = sorted(s for s in set(ref_loss) & set(trial_loss) if ref_loss[s] != trial_loss[s])
     first = parted[0] if parted else None
     resumed = resumed_from(trial)
     ref_ckpts, trial_ckpts = _checkpoints(reference), _checkpoints(trial)
@@ -126,8 +141,9 @@ def divergence(reference: Path, trial: Path) -> Divergence:
     if resumed in ref_ckpts and resumed in trial_ckpts:
         a, b = _load(reference, ref_ckpts[resumed]), _load(trial, trial_ckpts[resumed])
         same = None if a is None or b is None else not entry_diffs(a, b)
-    return Divergence(first, (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None),
-                      resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)), same)
+    at = (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None)
+    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)), same,
+                      source)
 
 
 def describe(d: Divergence, against: str = "the reference") -> list[str]:
@@ -140,7 +156,7 @@ def describe(d: Divergence, against: str = "the reference") -> list[str]:
     elif d.same_at_resume is False:
         lines.append(f"the checkpoint at step {d.resumed_from} already differs from {against}'s")
     if d.first_loss_step is not None:
-        lines.append(f"first differing loss: step {d.first_loss_step} (loss_milli {d.losses[0]} in {against}, "
+        lines.append(f"first differing loss: step {d.first_loss_step} ({d.loss_source} {d.losses[0]} in {against}, "
                      f"{d.losses[1]} here)")
     else:
         lines.append("every logged loss agrees")

@@ -22,7 +22,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO
 
 import attrs
 
@@ -129,10 +128,12 @@ def _listing(folder: Path) -> list[Path]:
 
 # --- running -----------------------------------------------------------------------------------------
 
-def _launch(cmd: list[str], pvc: Path, n: int) -> tuple[subprocess.Popen, IO[str]]:
-    """Start one launch, its stderr kept beside the PVC (named in the report when a trial fails)."""
-    err = open(pvc.parent / f"launch-{n:02d}.stderr", "w")  # noqa: SIM115 (closed by the caller)
-    return spawn(cmd, stderr=err), err
+def _launch(cmd: list[str], pvc: Path, n: int) -> subprocess.Popen:
+    """Start one launch, its stdout and stderr kept beside the PVC (the stdout's per-step loss
+    lines, if it prints any, are read by ``divergence``; the stderr is named in the report)."""
+    with open(pvc.parent / f"launch-{n:02d}.stdout", "w") as out, \
+            open(pvc.parent / f"launch-{n:02d}.stderr", "w") as err:
+        return spawn(cmd, stdout=out, stderr=err)  # the child holds its own copies
 
 
 def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Outcome:
@@ -140,7 +141,7 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
     pvc = work / name / "pvc"
     pvc.parent.mkdir(parents=True)
     started = time.monotonic()
-    proc, err = _launch(for_pvc(cmd, pvc), pvc, 1)
+    proc = _launch(for_pvc(cmd, pvc), pvc, 1)
     times: list[float] = []
     first_line = None
     while proc.poll() is None:
@@ -150,7 +151,6 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
         seen = sum(e["event"] == "checkpointed" for e in logged)
         times += [time.monotonic() - started] * (seen - len(times))
         time.sleep(0.005)
-    err.close()
     seen = sum(e["event"] == "checkpointed" for e in events(pvc))
     times += [time.monotonic() - started] * (seen - len(times))
     code = proc.returncode
@@ -165,7 +165,7 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
     pvc.parent.mkdir(parents=True)
     started = time.monotonic()
     ready = target(phase, reference, rng, pvc)
-    proc, err = _launch(for_pvc(cmd, pvc), pvc, 1)
+    proc = _launch(for_pvc(cmd, pvc), pvc, 1)
     delivered = kill_when(proc, ready, sig)
     logged = events(pvc)
     landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
@@ -179,15 +179,13 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
     except subprocess.TimeoutExpired:  # a SIGTERM the command ignored: as the kubelet, kill it
         kill_launch(proc)
         codes = [proc.wait()]
-    err.close()
     code = job_exit(codes)
     while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
         if last_event(pvc) == "completed":
             code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
             break
-        proc, err = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
+        proc = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
         codes.append(proc.wait())
-        err.close()
         code = job_exit(codes[-1:])
     return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
                    phase, signal.Signals(sig).name, landed)
@@ -289,5 +287,5 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
     lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
                  + "; ".join(first.problems))
     lines += describe(divergence(reference.pvc, trial.pvc))
-    lines.append(f"runs kept in {work} (reference/pvc, trial-{first.trial:02d}/pvc, each launch's stderr)")
+    lines.append(f"runs kept in {work} (reference/pvc, trial-{first.trial:02d}/pvc, each launch's output)")
     return lines
