@@ -8,6 +8,7 @@ process.
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,19 +90,23 @@ def test_prove_passes_the_own_loop_example(capsys):
 @pytest.mark.process
 @pytest.mark.killpoint
 def test_a_batch_generator_living_across_steps_is_caught_at_the_first_step_after_the_resume(tmp_path, capsys):
-    """Slower than 20 s: as above, on a copy of the example whose batches come from one generator."""
+    """Slower than 20 s: as above, on a copy of the example whose batches come from one generator
+    (and which prints each step's loss, as examples/finetune.py does)."""
     source = (ROOT / "examples/own_loop.py").read_text()
     drawn = "np.random.default_rng([1, step]).choice("
     assert drawn in source
     script = tmp_path / "own_loop_generator.py"
+    printed = "        run.report(loss.item())\n"
+    assert printed in source
     script.write_text(source.replace(drawn, "batches.choice(")
-                      .replace("with trainjob.Run(", "batches = np.random.default_rng(1)\nwith trainjob.Run(", 1))
+                      .replace("with trainjob.Run(", "batches = np.random.default_rng(1)\nwith trainjob.Run(", 1)
+                      .replace(printed, printed + "        print(f'step {step} loss {loss.item()}')\n"))
     code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, str(script), "--pvc", "{pvc}",
                      "--steps", "20", "--ckpt-every", "5"])
     out = capsys.readouterr().out
     assert code == 1, out
     resumed = int(out.split("resumed from step ")[1].split()[0])
-    assert f"first differing loss: step {resumed + 5} " in out  # the first checkpoint after the resume
+    assert f"first differing loss: step {resumed + 1} (printed loss " in out  # the first step after the resume
     assert "model.0.weight: max abs diff" in out and "hint: RNG or data loader position" in out
 
 
@@ -125,6 +130,7 @@ def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries
     assert "published other bytes than the reference" in out
     assert "equals the reference's: what was saved was right, what differs after the resume was never saved" in out
     assert "  W: max abs diff" in out and "hint: optimizer state" in out
+    assert "first differing loss: step" in out and "(loss_milli " in out  # from the log: it prints none
 
 
 @pytest.mark.process
@@ -150,3 +156,29 @@ def test_twice_names_a_command_that_differs_from_itself(tmp_path, capsys):
     code = cli.main(["prove", "--kills", "1", "--twice", "--", PYTHON, str(script), "{pvc}"])
     out = capsys.readouterr().out
     assert code == 1 and "NOT DETERMINISTIC" in out, out
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
+def test_prove_kills_a_torchrun_launch_whole_and_passes_the_own_loop_at_two_ranks(capsys):
+    """Slower than 20 s: three launches of two torch workers each (the reference, one trial of two)."""
+    code = cli.main(["prove", "--kills", "1", "--", PYTHON, "-m", "trainjob", "torchrun", "--standalone",
+                     "--nproc-per-node", "2", "--monitor-interval", "0.1", str(ROOT / "examples/own_loop.py"),
+                     "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "-9 0" in out  # killed once (the whole launch), relaunched once
+    left = subprocess.run(["pgrep", "-f", "examples/own_loop.py --pvc /tmp/trainjob-prove-"], capture_output=True)
+    assert left.stdout == b"", "a worker outlived its killed launch"
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_prove_passes_the_whole_training_state_example(capsys):
+    """Slower than 20 s: five launches of examples/finetune.py (AdamW, a scheduler, dropout, a
+    shuffling StatefulDataLoader under trainjob.torch.TrainingState)."""
+    code = cli.main(["prove", "--kills", "2", "--", PYTHON, str(ROOT / "examples/finetune.py"), "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("same bytes, verified") == 2

@@ -260,11 +260,10 @@ def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
         progress(f"prove: trial {index}/{kills} {trial.signal} {phase}: launches {list(trial.codes)}: "
                  + ("ok" if not verdict.problems else "; ".join(verdict.problems)))
     lines = report(reference, trials, verdicts, work)
-    failed = [v for v in verdicts if v.problems]
-    if not failed:
-        shutil.rmtree(work, ignore_errors=True)
-        return 0, lines
-    return 1, lines
+    if any(v.problems for v in verdicts):
+        return 1, lines
+    shutil.rmtree(work, ignore_errors=True)  # kept only when there is something to look at
+    return 0, lines
 
 
 def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], work: Path) -> list[str]:
