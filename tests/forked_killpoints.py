@@ -62,6 +62,12 @@ def artifacts(pvc: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((pvc / "artifacts").glob("*"))}
 
 
+def attempts(pvc: Path) -> str | None:
+    """The attempt counter the PVC holds; None when there is none (the test then shows the trial)."""
+    path = pvc / "attempts"
+    return path.read_text().strip() if path.is_file() else None
+
+
 code, count = forked(root / "clean", None)
 reference = artifacts(root / "clean")
 trials = []
@@ -72,5 +78,5 @@ for n in range(count):
     logged_completed = log.is_file() and '"event":"completed"' in log.read_text(errors="replace")
     relaunch, _ = forked(pvc, None)
     trials.append({"n": n, "killed": killed, "relaunch": relaunch, "logged_completed": logged_completed,
-                   "same_bytes": artifacts(pvc) == reference, "attempts": (pvc / "attempts").read_text().strip()})
+                   "same_bytes": artifacts(pvc) == reference, "attempts": attempts(pvc)})
 print(json.dumps({"clean": code, "count": count, "artifacts": sorted(reference), "trials": trials}))

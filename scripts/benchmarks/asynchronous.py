@@ -13,11 +13,10 @@ from __future__ import annotations
 import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from .common import MiB, SCRIPTS, fmt, measured, summary, targets_lines, torch_env
+from .common import MiB, SCRIPTS, bench_torch, fmt, measured, summary, targets_lines, torch_env
 
 
 def run_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> dict:
@@ -63,13 +62,7 @@ def run_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> di
         add("async_peak_mib", asy_peak / MiB)
         add("bare_peak_mib", bare_peak / MiB)
         print(f"async repeat {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
-    directory = work / "async-peers"
-    directory.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_torch.py"), "async-peers", str(directory), str(repeat)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise SystemExit(f"async peers failed: {proc.stderr[-2000:]}")
-    peers = json.loads(proc.stdout.splitlines()[-1])
+    peers = bench_torch("async-peers", work / "async-peers", str(repeat), env=env)
     state = peers.pop("state_bytes")[0]
     copy_ms = statistics.median(peers["copy"]) * 1e3
     out = {"dim": dim, "steps": steps, "every": every, "state_mib": state / MiB, "copy_ms": copy_ms,

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import platform
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +54,17 @@ def torch_env(dim: int) -> dict:
     """The environment of a torch section's child: bench_torch.py importable, its model's width, one thread."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SCRIPTS), os.environ.get("PYTHONPATH")])),
             "BENCH_TORCH_DIM": str(dim), "OMP_NUM_THREADS": "1"}
+
+
+def bench_torch(mode: str, directory: Path, *args: str, env: dict) -> dict:
+    """Run ``scripts/bench_torch.py MODE DIRECTORY ARGS...`` in a fresh ``directory``; the JSON it prints last."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir()
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_torch.py"), mode, str(directory), *args],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"bench_torch.py {mode} failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 PEAK_CHILD = """

@@ -12,14 +12,12 @@ save and verified load, torch.distributed.checkpoint's save/load and torch.save/
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-from .common import MiB, SCRIPTS, fmt, measured, summary, targets_lines, torch_env
+from .common import MiB, SCRIPTS, bench_torch, fmt, measured, summary, targets_lines, torch_env
 
 
 def run_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> dict:
@@ -46,14 +44,7 @@ def run_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> di
     for rep in range(repeat):  # interleaved within each repeat, so both see the same machine
         # Per step, timed inside one process (bench_torch.py steps): a difference of two whole
         # runs was dominated by process start-up noise (it once gave a negative step time).
-        directory = work / "trainer-steps"
-        shutil.rmtree(directory, ignore_errors=True)
-        directory.mkdir()
-        proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_torch.py"), "steps", str(directory), str(steps), "2"],
-                              capture_output=True, text=True, env=env)
-        if proc.returncode:
-            raise SystemExit(f"trainer steps failed: {proc.stderr[-2000:]}")
-        per = json.loads(proc.stdout.splitlines()[-1])
+        per = bench_torch("steps", work / "trainer-steps", str(steps), "2", env=env)
         tj, b = statistics.median(per["trainjob"]), statistics.median(per["bare"])
         runs.setdefault("step_ratio", []).append(tj / b)
         runs.setdefault("trainjob_ms_per_step", []).append(tj * 1e3)
@@ -66,13 +57,7 @@ def run_section(work: Path, repeat: int, dim: int, steps: int, every: int) -> di
         runs.setdefault("trainjob_peak_mib", []).append(tj_peak / MiB)
         runs.setdefault("bare_peak_mib", []).append(b_peak / MiB)
         print(f"trainer repeat {rep + 1}/{repeat} done", file=sys.stderr, flush=True)
-    directory = work / "trainer-peers"
-    directory.mkdir(exist_ok=True)
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_torch.py"), "peers", str(directory), str(repeat)],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise SystemExit(f"trainer peers failed: {proc.stderr[-2000:]}")
-    peers = json.loads(proc.stdout.splitlines()[-1])
+    peers = bench_torch("peers", work / "trainer-peers", str(repeat), env=env)
     state = peers.pop("state_bytes")[0]
     out = {"dim": dim, "steps": steps, "every": every, "state_mib": state / MiB,
            **{k: summary(v) for k, v in runs.items()},
