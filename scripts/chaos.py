@@ -47,6 +47,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainjob.deploy import launches
+from trainjob.deploy.launches import artifact, kill_when, last_event
+
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ["--steps", "100", "--ckpt-every", "1"]
 # Racers need a run long enough that none of them can arrive after the winner has finished.
@@ -82,12 +85,6 @@ def label(name: str, flags: list[str]) -> str:
     return f"{name} W={world}{' async' if ASYNC in flags else ''}{' torch' if '--trainer' in flags else ''}"
 
 
-def artifact(pvc: Path) -> bytes | None:
-    """The bytes of the run's published artifact: model-v1.json (the lab's), or .safetensors."""
-    found = sorted((pvc / "artifacts").glob("model-v1.*")) if (pvc / "artifacts").is_dir() else []
-    return found[0].read_bytes() if found else None
-
-
 def command(args: tuple[str | Path, ...], prefix: tuple[str, ...] = (), torchrun: bool = False) -> list[str]:
     """``trainjob ARGS``; with ``torchrun``, one worker per rank of ARGS' --world-size under torchrun."""
     if torchrun:
@@ -103,39 +100,7 @@ def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = F
 
 
 def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False) -> subprocess.Popen:
-    return subprocess.Popen(command(args, prefix, torchrun),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own group: a kill reaches every rank
-
-
-def kill_launch(proc: subprocess.Popen, torchrun: bool) -> None:
-    """SIGKILL a launch, every process of it at once, as a node or container dies. torchrun starts
-    each worker in a session of its own, so its process group alone would leave them running."""
-    pids = [proc.pid]
-    if torchrun:
-        for pid in pids:  # grows while walked: every descendant, found before any dies
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    pids += [int(c) for c in (task / "children").read_text().split()]
-                except OSError:
-                    pass
-    for pid in pids:
-        try:
-            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def last_event(pvc: Path) -> str | None:
-    log = pvc / "log.jsonl"
-    if not log.exists():
-        return None
-    for line in reversed(log.read_text(errors="replace").splitlines()):
-        try:
-            return json.loads(line)["event"]
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
+    return launches.spawn(command(args, prefix, torchrun))  # its own session: a kill reaches every rank
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -221,7 +186,7 @@ class Campaign:
 
     def kill_storm(self, trials: int, flags: list[str] = STEPS, kills_per_trial: int = 3) -> Section:
         section = Section(label("kill storm", flags), note="under torchrun" if self.torchrun(flags) else "")
-        seconds = self.seconds_for(flags)
+        seconds = self.seconds_for(flags) if trials else 0.0  # none: no timing run (torch may be absent)
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("kill")
@@ -230,22 +195,14 @@ class Campaign:
                 done = last_event(pvc) == "completed"
                 proc = spawn("run", "--pvc", pvc, *flags, AS_DEPLOYED, torchrun=self.torchrun(flags))
                 # A random instant; or, chasing, the instant `completed` is logged (if still to come).
-                deadline = time.monotonic() + self.rng.uniform(0, seconds) if launch != chase_at else None
-                chase = launch == chase_at and not done
-                while proc.poll() is None:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        break
-                    if chase and last_event(pvc) == "completed":
-                        break
-                    time.sleep(0.001)
-                if proc.poll() is None:
-                    late = last_event(pvc) == "completed"
-                    kill_launch(proc, self.torchrun(flags))
-                    if proc.wait() == -signal.SIGKILL:  # it had not exited by itself in between
-                        section.injected += 1
-                        section.late += late
+                deadline = time.monotonic() + self.rng.uniform(0, seconds)
+                ready = (lambda: not done and last_event(pvc) == "completed") if launch == chase_at \
+                    else (lambda: time.monotonic() >= deadline)
+                if kill_when(proc, ready, torchrun=self.torchrun(flags)):
+                    section.injected += 1
+                    section.late += last_event(pvc) == "completed"
                     continue
-                stderr, code = proc.stderr.read(), proc.returncode
+                stderr, code = proc.stderr.read(), proc.wait()
                 if code not in ((0,) if done else (0, 75)):
                     section.violation(trial, f"a launch exited {code}: {stderr.strip()[-300:]}")
             self.recover(section, trial, pvc, flags)
@@ -254,7 +211,7 @@ class Campaign:
     def sigterm_storm(self, trials: int, flags: list[str] = STEPS) -> Section:
         section = Section(label("sigterm", flags), note="signal sent once the run has logged its start"
                           + (", under torchrun" if self.torchrun(flags) else ""))
-        seconds = self.seconds_for(flags)
+        seconds = self.seconds_for(flags) if trials else 0.0
         for trial in range(trials):
             section.trials += 1
             pvc = self.pvc("term")

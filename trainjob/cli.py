@@ -147,6 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds a signalled child gets to checkpoint before SIGKILL (default %(default)s)")
     sv.add_argument("child", **child)
 
+    pr = sub.add_parser("prove", help="kill your training command at random instants; exit 0 only if every "
+                                      "resume reaches the uninterrupted run's bytes")
+    pr.add_argument("--kills", type=int, default=4, help="trials, each killed once (default %(default)s)")
+    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase (default %(default)s)")
+    pr.add_argument("--signal", choices=("KILL", "TERM", "both"), default="KILL",
+                    help="what each trial receives (default %(default)s; both: alternating)")
+    pr.add_argument("--twice", action="store_true",
+                    help="run the reference twice first: a command that differs from itself is reported as such")
+    pr.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command, with {pvc} where its PVC goes")
+
     kube = sub.add_parser("k8s", help="Kubernetes manifests for running trainjob on a cluster")
     kube_sub = kube.add_subparsers(dest="k8s_command", required=True, parser_class=_Parser)
     kr = kube_sub.add_parser("render", help="print YAML for a PersistentVolumeClaim and a Job")
@@ -440,6 +450,14 @@ def cmd_supervise(args: argparse.Namespace) -> int:
     return EXIT_FOR_ENDING[end]
 
 
+def cmd_prove(args: argparse.Namespace) -> int:
+    from .deploy.prove import prove
+
+    code, lines = prove(args.cmd, args.kills, args.seed, args.signal, args.twice, warn)
+    emit(lines)
+    return code
+
+
 def cmd_k8s(args: argparse.Namespace) -> int:
     target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
                         backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
@@ -511,7 +529,7 @@ def _check_paths(args: argparse.Namespace) -> None:
 
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "torchrun": cmd_torchrun, "status": cmd_status, "supervise": cmd_supervise,
             "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
-            "replay": cmd_replay}
+            "replay": cmd_replay, "prove": cmd_prove}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,12 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, events, trainjob
+from conftest import events, trainjob
 from trainjob import cli
+from trainjob.deploy.launches import kill_launch
 from trainjob.ranks import torchrun
-
-sys.path.insert(0, str(ROOT / "scripts"))
-from chaos import kill_launch  # noqa: E402
 
 RENDERED = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             "trainjob-0.trainjob:29400", "--rdzv-id", "trainjob", "--max-restarts", "0", "-m", "trainjob"]

@@ -1,0 +1,184 @@
+"""`trainjob prove`: a correct resume is proven, a broken one is caught and located, bad usage is 2.
+
+The slow tests kill real launches of real training commands (two trials each: "between checkpoints",
+then "during a checkpoint write", the phases where a resume can go wrong). The pure parts (the plan, the entry comparison, the hints, the loss lines) are tested in
+process.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, trainjob
+from trainjob import cli
+from trainjob.deploy import divergence, prove
+
+PYTHON = sys.executable
+BETWEEN_AND_DURING = ["--kills", "2"]
+
+
+# --- in process --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cmd, said", [
+    (["--kills", "0", "--", PYTHON, "x.py", "{pvc}"], "--kills must be at least 1"),
+    (["--", PYTHON, "x.py", "--pvc", "pvc"], "{pvc} appears nowhere"),
+    (["--", "no-such-command-here", "{pvc}"], "no-such-command-here: command not found"),
+    ([], "no command"),
+])
+def test_bad_usage_is_one_line_and_exit_2(cmd, said, capsys):
+    assert cli.main(["prove", *cmd]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_plan_covers_every_phase_in_four_trials_resumes_first_and_alternates_signals():
+    plan = prove.plan(4, "both")
+    assert sorted(phase for phase, _ in plan) == sorted(prove.PHASES)
+    assert [sig for _, sig in plan][:2] == [signal.SIGKILL, signal.SIGTERM]
+    assert [phase for phase, _ in prove.plan(2, "KILL")] == ["between checkpoints", "during a checkpoint write"]
+
+
+def test_entry_diffs_name_each_entry_with_its_largest_difference():
+    a = {"w": np.array([1.0, 2.0]), "same": np.zeros(2), "gone": np.ones(1)}
+    b = {"w": np.array([1.0, 2.5]), "same": np.zeros(2), "new": np.ones(1)}
+    assert [(d.name, d.what) for d in divergence.entry_diffs(a, b)] == [
+        ("gone", "only in the reference"), ("new", "only in the trial"), ("w", "max abs diff 0.5")]
+
+
+def test_hints_point_at_the_optimizer_when_the_checkpoint_holds_none_and_else_at_randomness():
+    differ = [divergence.EntryDiff("W", "max abs diff 1")]
+    assert divergence.hints(["W", "b"], differ, 3, 2)[0].startswith("optimizer state")
+    assert divergence.hints(["model.0.weight", "optim.0.momentum_buffer"], differ, 3, 2)[0].startswith("RNG")
+    assert divergence.hints(["W"], [], None, 2) == []  # nothing differs: nothing to blame
+    assert divergence.hints(["W"], differ, 3, None) == []  # no resume: not the resume's fault
+
+
+def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
+    log = tmp_path / "log.jsonl"
+    lines = [("checkpointed", "step=2 loss_milli=310"), ("checkpointed", "step=4 loss_milli=241"),
+             ("resumed", "from_step=2"), ("checkpointed", "step=4 loss_milli=240")]
+    log.write_text("".join(f'{{"ts":"t","event":"{e}","detail":"{d}"}}\n' for e, d in lines) + '{"torn')
+    assert divergence.losses(tmp_path) == {2: 310, 4: 240}
+    assert divergence.resumed_from(tmp_path) == 2
+
+
+def test_printed_losses_are_read_from_every_launch_the_later_one_winning(tmp_path):
+    (tmp_path / "launch-01.stdout").write_text("step 1 loss 0.5\nstep 2 loss 0.4\nother 3\n")
+    (tmp_path / "launch-02.stdout").write_text("step 2 loss 0.41\nstep 3 loss 0.3\n")
+    assert divergence.printed_losses(tmp_path / "pvc") == {1: "0.5", 2: "0.41", 3: "0.3"}
+
+
+# --- real launches -----------------------------------------------------------------------------------
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_prove_passes_the_own_loop_example(capsys):
+    """Slower than 20 s: five launches of a torch script (the reference, two trials of two)."""
+    code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, str(ROOT / "examples/own_loop.py"),
+                     "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 2
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_a_batch_generator_living_across_steps_is_caught_at_the_first_step_after_the_resume(tmp_path, capsys):
+    """Slower than 20 s: as above, on a copy of the example whose batches come from one generator
+    (and which prints each step's loss, as examples/finetune.py does)."""
+    source = (ROOT / "examples/own_loop.py").read_text()
+    drawn = "np.random.default_rng([1, step]).choice("
+    assert drawn in source
+    script = tmp_path / "own_loop_generator.py"
+    printed = "        run.report(loss.item())\n"
+    assert printed in source
+    script.write_text(source.replace(drawn, "batches.choice(")
+                      .replace("with trainjob.Run(", "batches = np.random.default_rng(1)\nwith trainjob.Run(", 1)
+                      .replace(printed, printed + "        print(f'step {step} loss {loss.item()}')\n"))
+    code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, str(script), "--pvc", "{pvc}",
+                     "--steps", "20", "--ckpt-every", "5"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    resumed = int(out.split("resumed from step ")[1].split()[0])
+    assert f"first differing loss: step {resumed + 1} (printed loss " in out  # the first step after the resume
+    assert "model.0.weight: max abs diff" in out and "hint: RNG or data loader position" in out
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("digits") / "data"
+    assert trainjob("gen", "--dataset", "digits", directory).returncode == 0
+    return directory
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries_named(digits, monkeypatch,
+                                                                                      capsys):
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests/helpers"))
+    code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, "-m", "trainjob", "run", "--pvc", "{pvc}",
+                     "--data", str(digits), "--trainer", "user_trainers:forgetful", "--steps", "8",
+                     "--ckpt-every", "2", "--keep", "10", "--idempotent"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "published other bytes than the reference" in out
+    assert "equals the reference's: what was saved was right, what differs after the resume was never saved" in out
+    assert "  W: max abs diff" in out and "hint: optimizer state" in out
+    assert "first differing loss: step" in out and "(loss_milli " in out  # from the log: it prints none
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_the_lab_trainer_is_proven_and_twice_finds_it_deterministic(capsys):
+    code = cli.main(["prove", "--kills", "2", "--twice", "--signal", "both", "--", PYTHON, "-m", "trainjob",
+                     "run", "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "2", "--idempotent"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "SIGKILL" in out and "SIGTERM" in out
+
+
+@pytest.mark.process
+def test_twice_names_a_command_that_differs_from_itself(tmp_path, capsys):
+    script = tmp_path / "noisy.py"
+    script.write_text("import sys, time, trainjob\n"
+                      "class S:\n    def state_dict(self): return {}\n    def load_state_dict(self, a): pass\n"
+                      "with trainjob.Run(sys.argv[1], state=S(), steps=2, ckpt_every=1, lr=0.1) as run:\n"
+                      "    for step in run: run.report(time.time_ns() % 1000 / 1000)\n"
+                      "    run.gate(holdout=trainjob.Score(1, 1), baseline=trainjob.Score(1, 1),\n"
+                      "             export={'t': __import__('numpy').array([time.time_ns()])})\n"
+                      "sys.exit(run.exit_code)\n")
+    code = cli.main(["prove", "--kills", "1", "--twice", "--", PYTHON, str(script), "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 1 and "NOT DETERMINISTIC" in out, out
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
+def test_prove_kills_a_torchrun_launch_whole_and_passes_the_own_loop_at_two_ranks(capsys):
+    """Slower than 20 s: three launches of two torch workers each (the reference, one trial of two)."""
+    code = cli.main(["prove", "--kills", "1", "--", PYTHON, "-m", "trainjob", "torchrun", "--standalone",
+                     "--nproc-per-node", "2", "--monitor-interval", "0.1", str(ROOT / "examples/own_loop.py"),
+                     "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "5"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "-9 0" in out  # killed once (the whole launch), relaunched once
+    left = subprocess.run(["pgrep", "-f", "examples/own_loop.py --pvc /tmp/trainjob-prove-"], capture_output=True)
+    assert left.stdout == b"", "a worker outlived its killed launch"
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_prove_passes_the_whole_training_state_example(capsys):
+    """Slower than 20 s: five launches of examples/finetune.py (AdamW, a scheduler, dropout, a
+    shuffling StatefulDataLoader under trainjob.torch.TrainingState)."""
+    code = cli.main(["prove", "--kills", "2", "--", PYTHON, str(ROOT / "examples/finetune.py"), "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.count("same bytes, verified") == 2

@@ -1,0 +1,290 @@
+"""``trainjob prove``: kill a user's training command at random instants and say where its resume diverges.
+
+One uninterrupted run (the reference), then N trials: each is killed once, at an instant chosen in
+one of four phases of the run (between checkpoints, during a checkpoint write, before the first
+checkpoint, after ``completed``, in that order), and relaunched as a supervisor would (while the launch's
+code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial passes when it
+ends with the reference's code, publishes the reference's artifact bytes and leaves a PVC that
+``trainjob verify`` accepts. When one does not, ``divergence`` reads both PVCs: the first step
+whose logged loss differs, and the state entries that differ at the first checkpoint after the
+resume that both still hold. Pure decisions (targets, verdicts, hints) are apart from the launches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+
+from ..errors import InputError, UsageError
+from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
+from .divergence import describe, divergence
+from .launches import artifacts, events, kill_launch, kill_when, last_event, spawn
+
+PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
+# The order trials take them in: first where a resume from a checkpoint can go wrong, so that two
+# trials already test one; a kill before any checkpoint only restarts the run.
+ORDER = (PHASES[1], PHASES[2], PHASES[0], PHASES[3])
+SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
+GRACE = 120  # seconds a signalled launch gets to checkpoint and exit before it is killed whole
+MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
+PVC = "{pvc}"
+
+
+@attrs.frozen
+class Outcome:
+    """One run of the command (several launches when killed): how it ended and what it left."""
+
+    pvc: Path
+    codes: tuple[int, ...]
+    code: int  # the job's code: the last launch's, read by exits.job_exit
+    seconds: float
+    artifacts: dict[str, bytes] = attrs.field(repr=False)
+    phase: str = ""
+    signal: str = ""
+    landed: str = ""  # the last logged event when the signal landed
+    checkpoint_times: tuple[float, ...] = ()
+    first_line: float = 0.0  # seconds until the log's first line: start-up (imports) before it
+
+
+@attrs.frozen
+class Verdict:
+    trial: int
+    problems: tuple[str, ...]
+
+
+# --- the command -------------------------------------------------------------------------------------
+
+def check_command(cmd: Sequence[str], kills: int) -> None:
+    """Bad usage, found before anything runs (exit 2)."""
+    if kills < 1:
+        raise UsageError(f"--kills must be at least 1, got {kills}")
+    if not cmd:
+        raise UsageError("no command: trainjob prove [options] -- CMD ... (with {pvc} where its PVC goes)")
+    if not any(PVC in arg for arg in cmd):
+        raise UsageError(f"{PVC} appears nowhere in the command: put it where the command takes its PVC directory")
+    if shutil.which(cmd[0]) is None:
+        raise UsageError(f"{cmd[0]}: command not found")
+
+
+def for_pvc(cmd: Sequence[str], pvc: Path) -> list[str]:
+    return [arg.replace(PVC, str(pvc)) for arg in cmd]
+
+
+# --- targets: when a trial's signal goes (pure but for the clock and the PVC it watches) -----------
+
+def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Callable[[], bool]:
+    """A predicate that turns true at the instant to signal a trial in ``phase``, judged from the
+    trial's own log (so a loaded machine does not shift the phase) and the reference's pace."""
+    times = reference.checkpoint_times
+    count = len(times)
+    gap = (times[-1] - times[0]) / (count - 1) if count > 1 else reference.seconds / 2
+    nth = rng.randint(1, max(1, count - 1))  # a checkpoint to resume from, not the last one
+
+    def checkpoints() -> int:
+        return sum(e["event"] == "checkpointed" for e in events(pvc))
+
+    def writing() -> bool:
+        return any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
+
+    if phase == PHASES[0]:  # a random delay after the run's first log line (start-up is not the run)
+        ready = _after(lambda: bool(events(pvc)), rng.uniform(0, (times[0] if times else reference.seconds)
+                                                             - reference.first_line))
+        return lambda: ready() or writing() or checkpoints() > 0  # at the latest, as the first one is written
+    if phase == PHASES[1]:  # a random delay after the nth checkpoint, and before the next one commits
+        ready = _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
+        return lambda: ready() or checkpoints() > nth
+    if phase == PHASES[2]:
+        return lambda: checkpoints() >= nth and writing()
+    return lambda: last_event(pvc) == "completed"
+
+
+def _after(started: Callable[[], bool], delay: float) -> Callable[[], bool]:
+    """True from ``delay`` seconds after ``started()`` first held."""
+    since: list[float] = []
+
+    def ready() -> bool:
+        if not since and started():
+            since.append(time.monotonic())
+        return bool(since) and time.monotonic() - since[0] >= delay
+    return ready
+
+
+def _listing(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError:
+        return []
+
+
+# --- running -----------------------------------------------------------------------------------------
+
+def _launch(cmd: list[str], pvc: Path, n: int) -> subprocess.Popen:
+    """Start one launch, its stdout and stderr kept beside the PVC (the stdout's per-step loss
+    lines, if it prints any, are read by ``divergence``; the stderr is named in the report)."""
+    with open(pvc.parent / f"launch-{n:02d}.stdout", "w") as out, \
+            open(pvc.parent / f"launch-{n:02d}.stderr", "w") as err:
+        return spawn(cmd, stdout=out, stderr=err)  # the child holds its own copies
+
+
+def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Outcome:
+    """The uninterrupted run, timing each checkpoint line as it appears (the trials' pace)."""
+    pvc = work / name / "pvc"
+    pvc.parent.mkdir(parents=True)
+    started = time.monotonic()
+    proc = _launch(for_pvc(cmd, pvc), pvc, 1)
+    times: list[float] = []
+    first_line = None
+    while proc.poll() is None:
+        logged = events(pvc)
+        if first_line is None and logged:
+            first_line = time.monotonic() - started
+        seen = sum(e["event"] == "checkpointed" for e in logged)
+        times += [time.monotonic() - started] * (seen - len(times))
+        time.sleep(0.005)
+    seen = sum(e["event"] == "checkpointed" for e in events(pvc))
+    times += [time.monotonic() - started] * (seen - len(times))
+    code = proc.returncode
+    return Outcome(pvc, (code,), job_exit([code]), time.monotonic() - started, artifacts(pvc),
+                   checkpoint_times=tuple(times), first_line=first_line or 0.0)
+
+
+def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, reference: Outcome,
+              rng: random.Random) -> Outcome:
+    """Signal the first launch at the phase's instant, then relaunch while the job says relaunch."""
+    pvc = work / f"trial-{index:02d}" / "pvc"
+    pvc.parent.mkdir(parents=True)
+    started = time.monotonic()
+    ready = target(phase, reference, rng, pvc)
+    proc = _launch(for_pvc(cmd, pvc), pvc, 1)
+    delivered = kill_when(proc, ready, sig)
+    logged = events(pvc)
+    landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
+    writing = [m.group(1) for p in _listing(pvc / "checkpoints") if (m := re.match(r"\.tmp-step-0*(\d+)", p.name))]
+    if not delivered:
+        landed = "not delivered: the launch had ended"
+    elif writing:
+        landed += f", mid-write of step {writing[0]}"
+    try:
+        codes = [proc.wait(timeout=GRACE)]
+    except subprocess.TimeoutExpired:  # a SIGTERM the command ignored: as the kubelet, kill it
+        kill_launch(proc)
+        codes = [proc.wait()]
+    code = job_exit(codes)
+    while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
+        if last_event(pvc) == "completed":
+            code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
+            break
+        proc = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
+        codes.append(proc.wait())
+        code = job_exit(codes[-1:])
+    return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
+                   phase, signal.Signals(sig).name, landed)
+
+
+def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path], str | None]) -> Verdict:
+    problems = []
+    if trial.code != reference.code:
+        problems.append(f"ended {trial.code} (launches {list(trial.codes)}), the reference {reference.code}")
+    if trial.artifacts != reference.artifacts:
+        if set(trial.artifacts) != set(reference.artifacts):
+            problems.append(f"published {sorted(trial.artifacts) or 'nothing'}, the reference "
+                            f"{sorted(reference.artifacts)}")
+        else:
+            problems.append("published other bytes than the reference")
+    if (refused := verify(trial.pvc)) is not None:
+        problems.append(f"trainjob verify refuses its PVC: {refused}")
+    return Verdict(index, tuple(problems))
+
+
+def verify_problem(pvc: Path) -> str | None:
+    """What ``trainjob verify`` would say is wrong with the PVC, or None when it accepts it."""
+    from ..storage.pvc import Pvc
+    from ..views.verify import verify_pvc
+    try:
+        report = verify_pvc(Pvc(pvc), pvc / "log.jsonl")
+    except InputError as exc:
+        return str(exc)
+    if report.ok:
+        return None
+    bad = [i for i in report.items if i.status not in ("ok", "partial")] or report.items
+    return f"{bad[0].path}: {bad[0].status} {bad[0].detail}" if bad else "not sound"
+
+
+# --- the whole proof -----------------------------------------------------------------------------------
+
+def plan(kills: int, signals: str) -> list[tuple[str, int]]:
+    """Each trial's phase and signal: the phases in turn (``ORDER``), the signals alternating when
+    both are asked for. The seed picks the instants within them."""
+    sigs = SIGNALS[signals]
+    return [(ORDER[i % len(ORDER)], sigs[i % len(sigs)]) for i in range(kills)]
+
+
+def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
+          progress: Callable[[str], None]) -> tuple[int, list[str]]:
+    """The exit code (0 proven, 1 a resume diverged or the command is not deterministic) and the report."""
+    check_command(cmd, kills)
+    rng = random.Random(seed)
+    work = Path(tempfile.mkdtemp(prefix="trainjob-prove-"))
+    progress("prove: reference run (uninterrupted)")
+    reference = run_reference(cmd, work)
+    if reference.code != EXIT_OK or not reference.artifacts:
+        raise UsageError(f"the uninterrupted reference run exited {reference.code} and published "
+                         f"{sorted(reference.artifacts) or 'nothing'}: prove needs a command that completes "
+                         f"(its output: {reference.pvc.parent / 'launch-01.stderr'})")
+    progress(f"prove: reference done in {reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints")
+    if twice:
+        progress("prove: second reference run (--twice)")
+        again = run_reference(cmd, work, "reference-again")
+        if again.artifacts != reference.artifacts or again.code != reference.code:
+            lines = ["trainjob prove: NOT DETERMINISTIC: two uninterrupted runs of the command published different "
+                     "bytes, so a resume cannot be judged; set the seeds and torch.use_deterministic_algorithms(True) "
+                     "(docs/prove.md)", *describe(divergence(reference.pvc, again.pvc), "the first run"),
+                     f"runs kept in {work}"]
+            return 1, lines
+    trials, verdicts = [], []
+    for index, (phase, sig) in enumerate(plan(kills, signals), 1):
+        trial = run_trial(cmd, work, index, phase, sig, reference, rng)
+        verdict = judge(index, trial, reference, verify_problem)
+        trials.append(trial)
+        verdicts.append(verdict)
+        progress(f"prove: trial {index}/{kills} {trial.signal} {phase}: launches {list(trial.codes)}: "
+                 + ("ok" if not verdict.problems else "; ".join(verdict.problems)))
+    lines = report(reference, trials, verdicts, work)
+    if any(v.problems for v in verdicts):
+        return 1, lines
+    shutil.rmtree(work, ignore_errors=True)  # kept only when there is something to look at
+    return 0, lines
+
+
+def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], work: Path) -> list[str]:
+    failed = [v for v in verdicts if v.problems]
+    delivered = sum(not t.landed.startswith("not delivered") for t in trials)
+    lines = [f"trainjob prove: {len(trials)} trials, {delivered} signals delivered, reference "
+             f"{reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints",
+             f"{'trial':<6}{'signal':<9}{'phase':<28}{'launches':<14}result"]
+    for t, v in zip(trials, verdicts):
+        lines.append(f"{v.trial:<6}{t.signal:<9}{t.phase:<28}{' '.join(map(str, t.codes)):<14}"
+                     + ("same bytes, verified" if not v.problems else "DIFFERS"))
+        lines.append(f"{'':<6}landed {t.landed}")
+    if not failed:
+        name, blob = next(iter(reference.artifacts.items()))
+        lines.append(f"verdict: PROVEN: every trial resumed to the reference's {name} "
+                     f"(sha256 {hashlib.sha256(blob).hexdigest()[:12]}...)")
+        return lines
+    first = failed[0]
+    trial = trials[first.trial - 1]
+    lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
+                 + "; ".join(first.problems))
+    lines += describe(divergence(reference.pvc, trial.pvc))
+    lines.append(f"runs kept in {work} (reference/pvc, trial-{first.trial:02d}/pvc, each launch's output)")
+    return lines
