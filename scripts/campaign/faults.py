@@ -1,0 +1,104 @@
+"""I/O faults: libfiu fails write, fsync, rename or open inside a running trainjob; a real tiny tmpfs
+fills up under one. Each run must end 0 or 75 with one line, and never leave a torn checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+from trainjob.deploy.launches import last_event
+
+from .harness import STEPS, ASYNC, Campaign, Section, snapshot, spawn, trainjob
+
+
+def io_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> Section:
+    """With ``ASYNC`` in ``flags``, a fault in a checkpoint's write, fsync or rename lands in
+    the writer thread (libfiu fails the call whichever thread makes it): it must still end the
+    run with exit 75 and one line, and never a torn checkpoint. The note counts those."""
+    section = Section("io faults" + (" async" if ASYNC in flags else ""))
+    in_writer = 0
+    if not shutil.which("fiu-run") or not shutil.which("fiu-ctrl"):
+        section.note = "skipped: fiu-run/fiu-ctrl not installed (apt-get install fiu-utils)"
+        return section
+    points = ["posix/io/sync/fsync", "posix/io/dir/rename", "posix/io/rw/write", "posix/io/oc/open"]
+    for trial in range(trials):
+        section.trials += 1
+        point = points[trial % len(points)]
+        pvc = campaign.pvc("fiu")
+        ctrl = campaign.work / f"fiu-{trial}"
+        proc = spawn("run", "--pvc", pvc, *flags, prefix=("fiu-run", "-x", "-f", str(ctrl)))
+        # Arm the fault only once the run is under way: failing the interpreter's own imports
+        # would test Python, not trainjob.
+        while last_event(pvc) is None and proc.poll() is None:
+            time.sleep(0.005)
+        probability = campaign.rng.choice([0.05, 0.2, 1.0])
+        armed = subprocess.run(["fiu-ctrl", "-f", str(ctrl), "-c",
+                                f"enable_random name={point},probability={probability}", str(proc.pid)],
+                               capture_output=True)
+        code = proc.wait(timeout=120)
+        stderr = proc.stderr.read()
+        if armed.returncode == 0:
+            section.injected += 1
+        if ASYNC in flags and code == 75 and "checkpoints/" in stderr:
+            in_writer += 1  # the failed call was the writer thread's: a shard, a commit, a rotation
+        if code not in (0, 75):
+            section.violation(trial, f"{point} p={probability}: exit {code}: {stderr.strip()[-200:]}")
+        elif code == 75 and point in ("posix/io/sync/fsync", "posix/io/dir/rename"):
+            lines = stderr.strip().splitlines()
+            if len(lines) != 1 or not lines[0].startswith("trainjob run: "):
+                section.violation(trial, f"{point}: expected a one-line error, got {stderr.strip()[-200:]!r}")
+        checkpoint = pvc / "checkpoint.json"
+        if checkpoint.exists():
+            try:
+                json.loads(checkpoint.read_text())
+            except ValueError:
+                section.violation(trial, "checkpoint.json no longer parses after a fault")
+        campaign.recover(section, trial, pvc, flags)
+    if ASYNC in flags:
+        section.note = f"{in_writer} of the faults ended the run from the writer thread's checkpoint I/O"
+    return section
+
+
+def full_disk(campaign: Campaign) -> Section:
+    section = Section("full disk")
+    mount = campaign.work / "tiny"
+    mount.mkdir()
+    tried = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                           capture_output=True, text=True)
+    if tried.returncode != 0:
+        section.note = f"skipped: cannot mount a tmpfs here ({tried.stderr.strip() or 'not root'})"
+        return section
+    try:
+        section.trials = 1
+        pvc = mount / "pvc"
+        trainjob("run", "--pvc", pvc, *STEPS, "--die-at", "5")
+        before = snapshot(pvc)
+        filler = mount / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+        try:  # fill every last block
+            while os.write(fd, b"\0" * 4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        section.injected = 1
+        result = trainjob("run", "--pvc", pvc, *STEPS)
+        after = snapshot(pvc)
+        if result.returncode != 75 or "No space left" not in result.stderr:
+            section.violation(0, f"full disk gave exit {result.returncode}: {result.stderr.strip()[-200:]}")
+        for name in ("checkpoint.json", "state.json", "attempts"):
+            if after.get(name) != before.get(name) and name == "checkpoint.json":
+                json.loads(after[name])  # a newer checkpoint may have fit; it must still parse
+            elif name != "checkpoint.json" and after.get(name) is None:
+                section.violation(0, f"{name} lost on a full disk")
+                section.bytes_lost += len(before.get(name, b""))
+        filler.unlink()
+        campaign.recover(section, 0, pvc)
+    finally:
+        subprocess.run(["umount", str(mount)], capture_output=True)
+    return section
