@@ -5,7 +5,7 @@
 
 The same harness as tests/killpoint.py (SIGKILL just before the Nth write, fsync or rename), for
 trainers whose import is slow (torch): this process imports trainjob and the trainer's modules
-once, and every trial is a fork: a clean run to count the calls and keep its artifact, then for
+once (and the engine's lazily imported modules), and every trial is a fork: a clean run to count the calls and keep its artifact, then for
 each N a run killed before call N and a relaunch. Nothing is computed here before a fork, so no
 thread pool is inherited. Prints one JSON object: the count and, per N, how the killed run ended,
 whether its log already said ``completed``, the relaunch's exit code, whether the artifacts
@@ -22,9 +22,15 @@ from killpoint import arm
 from trainjob import cli
 
 root, argv = Path(sys.argv[1]), sys.argv[2:]
-for module in os.environ.get("TRAINJOB_PRELOAD", "").split(","):
+# What a run imports on first use, paid once here rather than in every fork: the trainer's
+# modules (TRAINJOB_PRELOAD), the engine's (the CLI imports them per command, trainjob/cli.py) and
+# bfloat16's registration. Without this each fork spent most of a second importing them again.
+RUN_MODULES = ("trainjob.engine.run", "trainjob.engine.completion", "trainjob.engine.overlap",
+               "trainjob.checkpoint.store", "trainjob.checkpoint.background", "trainjob.ranks.torchrun",
+               "trainjob.trainers.protocol", "ml_dtypes")
+for module in [*os.environ.get("TRAINJOB_PRELOAD", "").split(","), *RUN_MODULES]:
     if module:
-        __import__(module)  # the trainer's imports, paid once
+        __import__(module)
 
 
 def forked(pvc: Path, kill_at: int | None) -> tuple[int, int]:
