@@ -48,12 +48,14 @@ def finish(script: Path, pvc: Path, *flags: str) -> dict[int, str]:
 
 
 def killed(script: Path, pvc: Path, *flags: str, at_line: int, then: float = 0.0) -> None:
-    """Run until the loss line of step ``at_line`` is printed, ``then`` seconds more, and SIGKILL
-    (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)."""
+    """Run until the loss line of step ``at_line`` (or a later one) is printed, ``then`` seconds
+    more, and SIGKILL (a loss line is printed before the step's checkpoint: a kill soon after one
+    lands in it). "Or a later one": an earlier kill's delay may have let the run pass ``at_line``,
+    so this launch resumes after it and never prints that line."""
     proc = launch(script, pvc, *flags)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith(f"step {at_line} "):
+        if (step := losses(line)) and min(step) >= at_line:
             break
     time.sleep(then)
     proc.send_signal(signal.SIGKILL)

@@ -169,14 +169,15 @@ def log_lines(pvc: Path) -> int:
 
 @pytest.mark.process
 @pytest.mark.torchrun
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path, world):
+def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path):
     """The contract of the rendered W > 1 Job, pod by pod: 2 on bad input, 75 when a pod is
     signalled (within the grace period) or lost (within --rank-timeout), 0 when it completes, and
-    0 at once for a pod recreated alone after completion. Four launches of W torch agents each,
-    about 2 to 5 minutes on the loaded 2-core machine: one launch per guarantee, each checked in
-    every pod."""
+    0 at once for a pod recreated alone after completion. Slow (about a minute here) because it
+    launches the Job five times, W torch agents each: one launch per guarantee, each checked in
+    every pod. W=3 rather than 2 and 4: the lost pod then leaves a coordinator and a
+    non-coordinator behind, which is all that 4 added to 2, at one launch's cost."""
     pytest.importorskip("torch.distributed", reason="torch is not installed (pip install 'trainjob[torch]')")
+    world = 3
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, *RUN, "--die-at", "100").returncode == 75  # a checkpoint for 1 rank
 
