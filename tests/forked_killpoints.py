@@ -5,16 +5,19 @@
 
 The same harness as tests/killpoint.py (SIGKILL just before the Nth write, fsync or rename), for
 trainers whose import is slow (torch): this process imports trainjob and the trainer's modules
-once (and the engine's lazily imported modules), and every trial is a fork: a clean run to count the calls and keep its artifact, then for
-each N a run killed before call N and a relaunch. Nothing is computed here before a fork, so no
-thread pool is inherited. Prints one JSON object: the count and, per N, how the killed run ended,
-whether its log already said ``completed``, the relaunch's exit code, whether the artifacts
-are then the clean run's bytes, and the attempt number the PVC then holds.
+once (and the engine's lazily imported modules), and every trial is a fork: a clean run to count
+the calls and keep its artifact, then for each N a run killed before call N and a relaunch; N
+equal to the count is the exit path (killed once the run returned, its outcome logged), as in
+tests/killpoint.py. Nothing is computed here before a fork, so no thread pool is inherited.
+Prints one JSON object: the count and, per N, how the killed run ended, whether its log already
+said ``completed``, the relaunch's exit code, whether the artifacts are then the clean run's
+bytes, the attempt number the PVC then holds, the log's last event and any temporary file left.
 """
 
 import json
 import os
 import runpy
+import signal
 import sys
 from pathlib import Path
 
@@ -54,6 +57,8 @@ def forked(pvc: Path, kill_at: int | None) -> tuple[int, int]:
                     code = end.code if isinstance(end.code, int) else 70
             else:
                 code = cli.main([argv[0], "--pvc", str(pvc), *argv[1:]])
+            if counted() == kill_at:  # the exit path: the outcome is decided and logged
+                os.kill(os.getpid(), signal.SIGKILL)
         finally:
             real_write(write, str(counted()).encode())
             os._exit(code)
@@ -77,12 +82,14 @@ def attempts(pvc: Path) -> str | None:
 code, count = forked(root / "clean", None)
 reference = artifacts(root / "clean")
 trials = []
-for n in range(count):
+for n in range(count + 1):
     pvc = root / f"kill-{n:04d}"
     killed, _ = forked(pvc, n)
     log = pvc / "log.jsonl"
     logged_completed = log.is_file() and '"event":"completed"' in log.read_text(errors="replace")
     relaunch, _ = forked(pvc, None)
     trials.append({"n": n, "killed": killed, "relaunch": relaunch, "logged_completed": logged_completed,
-                   "same_bytes": artifacts(pvc) == reference, "attempts": attempts(pvc)})
+                   "same_bytes": artifacts(pvc) == reference, "attempts": attempts(pvc),
+                   "last_event": json.loads(log.read_text().splitlines()[-1])["event"] if log.is_file() else None,
+                   "litter": sorted(p.name for p in pvc.rglob("*.tmp.*"))})
 print(json.dumps({"clean": code, "count": count, "artifacts": sorted(reference), "trials": trials}))

@@ -86,24 +86,22 @@ def test_the_kill_harness_counts_the_background_writers_io_calls(tmp_path):
 
 @pytest.mark.parametrize("mode", [[], ASYNC], ids=["sync", "async"])
 @pytest.mark.killpoint
-def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, reference, mode):
-    flags = [*FLAGS, *mode]  # async: the writer thread's calls are kill points too (test above)
-    total = io_calls("run", "--pvc", tmp_path / "count", *flags)
-    assert total > 20  # the harness really intercepts the engine's I/O
-
-    def trial(n: int) -> str | None:
-        pvc = tmp_path / f"k{n}"
-        died = killpoint(n, "run", "--pvc", pvc, *flags)
-        if died.returncode != -signal.SIGKILL:
-            return f"kill point {n}: harness exited {died.returncode}: {died.stderr[-300:]}"
-        if n == total and events(pvc / "log.jsonl")[-1][0] != "completed":
-            return f"kill point {n}: the exit-path kill landed before `completed` was logged"
-        code = finish(pvc, *flags)
-        found = ([f"relaunch exited {code}"] if code else []) + problems_after_recovery(pvc, reference)
-        return f"kill point {n}: {found}" if found else None
-
-    with ThreadPoolExecutor(max_workers=2) as pool:  # kill point `total` is the exit path
-        failures = [f for f in pool.map(trial, range(total + 1)) if f]
+def test_kill_before_every_io_call_resumes_to_the_same_bytes(tmp_path, mode):
+    """Every trial is a fork of one process that imported the CLI once (tests/forked_killpoints.py):
+    the pod's command killed before I/O call N, then the pod's command again, for every N."""
+    args = k8s.Target(run_args=[*FLAGS, *mode]).container_args()  # async: the writer thread's calls too
+    at = args.index("--pvc")
+    proc = subprocess.run([sys.executable, str(Path(__file__).parents[1] / "forked_killpoints.py"), str(tmp_path),
+                           *args[:at], *args[at + 2:]], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["clean"] == 0 and result["artifacts"] == ["model-v1.json"]
+    assert result["count"] > 20  # the harness really intercepts the engine's I/O
+    assert len(result["trials"]) == result["count"] + 1  # the last one kills the exit path
+    failures = [t for t in result["trials"] if t["killed"] != -signal.SIGKILL or t["relaunch"] != 0
+                or not t["same_bytes"] or t["attempts"] != "1" or t["last_event"] != "completed" or t["litter"]
+                or (t["n"] == result["count"] and not t["logged_completed"])]
     assert failures == []
 
 
