@@ -217,6 +217,7 @@ def test_one_enormous_log_line_costs_no_memory(walkthrough_log, tmp_path):
 
 
 def test_a_million_garbage_lines_are_summarised_not_printed(walkthrough_log, tmp_path):
+    """Slow (about 3 s of CPU per read): `status` and `status --path` each parse a million lines."""
     log = tmp_path / "log.jsonl"
     log.write_bytes(walkthrough_log.read_bytes() + b"x\n" * 1_000_000)
     for flags in ([], ["--path"]):

@@ -88,6 +88,8 @@ W2 = ("--steps", "200", "--ckpt-every", "5")
 
 @pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_bytes(tmp_path):
+    """Slower than 20 s: four launches of two torch workers (the reference, a SIGKILL of rank 1, one
+    of rank 0, the relaunch that completes); about 4 s each on a quiet machine."""
     reference = torchrun(tmp_path / "ref", *W2)
     assert reference.wait(300) == 0, reference.stderr.read()[-2000:]
     pvc = tmp_path / "pvc"

@@ -41,6 +41,8 @@ def test_each_contender_is_compared_with_the_reference_runs_on_either_side_of_it
 
 @pytest.mark.process
 def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
+    """Slower than 20 s under load: every section of scripts/bench.py but the torch ones, once, at
+    a tiny size (each section starts its own processes: W=1 and W=2 saves, the engine, start-up)."""
     out = tmp_path / "bench.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
@@ -76,6 +78,7 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
 
 @pytest.mark.process
 def test_the_trainer_section_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
+    """Slow: the trainer section runs torch scripts beside trainjob, DCP and torch.save peers."""
     import pytest
     pytest.importorskip("torch", reason="the trainer section needs torch")
     out = tmp_path / "trainer.json"

@@ -120,6 +120,8 @@ def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> l
 
 @pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path, reference):
+    """Slower than 20 s under load: three launches of two torch workers (rank 1 killed, rank 0
+    killed, the relaunch), checked against the module's one reference launch."""
     data, expected = reference
     pvc = tmp_path / "pvc"
     interrupt_twice_then_finish(pvc, data, signal.SIGKILL)
@@ -134,6 +136,7 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp
 @pytest.mark.torchrun
 def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoint_and_resumes(tmp_path,
                                                                                              reference):
+    """Slower than 20 s under load: three launches of two torch workers, as the SIGKILL test above."""
     data, expected = reference
     pvc = tmp_path / "pvc"
     said = interrupt_twice_then_finish(pvc, data, signal.SIGTERM)
