@@ -1,0 +1,84 @@
+"""Every fsync and rename a checkpoint makes is announced: docs/checkpoints.md's table of durability
+points is compared, row by row, with the calls a real run makes (traced in process).
+
+A point that appears (a new fsync, say) or disappears without the table changing fails here, so
+the cost of a checkpoint and the failure each call guards against stay written down.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from trainjob import cli
+
+Point = tuple[str, str]
+
+
+def documented() -> list[Point]:
+    """The (call, on) columns of the table under "Durability points of one checkpoint (W=1)"."""
+    text = (ROOT / "docs/checkpoints.md").read_text()
+    section = text.split("### Durability points of one checkpoint (W=1)", 1)[1].split("\n#", 1)[0]
+    rows = re.findall(r"^\| \d+ \| (fsync|rename) \| `([^`]+)` \|", section, re.M)
+    assert len(rows) >= 5, "the table is gone"
+    return rows
+
+
+def traced(monkeypatch: pytest.MonkeyPatch, pvc: Path, *flags: str) -> list[Point]:
+    """Every fsync, rename and replace ``trainjob run`` makes, paths relative to the PVC with each
+    run of digits written N (steps, attempts, pids)."""
+    seen: list[Point] = []
+    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
+
+    def where(path: str | os.PathLike) -> str:
+        return re.sub(r"\d+", "N", os.path.relpath(os.fspath(path), pvc))
+
+    def fsync(fd: int) -> None:
+        seen.append(("fsync", where(os.readlink(f"/proc/self/fd/{fd}"))))
+        real_fsync(fd)
+
+    def renamer(real):
+        def rename(src, dst, **kwargs):
+            seen.append(("rename", f"{where(src)} -> {where(dst)}"))
+            real(src, dst, **kwargs)
+        return rename
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", renamer(real_rename))
+    monkeypatch.setattr(os, "replace", renamer(real_replace))
+    assert cli.main(["run", "--pvc", str(pvc), *flags]) == 0
+    monkeypatch.undo()
+    return seen
+
+
+def checkpoints(points: list[Point]) -> list[list[Point]]:
+    """The run's points cut into one list per checkpoint: from a shard's fsync to the log line
+    that announces it."""
+    found, current = [], None
+    for point in points:
+        if point[0] == "fsync" and "/shard-" in point[1] and point[1].startswith("checkpoints/.tmp-"):
+            current = []
+            found.append(current)
+        if current is not None:
+            current.append(point)
+            if point == ("fsync", "log.jsonl"):
+                current = None
+    return found
+
+
+def test_a_steady_checkpoint_makes_exactly_the_documented_fsyncs_and_renames(tmp_path, monkeypatch):
+    points = traced(monkeypatch, tmp_path / "pvc", "--steps", "3", "--ckpt-every", "1", "--keep", "1")
+    made = checkpoints(points)
+    assert len(made) == 3
+    assert made[-1] == documented()  # the third: the state is already `checkpointed`, one to rotate
+
+
+def test_the_first_checkpoint_adds_only_the_state_record_before_its_log_line(tmp_path, monkeypatch):
+    first = checkpoints(traced(monkeypatch, tmp_path / "pvc", "--steps", "3", "--ckpt-every", "1", "--keep", "1"))[0]
+    state = [("fsync", "state.json.tmp.N"), ("rename", "state.json.tmp.N -> state.json"), ("fsync", ".")]
+    no_rotation = [p for p in documented() if ".trash-" not in p[1]]
+    assert first == no_rotation[:-1] + state + no_rotation[-1:]
