@@ -7,12 +7,16 @@ the cost of a checkpoint and the failure each call guards against stay written d
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+import fstrace
 from conftest import ROOT
 from trainjob import cli
 
@@ -29,27 +33,9 @@ def documented() -> list[Point]:
 
 
 def traced(monkeypatch: pytest.MonkeyPatch, pvc: Path, *flags: str) -> list[Point]:
-    """Every fsync, rename and replace ``trainjob run`` makes, paths relative to the PVC with each
-    run of digits written N (steps, attempts, pids)."""
+    """Every fsync, rename and replace ``trainjob run`` makes (tests/fstrace.py's tracer)."""
     seen: list[Point] = []
-    real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
-
-    def where(path: str | os.PathLike) -> str:
-        return re.sub(r"\d+", "N", os.path.relpath(os.fspath(path), pvc))
-
-    def fsync(fd: int) -> None:
-        seen.append(("fsync", where(os.readlink(f"/proc/self/fd/{fd}"))))
-        real_fsync(fd)
-
-    def renamer(real):
-        def rename(src, dst, **kwargs):
-            seen.append(("rename", f"{where(src)} -> {where(dst)}"))
-            real(src, dst, **kwargs)
-        return rename
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", renamer(real_rename))
-    monkeypatch.setattr(os, "replace", renamer(real_replace))
+    fstrace.record(str(pvc), seen, lambda name, wrapper: monkeypatch.setattr(os, name, wrapper))
     assert cli.main(["run", "--pvc", str(pvc), *flags]) == 0
     monkeypatch.undo()
     return seen
@@ -82,3 +68,20 @@ def test_the_first_checkpoint_adds_only_the_state_record_before_its_log_line(tmp
     state = [("fsync", "state.json.tmp.N"), ("rename", "state.json.tmp.N -> state.json"), ("fsync", ".")]
     no_rotation = [p for p in documented() if ".trash-" not in p[1]]
     assert first == no_rotation[:-1] + state + no_rotation[-1:]
+
+
+@pytest.mark.process
+@pytest.mark.torchrun
+def test_under_torchrun_rank_0_makes_the_documented_points_and_every_other_rank_one_fsync(tmp_path):
+    """At W=2 through torchrun's store (the receipts go through the store, not the PVC), rank 0's
+    checkpoint is the W=1 table's, and rank 1's is its shard's fsync and nothing else."""
+    out = tmp_path / "trace"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", str(ROOT / "tests/fstrace.py"), str(out), "run", "--pvc",
+                           str(tmp_path / "pvc"), "--steps", "3", "--ckpt-every", "1", "--keep", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rank0, rank1 = ([tuple(p) for p in json.loads(Path(f"{out}-rank{r}.json").read_text())] for r in (0, 1))
+    assert checkpoints(rank0)[-1] == documented()
+    assert rank1 == [("fsync", "checkpoints/.tmp-step-N-aN-wN.gN/shard-N-of-N.safetensors")] * 3
