@@ -182,7 +182,7 @@ class CheckpointStore:
         def check(shard: ShardEntry) -> str | None:
             # One verification for run, reshard and verify: with or without ``into``, the header
             # is checked against the manifest and every byte hashed (what verify calls ok loads).
-            rows = None if into is None else {h.name: into[h.name][h.rows] for h in shard.holds}
+            rows = None if into is None else {h.name: into[h.name][h.box] for h in shard.holds}
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
             return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256, meta)
 

@@ -94,8 +94,8 @@ class Reshard(MachineModel):
     def persist_reshard(self, _ev: EventData) -> None:
         src, n = self.manifest, self.target.world_size
         assert self.source_tensors is not None
-        # Each source rank's rows, as views of the verified state (held once, 1x).
-        parts = {s.rank: {h.name: self.source_tensors[h.name][h.rows] for h in s.holds}
+        # Each source rank's slices, as views of the verified state (held once, 1x).
+        parts = {s.rank: {h.name: self.source_tensors[h.name][h.box] for h in s.holds}
                  for s in src.shards}
         if self.dropped:  # after persist_cleanup's note, in NOTED_WITHIN's order
             self.notes.append(("rank_local_dropped", dict(from_world_size=src.world_size, world_size=n)))
@@ -105,7 +105,7 @@ class Reshard(MachineModel):
         for rank, pieces in enumerate(plan.plan_reshard(src, n)):
             mine = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in dest_layout[rank]}
             for p in pieces:
-                mine[p.tensor][p.dest_rows] = parts[p.src_rank][p.tensor][p.src_rows]
+                mine[p.tensor][p.dest_index] = parts[p.src_rank][p.tensor][p.src_index]
             documents = {PLAIN_KEY: self.plain} if rank == 0 and self.plain is not None else {}
             entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine, documents))
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
