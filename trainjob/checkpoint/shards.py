@@ -19,6 +19,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -168,7 +169,7 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
-def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray] | None,
+def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
                   metadata: dict[str, str] | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
@@ -177,7 +178,10 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
 
     One read, no intermediate copy: the bytes checked are the bytes the caller gets (no window
     between a hash pass and a parse pass). ``dest`` holds unverified bytes until this returns
-    None; callers discard it otherwise. The header is parsed here as data (JSON, size-capped),
+    None; callers discard it otherwise. A hold ``dest`` lacks is hashed and skipped; one it maps
+    to a list of ``(index into the hold, destination view)`` is read through a bounded buffer
+    and only those parts copied (a load by offsets: a rank takes the parts of another sharding's
+    slices that overlap its own). The header is parsed here as data (JSON, size-capped),
     following the safetensors format; nothing in the file can run code.
     """
     fd, reason = _open(path, size)
@@ -212,7 +216,14 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
                 if got != want:
                     break
                 continue
-            out = dest[h.name]
+            out = dest.get(h.name)
+            if out is None or isinstance(out, list):  # a part of it, or none: through a bounded buffer
+                want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
+                got = _skim(fd, want, digest) if out is None else _scatter(fd, h, out, digest)
+                seen += got
+                if got != want:
+                    break
+                continue
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
             view = byte_view(out)
@@ -230,6 +241,30 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
         return str(exc)
     finally:
         os.close(fd)
+
+
+def _scatter(fd: int, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+             digest: Sha256Pipe) -> int:
+    """Read and hash the slice ``h``'s bytes a block of whole rows at a time (one reused buffer
+    of about ``CHUNK`` bytes), copying each piece (``(where in h, destination view)``) as its
+    rows go by; the byte count actually read."""
+    dtype = np_dtype(h.dtype)
+    row = dtype.itemsize * math.prod(h.shape[1:])
+    step = max(1, CHUNK // row) if row else max(h.shape[0], 1)
+    buf = np.empty((min(step, h.shape[0]), *h.shape[1:]), dtype=dtype)
+    done = 0
+    for first in range(0, h.shape[0], step):
+        rows = buf[:min(step, h.shape[0] - first)]
+        view = byte_view(rows)
+        n = _read_exact(fd, view, digest)
+        done += n
+        if n < len(view):
+            break
+        for src, out in pieces:
+            lo, hi = max(src[0].start, first), min(src[0].stop, first + len(rows))
+            if lo < hi:
+                out[lo - src[0].start:hi - src[0].start] = rows[(slice(lo - first, hi - first), *src[1:])]
+    return done
 
 
 def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:

@@ -229,7 +229,7 @@ class Run:
         # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched;
         # running out of memory on the way is 75.
         with memory_errors("loading the newest checkpoint"):
-            job.read(into=initial)
+            job.read(into=initial, host=self._host)
             if job.loaded is not None and job.should_resume():
                 resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)), 0)
         del initial  # the engine holds no reference to the state between checkpoints
@@ -269,8 +269,11 @@ class Run:
         # before this rank's first shard: a checkpoint that fails here really is damaged.
         if session.checkpoint:
             with memory_errors(f"loading {session.checkpoint}"):
-                loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                                     into=initial)
+                ref = Ref.parse(session.checkpoint)
+                assert ref is not None and self._host.specs is not None
+                loaded = (writer.load_local(ref, self._host.specs, self._host.wanted(), self.rank,
+                                            session.manifest_sha256, initial) if self._host.sharded
+                          else writer.load(ref, session.manifest_sha256, into=initial))
                 resume_into(self.stateful, self._host, loaded, session.checkpoint, self.rank)
             del loaded
         del initial
