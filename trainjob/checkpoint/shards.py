@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 
 from ..errors import InputError, open_regular
 from ..storage.digest import Sha256Pipe
-from ..records import TensorSlice
+from ..records import TensorSlice, TensorSpec
 from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
@@ -45,18 +45,42 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     """
     arrays = {name: np.ascontiguousarray(a, dtype=np_dtype(dtype_code(a)))
               for name, a in sorted(tensors.items())}
+    yield _header([(name, dtype_code(a), a.shape) for name, a in arrays.items()], metadata)
+    for a in arrays.values():
+        yield from _chunks(a)
+
+
+def encode_lazy(specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray],
+                metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:
+    """The same bytes as ``encode`` of the arrays ``produce(name)`` returns, asking for each one
+    (in name order) only once the previous one is written: the header needs only ``specs``, so
+    at most one tensor is held at a time (a sharded model's artifact, gathered tensor by tensor)."""
+    ordered = sorted(specs, key=lambda t: t.name)
+    yield _header([(t.name, t.dtype, t.shape) for t in ordered], metadata)
+    for t in ordered:
+        a = np.ascontiguousarray(produce(t.name), dtype=np_dtype(t.dtype))
+        if a.shape != tuple(t.shape):
+            raise ValueError(f"{t.name}: {list(a.shape)} produced, {list(t.shape)} announced")  # a caller's bug
+        yield from _chunks(a)
+        del a
+
+
+def _header(entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, a in arrays.items():
-        header[name] = {"dtype": dtype_code(a), "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+    for name, code, shape in entries:
+        nbytes = np_dtype(code).itemsize * math.prod(shape)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    yield len(text).to_bytes(8, "little") + text
-    for a in arrays.values():
-        flat = byte_view(a)
-        for i in range(0, len(flat), CHUNK):
-            yield flat[i:i + CHUNK]
+    return len(text).to_bytes(8, "little") + text
+
+
+def _chunks(a: np.ndarray) -> Iterator[memoryview]:
+    flat = byte_view(a)
+    for i in range(0, len(flat), CHUNK):
+        yield flat[i:i + CHUNK]
 
 
 def _open(path: Path, size: int | None) -> tuple[int, str | None]:

@@ -323,3 +323,35 @@ class HostState:
         if docs == [None, None] and all(len(p) == 1 for p in self.paths.values()):
             return tensors  # a flat mapping of arrays, as it was handed out
         return tree.join(tensors, self.paths, docs[0], docs[1])
+
+
+class Gathered:
+    """An export holding DTensors (a sharded model's weights), to be published whole without
+    any rank holding the whole model at once: ``specs`` describes it without gathering, and
+    ``host(name)`` gathers one tensor (``full_tensor()``, a collective) as a host array for rank
+    0 to write and drop before the next. Every other rank calls ``drain`` meanwhile, which joins
+    the same collectives in the same (name) order."""
+
+    def __init__(self, export: Mapping[str, Any]) -> None:
+        if not isinstance(export, Mapping) or not all(is_tensor(v) for v in export.values()):
+            raise UsageError("export: a sharded model publishes a flat mapping of names to tensors "
+                             "(its state_dict())")
+        self.export = dict(export)
+        self.specs = specs_of(self.export)  # each DTensor's whole shape; its placements checked
+
+    @staticmethod
+    def wanted(export: object) -> bool:
+        """Whether ``export`` holds a DTensor, and so is published through a ``Gathered``."""
+        return isinstance(export, Mapping) and any(is_dtensor(v) for v in export.values())
+
+    def _full(self, name: str) -> Any:
+        v = self.export[name]
+        return v.full_tensor() if is_dtensor(v) else v
+
+    def host(self, name: str) -> np.ndarray:
+        return _cpu_view(self._full(name).detach().cpu().contiguous())
+
+    def drain(self) -> None:
+        for name in sorted(self.export):  # encode_lazy's order
+            if is_dtensor(self.export[name]):
+                self._full(name)

@@ -43,7 +43,7 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordinator
 from ..records import MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, dumps, load
-from ..checkpoint.snapshot import HostState
+from ..checkpoint.snapshot import Gathered, HostState
 from ..states import State as JobState
 
 
@@ -325,11 +325,16 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
+        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
+                          holdout=kw["holdout"], baseline=kw["baseline"])
+        if isinstance(kw["exported"], Gathered):  # a sharded model: gathered and written tensor by tensor
+            name = artifact_names(self.attempt)[1]
+            stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
+            self.artifact = {"sha256": self.pvc.write_artifact(name, stream), "path": f"artifacts/{name}"}
+            return
         exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
         if exported.plain is not None or exported.local is not None:  # an artifact holds arrays only
             raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
-                          holdout=kw["holdout"], baseline=kw["baseline"])
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
             record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
             name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()

@@ -77,7 +77,7 @@ from .config import DEFAULT_LOG, RunConfig
 from .job import ARTIFACT_FORMATS, Job, StopFlag
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
-from ..checkpoint.snapshot import HostState
+from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors, one_line,
@@ -442,6 +442,16 @@ class Run:
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
+        if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
+            if self.artifact_format != "safetensors":
+                raise UsageError("a sharded model (DTensors) is published as safetensors only; leave "
+                                 "artifact_format at its default")
+            export = Gathered(export)
+            # Rank 0 gathers only if the gate passes: the same pure decision, taken on the same
+            # scores (a sharded model's gate must be given the same ones on every rank).
+            if self.rank != 0 and decisions.drift_passes(holdout.correct, holdout.total, baseline.correct,
+                                                         self.cfg.max_drop):
+                export.drain()
         if self.rank != 0:
             self.final = self._peers.wait_outcome().state
             return
