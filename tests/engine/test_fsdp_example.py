@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,8 @@ def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_
     assert log.count('"resumed"') == 2 and '"completed"' in log, f"seed {SEED}"
     verified = trainjob("verify", "--pvc", str(pvc))
     assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    block = re.search(r"### A sharded model \(FSDP2\).*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block and block[1] == EXAMPLE.read_text()
