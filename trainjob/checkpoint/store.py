@@ -42,7 +42,7 @@ import numpy as np
 from . import plan
 from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
-from ..errors import InputError, NoSpace, os_errors
+from ..errors import InputError, NoSpace, StateMismatch, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
@@ -241,15 +241,17 @@ class CheckpointStore:
 
     def load_local(self, ref: Ref, specs: tuple[TensorSpec, ...], wanted: Mapping[str, tuple[tuple[int, ...],
                    tuple[int, ...]]], rank: int, expect_sha256: str | None = None,
-                   into: Mapping[str, np.ndarray] | None = None) -> Loaded:
+                   into: Mapping[str, np.ndarray] | None = None, verify_all: bool = False) -> Loaded:
         """This rank's part of the checkpoint (``wanted``: by name, the box of the whole tensor it
         holds, as ``HostState.wanted`` gives it), read by offsets (``plan.plan_reads``) from the
         shards that overlap it, whatever world size and placements wrote them; into ``into``'s
         arrays where they fit. Each shard it reads is hashed whole and its header checked
         against the manifest before this returns; one it needs nothing from is not opened
         (rank 0's, for the plain values, and this rank's own, for its rank-local state, always
-        are). InputError (exit 2) when the manifest's tensors are not ``specs`` (the live
-        model's whole shapes), before a byte is read, or when a shard does not verify."""
+        are). ``verify_all``: hash every shard in the same pass, reading each once (rank 0's
+        resume: it picks the checkpoint for every rank). StateMismatch (exit 2) when the
+        manifest's tensors are not ``specs`` (the live model's whole shapes), before a byte is
+        read; InputError when a shard does not verify."""
         manifest, sha = self.read_manifest(ref)
         where = self.rel(self.path(ref) / MANIFEST)
         if expect_sha256 is not None and sha != expect_sha256:
@@ -259,7 +261,7 @@ class CheckpointStore:
             mine, theirs = {t.name: t for t in specs}, {t.name: t for t in manifest.tensors}
             name = next((n for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)), "?")
             said = lambda t: f"{t.dtype}{list(t.shape)}" if t else "absent"  # noqa: E731
-            raise InputError(f"{where}: {name} is {said(theirs.get(name))} there, {said(mine.get(name))} in the "
+            raise StateMismatch(f"{where}: {name} is {said(theirs.get(name))} there, {said(mine.get(name))} in the "
                              "live state (its whole shape); relaunch with the model that wrote it")
         local = {t.name: wanted[t.name][1] for t in specs}
         dest = {}
@@ -279,7 +281,8 @@ class CheckpointStore:
                 (src, out), hold = pieces[0], next(h for h in by_rank[r].holds if h.name == name)
                 if len(pieces) == 1 and out.shape == tuple(hold.shape) and out.flags.c_contiguous:
                     wants[name] = out
-        reading = sorted({*targets, 0, *((rank,) if rank < manifest.world_size else ())})
+        reading = (list(range(manifest.world_size)) if verify_all
+                   else sorted({*targets, 0, *((rank,) if rank < manifest.world_size else ())}))
         directory, metadata = self.path(ref), {}
 
         def check(r: int) -> str | None:

@@ -37,7 +37,8 @@ from .overlap import AsyncCheckpoints
 from ..checkpoint.store import Committer, Loaded
 from ..defaults import ASYNC_WRITE_TIMEOUT
 from .config import RunConfig
-from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, UsageError, WorldSizeMismatch
+from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, StateMismatch, UsageError,
+                      WorldSizeMismatch)
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
@@ -179,11 +180,20 @@ class Job(MachineModel, AsyncCheckpoints):
         named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
         refs = self.store.committed()
         verdicts = {}
+        sharded: dict[Ref, Loaded] = {}
 
         def verify(ref: Ref) -> str | None:
-            # A sharded state is verified in bounded memory (no rank may hold the whole), then read by offsets.
-            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None,
-                                              load=host is None, into=into)
+            expect = pointer.manifest_sha256 if ref == named else None
+            if host is not None:  # sharded: every shard hashed, only this rank's part read, in one pass
+                try:
+                    sharded[ref] = self.store.load_local(ref, host.specs, host.wanted(), 0, expect, into,
+                                                         verify_all=True)
+                except StateMismatch:
+                    raise  # another model's checkpoint is not damage: refused, nothing set aside
+                except InputError as exc:
+                    return str(exc)
+                return None
+            verdicts[ref] = self.store.verify(ref, expect, load=True, into=into)
             return verdicts[ref].reason
 
         pick = plan.pick_resume(refs, attempt, self.cfg.world_size, verify)
@@ -203,8 +213,7 @@ class Job(MachineModel, AsyncCheckpoints):
                 f"{self.pvc.root}: no checkpoint verifies, and starting over would discard them ({reasons}); "
                 f"run `trainjob verify --pvc {self.pvc.root}` to inspect them")
         if pick.chosen is not None and host is not None:
-            self.loaded = self.store.load_local(pick.chosen, host.specs, host.wanted(), 0,
-                                                verdicts[pick.chosen].sha256, into)
+            self.loaded = sharded[pick.chosen]
             self.last_size = self.loaded.size
         elif pick.chosen is not None:
             self.loaded = self.store.load(pick.chosen, verdict=verdicts[pick.chosen])
