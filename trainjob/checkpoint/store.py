@@ -223,7 +223,7 @@ class CheckpointStore:
             return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                                f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
-        metadata: dict[int, dict[str, str]] | None = {} if load else None
+        metadata: dict[int, dict[str, str]] = {}  # the headers are read either way: cheap, and reshard needs them
         reason = self.check_files(ref, manifest, full, metadata)
         return Verification(manifest, sha, reason, full if reason is None else None,
                             metadata if reason is None else None)
