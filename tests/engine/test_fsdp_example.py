@@ -50,9 +50,9 @@ def trainjob(*argv: str) -> subprocess.CompletedProcess:
                           env=ENV)
 
 
-def cut_short(pvc: Path, rng: random.Random) -> None:
+def cut_short(pvc: Path, rng: random.Random, *flags: str) -> None:
     """SIGKILL every process of a W=2 launch at a random instant after its first checkpoint."""
-    launch = torchrun(pvc)
+    launch = torchrun(pvc, 2, *flags)
     after = rng.randrange(4, 16)  # a later checkpoint is still to come
     assert kill_when(launch, lambda: newest_step(pvc) >= after), f"seed {SEED}: the launch ended first"
     launch.communicate(timeout=60)
@@ -65,12 +65,14 @@ def tree(pvc: Path) -> dict[str, str]:
 
 
 def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_bytes(tmp_path):
+    """The killed run and its relaunch checkpoint asynchronously (the writer thread's snapshot of
+    each rank's shards), the reference synchronously: the bytes must not differ either way."""
     code, err = run(tmp_path / "ref")
     assert code == 0, err[-2000:]
     expected = (tmp_path / "ref/artifacts/model-v1.safetensors").read_bytes()
     pvc = tmp_path / "pvc"
-    cut_short(pvc, random.Random(SEED))
-    code, err = run(pvc)
+    cut_short(pvc, random.Random(SEED), "--async-checkpoint")
+    code, err = run(pvc, 2, "--async-checkpoint")
     assert code == 0, err[-2000:]
     log = (pvc / "log.jsonl").read_text()
     assert '"resumed"' in log and '"completed"' in log, f"seed {SEED}"
