@@ -113,3 +113,31 @@ def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_
 def test_the_readme_shows_the_example_as_it_is():
     block = re.search(r"### A sharded model \(FSDP2\).*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
     assert block and block[1] == EXAMPLE.read_text()
+
+
+def test_a_2d_mesh_state_is_saved_by_offsets_along_both_axes_and_resumes_to_the_same_values(tmp_path):
+    """HSDP's placement (Replicate, Shard(0)) and a block per rank (Shard(0), Shard(1)) on a 2x2
+    mesh of 4 ranks: two launches, the first ending abruptly after its step-2 checkpoint."""
+    script, pvc = ROOT / "tests/helpers/mesh2d_state.py", tmp_path / "pvc"
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "4",
+                               "--monitor-interval", "0.1", str(script), str(pvc), *extra],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    assert launch("3").returncode != 0
+    import json
+    manifest = json.loads((pvc / "checkpoints/step-00000002-a0001-w004/manifest.json").read_text())
+    holds = {s["rank"]: {h["name"]: h for h in s["holds"]} for s in manifest["shards"]}
+    # a: mesh column 0 holds rows 0..3, its two replicas (ranks 0 and 2) write 2 rows each; column 1
+    # holds rows 4..6, split 1 + 2 between ranks 1 and 3. b: a 3x3 block per rank, at its offsets.
+    assert [(holds[r]["a"]["start"], holds[r]["a"]["shape"]) for r in range(4)] == [
+        (0, [2, 5]), (4, [1, 5]), (2, [2, 5]), (5, [2, 5])]
+    assert [holds[r]["b"].get("offsets") for r in range(4)] == [None, [0, 3], None, [3, 3]]
+    done = launch()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"resumed"' in (pvc / "log.jsonl").read_text()
+    from safetensors.numpy import load_file
+    published = load_file(pvc / "artifacts/model-v1.safetensors")
+    assert (published["a"] == torch.arange(35.0).reshape(7, 5).numpy() + 4).all()
+    assert (published["b"] == torch.arange(36.0).reshape(6, 6).numpy() * 16).all()
