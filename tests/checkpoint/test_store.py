@@ -208,3 +208,18 @@ def test_a_sharded_load_refuses_another_shape_before_reading_and_a_flipped_byte_
     with pytest.raises(InputError, match="sha256"):
         store.load_local(ref, specs, {"w": ((5, 0), (5, 4))}, 1, into=into)
     assert np.array_equal(store.load_local(ref, specs, {"w": ((0, 0), (5, 4))}, 0).tensors["w"], whole["w"][:5])
+
+
+def test_a_plain_checkpoint_loads_into_shards_and_a_sharded_one_loads_whole():
+    """The two layouts are one format: FSDP loads what plain ranks wrote (or `reshard` rewrote),
+    and a plain resume (or `reshard`) loads what FSDP wrote, each by the slices' offsets."""
+    whole = {"w": np.arange(9 * 5, dtype=np.float32).reshape(9, 5)}
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        plain_store, plain_ref, specs = write_sharded(Path(tmp) / "plain", whole, 2, {})  # rows 0..3 | 4..8
+        sharded_store, sharded_ref, _ = write_sharded(Path(tmp) / "fsdp", whole, 3, {"w": 1})  # columns 2 | 2 | 1
+        assert plain_store.read_manifest(plain_ref)[0].shards[1].holds[0].start == 4
+        got = plain_store.load_local(plain_ref, specs, {"w": ((3, 2), (4, 2))}, 0).tensors["w"]
+        assert np.array_equal(got, whole["w"][3:7, 2:4])  # a box across both plain shards
+        assert np.array_equal(sharded_store.load(sharded_ref).tensors["w"], whole["w"])

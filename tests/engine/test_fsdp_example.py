@@ -86,7 +86,7 @@ def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_byt
 
 def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_is_refused(tmp_path):
     pvc = tmp_path / "pvc"
-    cut_short(pvc, random.Random(SEED))
+    cut_short(pvc, random.Random(SEED))  # (a SIGKILL of one rank alone: its peer waits ~30 s for gloo; not here)
     before = tree(pvc)
     code, err = run(pvc, 2, "--width", "64")  # not the model that wrote the checkpoint
     assert code == 2 and "64" in err and "relaunch with the model that wrote it" in err, err[-2000:]

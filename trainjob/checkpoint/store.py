@@ -80,6 +80,12 @@ def local_parts(holds: tuple[TensorSlice, ...], host: HostArrays) -> dict[str, n
     return out
 
 
+def _place(view: np.ndarray, h: TensorSlice) -> np.ndarray | list:
+    """Where a slice's bytes go: straight into ``view`` when it is contiguous (whole rows), else
+    (a column block of a DTensor's Shard(1)) through ``read_verified``'s bounded buffer."""
+    return view if view.flags.c_contiguous else [(tuple(slice(0, n) for n in h.shape), view)]
+
+
 @attrs.frozen
 class Verification:
     """What ``verify`` found: ``reason`` is None when the checkpoint is sound. ``tensors`` is the
@@ -194,7 +200,7 @@ class CheckpointStore:
         def check(shard: ShardEntry) -> str | None:
             # One verification for run, reshard and verify: with or without ``into``, the header
             # is checked against the manifest and every byte hashed (what verify calls ok loads).
-            rows = None if into is None else {h.name: into[h.name][h.box] for h in shard.holds}
+            rows = None if into is None else {h.name: _place(into[h.name][h.box], h) for h in shard.holds}
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
             return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256, meta)
 
