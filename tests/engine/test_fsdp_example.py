@@ -5,7 +5,10 @@ A SIGKILL of the whole launch at a random instant (checkpoints included) and a r
 the uninterrupted run's artifact bytes; a run cut short at W=2 resumes at W=1 and W=4 after
 `trainjob reshard` (the world-size change refused, then logged, as for any state); a model of
 another shape is refused (exit 2) with the PVC untouched; `trainjob verify` passes on every
-checkpoint written. Each test checks several guarantees per launch; a launch takes 3-5 s here.
+checkpoint written; a 2-D mesh at 4 ranks resumes by offsets along both axes. Each test checks
+several guarantees per launch; a launch takes 3-5 s here (torch's import and gloo's start-up in
+every rank), so the W=2 -> 4 -> 1 test, six launches and two reshards, takes about 35 s on this
+shared machine: splitting it would pay the first launches twice.
 """
 
 from __future__ import annotations
