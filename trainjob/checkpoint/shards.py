@@ -7,7 +7,10 @@ that chunk by chunk) and must never be held twice in memory; ``tests/checkpoint/
 output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading is done here too
 (``read_verified``, following the format's spec): the bytes go straight from the file into the
 caller's arrays and are hashed on the way, so a load reads every byte once, holds the state once,
-and uses exactly the bytes it checked.
+and uses exactly the bytes it checked. A load by offsets (a rank taking parts of another
+sharding's slices) reads a slice through one bounded buffer and copies only those parts
+(``_scatter``); ``encode_lazy`` writes a file whose tensors are produced one at a time (a sharded
+model's artifact, gathered tensor by tensor).
 
 This module knows nothing about ranks, manifests on disk or the PVC layout.
 """
