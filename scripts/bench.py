@@ -18,6 +18,8 @@ reference in the same run (this machine's disk and cores are shared, so nothing 
 - trainer (needs torch): a torch model under ``trainjob.Run`` against the bare loop, and the peers
   (DCP, torch.save) on the same live state.
 - async (needs torch): ``--async-checkpoint``'s stall and run time against the run without.
+- fsdp (needs torch): an FSDP2 model's sharded state saved and loaded at W=2 under torchrun,
+  trainjob against torch.distributed.checkpoint, with peak RSS per rank.
 
 Each module's docstring says exactly what it measures; ``--help`` lists the knobs.
 """
@@ -33,11 +35,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import asynchronous, checkpoints, engine, startup, status, trainer
+from benchmarks import asynchronous, checkpoints, engine, fsdp, startup, status, trainer
 from benchmarks.common import cpu_probe, have_torch, machine, parse_size, targets_lines
 
-SECTIONS = ("checkpoints", "engine", "status", "startup", "trainer", "async")
-NEEDS_TORCH = {"trainer", "async"}
+SECTIONS = ("checkpoints", "engine", "status", "startup", "trainer", "async", "fsdp")
+NEEDS_TORCH = {"trainer", "async", "fsdp"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-every", type=int, default=4,
                     help="async: a checkpoint every this many steps (pick it so the writer keeps up: the table says)")
     ap.add_argument("--startup-repeat", type=int, default=10, help="startup: runs of each command, each between its two references (default 10)")
+    ap.add_argument("--fsdp-mib", type=int, default=72, help="fsdp: MiB of sharded state (weights + AdamW moments)")
+    ap.add_argument("--fsdp-rounds", type=int, default=3, help="fsdp: launches of each method, alternating")
     ap.add_argument("--only", choices=("all", *SECTIONS), default="all", help="run every section, or one")
     args = ap.parse_args(argv)
     sections = SECTIONS if args.only == "all" else (args.only,)
@@ -93,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         if "async" in sections and torch_ok:
             out["async"] = asynchronous.run_section(work, args.repeat, args.trainer_dim, args.async_steps,
                                                     args.async_every)
+        if "fsdp" in sections and torch_ok:
+            out["fsdp"] = fsdp.run_section(work, args.fsdp_rounds, args.repeat, args.fsdp_mib)
         probes.append(cpu_probe())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -133,7 +139,7 @@ def targets(out: dict, runs: dict, args: argparse.Namespace) -> dict[str, bool]:
         found[f"engine <= 1.25x bare loop ({args.engine_mib} MiB state)"] = out["engine"]["big"]["ratio"]["median"] <= 1.25
     if "status" in out:
         found["status < 100MiB"] = out["status"]["peak_mib"] < 100
-    for section in ("startup", "trainer", "async"):
+    for section in ("startup", "trainer", "async", "fsdp"):
         if section in out:
             found.update(out[section]["targets"])
     return found
@@ -153,6 +159,8 @@ def table(out: dict) -> str:
         lines += ["", trainer.table(out["trainer"], targets=False)]
     if "async" in out:
         lines += ["", asynchronous.table(out["async"], targets=False)]
+    if "fsdp" in out:
+        lines += ["", *fsdp.table(out["fsdp"])]
     lines += ["", *targets_lines(out["targets"])]
     for when, p in out["cpu_probe"].items():
         lines.append(f"cpu {when}: sha256 {p['sha256_mb_per_s_one_thread']:.0f} MB/s on one thread; "

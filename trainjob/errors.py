@@ -8,6 +8,7 @@
     │       ├── ArtifactUnverified    a completed job's artifact fails its logged hash
     │       ├── NoVerifiedCheckpoint  checkpoints exist, none verifies
     │       ├── WorldSizeMismatch     newest checkpoint is for another world size
+    │       ├── StateMismatch         a sharded checkpoint's tensors are not the live model's
     │       └── PeerRefused           rank 0 ended the launch on such an error
     └── TryAgainLater(OSError)    nothing is wrong with the job; relaunch      -> exit 75
         ├── PvcBusy               another process holds the PVC (rank) lock
@@ -89,6 +90,11 @@ class NoVerifiedCheckpoint(InputError):
 
 class WorldSizeMismatch(InputError):
     """The newest verified checkpoint was written by another world size; reshard it first."""
+
+
+class StateMismatch(InputError):
+    """A checkpoint's tensors (names, whole shapes, dtypes) are not the live state's: another model
+    wrote it. Found before any byte of it is read, so it is refused, never set aside as damaged."""
 
 
 class PeerRefused(InputError):

@@ -118,19 +118,43 @@ class TensorSpec:
     shape: tuple[int, ...] = _shape()
 
 
+def _offsets_fit(inst: TensorSlice, _attr: attrs.Attribute, value: tuple[int, ...] | None) -> None:
+    if value is not None and (len(value) != len(inst.shape) or value[0] != inst.start):
+        raise ValueError(f"'offsets' must have one entry per axis of 'shape' and begin with 'start', got {value!r}")
+
+
 @attrs.frozen
 class TensorSlice:
-    """Rows ``start .. start + shape[0]`` of the tensor ``name``, as stored in one shard file."""
+    """Rows ``start .. start + shape[0]`` of the tensor ``name``, as stored in one shard file.
+
+    ``offsets``: where the slice's first element sits along every axis of the whole tensor (a
+    DTensor's local shard, sharded along another axis or a 2-D mesh); None (omitted from the
+    JSON, as in every manifest written before it existed) means ``(start, 0, 0, ...)``: whole
+    rows, the split every plain state uses.
+    """
 
     name: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
     dtype: str = attrs.field(validator=v.in_(DTYPES))
     shape: tuple[int, ...] = _shape()
     start: int = attrs.field(validator=v.ge(0))
+    offsets: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(tuple),
+        validator=[v.optional(v.deep_iterable(v.and_(v.instance_of(int), v.ge(0)))), _offsets_fit])
 
     @property
     def rows(self) -> slice:
         """Where this slice sits along the whole tensor's first axis."""
         return slice(self.start, self.start + self.shape[0])
+
+    @property
+    def origin(self) -> tuple[int, ...]:
+        """Its offset along every axis of the whole tensor."""
+        return self.offsets if self.offsets is not None else (self.start, *(0 for _ in self.shape[1:]))
+
+    @property
+    def box(self) -> tuple[slice, ...]:
+        """Where it sits in the whole tensor, one slice per axis."""
+        return tuple(slice(o, o + n) for o, n in zip(self.origin, self.shape))
 
 
 @attrs.frozen
@@ -288,6 +312,11 @@ SUPERVISOR = "supervisor"
 converter = cattrs.Converter(forbid_extra_keys=True)
 converter.register_unstructure_hook(
     Event, make_dict_unstructure_fn(Event, converter, _cattrs_omit_if_default=True)
+)
+# A slice's ``offsets`` is written only when it says more than ``start`` (a DTensor's shard):
+# a plain state's manifest keeps the bytes it always had.
+converter.register_unstructure_hook(
+    TensorSlice, make_dict_unstructure_fn(TensorSlice, converter, _cattrs_omit_if_default=True)
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import given
@@ -49,7 +50,7 @@ def test_reshard_plan_moves_every_value_to_where_a_native_save_would_put_it(rows
     for rank, pieces in enumerate(plan.plan_reshard(src, dest_world)):
         built = {h.name: np.full(h.shape, np.nan) for h in dest_layout[rank]}
         for p in pieces:
-            built[p.tensor][p.dest_row:p.dest_row + p.rows] = src_parts[p.src_rank][p.tensor][p.src_row:p.src_row + p.rows]
+            built[p.tensor][p.dest_index] = src_parts[p.src_rank][p.tensor][p.src_index]
         for h in dest_layout[rank]:  # every row filled, with exactly the value a native save holds
             assert np.array_equal(built[h.name], tensors[h.name][h.start:h.start + h.shape[0]])
     assert plan.manifest_problems(manifest_for(tensors, dest_world)) == []
@@ -112,7 +113,7 @@ def test_names_round_trip_and_manifest_must_agree_with_its_directory():
     swapped = m.shards[1].__class__(rank=1, file=m.shards[1].file, size=0, sha256="0" * 64, holds=m.shards[2].holds)
     bad = Manifest(schema=1, step=1, attempt=1, world_size=3, loss_milli=0, tensors=m.tensors,
                    shards=(m.shards[0], swapped, m.shards[2]))
-    assert any("documented slice" in p for p in plan.manifest_problems(bad))
+    assert any("gap or an overlap" in p for p in plan.manifest_problems(bad))
 
 
 @pytest.mark.parametrize(("dtype", "width"), [("F64", 8), ("F32", 4), ("F16", 2), ("BF16", 2), ("I64", 8), ("U8", 1),
@@ -120,3 +121,95 @@ def test_names_round_trip_and_manifest_must_agree_with_its_directory():
 def test_a_slice_claims_the_width_of_its_dtype_bf16_included(dtype, width):
     # BF16's digits are not its width alone: reading them as one made every bfloat16 manifest a crash (70).
     assert plan.slice_bytes(TensorSlice(name="w", dtype=dtype, shape=(3, 2), start=0)) == 6 * width
+
+
+# --- DTensor layouts: local shards with offsets, read back by offsets ---------------------------
+
+def chunk(n: int, parts: int, i: int) -> tuple[int, int]:
+    """torch.chunk's rule, as DTensor's Shard(d) uses it: ceil(n/parts) per part, the last ones short or empty."""
+    size = -(-n // parts)
+    return min(i * size, n), min((i + 1) * size, n)
+
+
+def dtensor_local(shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[int | None, ...],
+                  coord: tuple[int, ...]) -> plan.Local:
+    """What DTensor's compute_local_shape_and_global_offset gives (Shard(d) as d, Replicate as
+    None), and which replica of its box this mesh coordinate is."""
+    lo, hi = [0] * len(shape), list(shape)
+    replica, replicas = 0, 1
+    for size, place, c in zip(mesh, placements, coord):
+        if place is None:
+            replica, replicas = replica * size + c, replicas * size
+        else:
+            a, b = chunk(hi[place] - lo[place], size, c)
+            lo[place], hi[place] = lo[place] + a, lo[place] + b
+    return plan.Local(origin=tuple(lo), shape=tuple(h - l for l, h in zip(lo, hi)), replica=replica, replicas=replicas)
+
+
+@st.composite
+def layouts(draw):
+    """A tensor, a 1-D or 2-D mesh and placements (Shard along any axis, or Replicate)."""
+    shape = tuple(draw(st.lists(st.integers(0, 7), min_size=1, max_size=3)))
+    mesh = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=2)))
+    placements = tuple(draw(st.sampled_from([None, *range(len(shape))])) for _ in mesh)
+    return shape, mesh, placements
+
+
+def coords(mesh: tuple[int, ...]) -> list[tuple[int, ...]]:
+    return [tuple(int(c) for c in np.unravel_index(r, mesh)) for r in range(int(np.prod(mesh)))]
+
+
+def dtensor_manifest(shape, mesh, placements) -> Manifest:
+    spec = TensorSpec(name="w", dtype="F64", shape=shape)
+    world = int(np.prod(mesh))
+    shards = []
+    for rank, c in enumerate(coords(mesh)):
+        holds = plan.rank_holds([spec], world, rank, {"w": dtensor_local(shape, mesh, placements, c)})
+        shards.append(ShardEntry(rank=rank, file=plan.shard_file(rank, world),
+                                 size=8 + sum(map(plan.slice_bytes, holds)), sha256="0" * 64, holds=holds))
+    return Manifest(schema=1, step=1, attempt=1, world_size=world, loss_milli=0, tensors=[spec], shards=shards)
+
+
+@given(layouts(), layouts())
+def test_a_dtensor_checkpoint_partitions_its_tensor_and_loads_into_any_other_sharding_by_offsets(saved, loading):
+    shape, mesh, placements = saved
+    m = dtensor_manifest(shape, mesh, placements)
+    assert plan.manifest_problems(m) == []  # the local shards, replicas split: no gap, no overlap
+    whole = np.arange(int(np.prod(shape)), dtype=np.float64).reshape(shape)
+    stored = {s.rank: whole[s.holds[0].box] for s in m.shards}  # what each rank's shard file holds
+    _, mesh2, placements2 = loading
+    for c in coords(mesh2):  # every rank of another mesh gets exactly its own box
+        want = dtensor_local(shape, mesh2, tuple(p if p is None or p < len(shape) else None for p in placements2), c)
+        got = np.full(want.shape, np.nan)
+        pieces = plan.plan_reads(m, {"w": (want.origin, want.shape)})
+        for p in pieces:
+            got[p.dest_index] = stored[p.src_rank][p.src_index]
+        assert np.array_equal(got, whole[tuple(slice(o, o + n) for o, n in zip(want.origin, want.shape))])
+        assert sum(p.size for p in pieces) == int(np.prod(want.shape))  # each element read once, none beside
+        assert all(p.size for p in pieces)  # no shard is opened for nothing
+
+
+def test_a_plain_tensor_is_held_as_the_documented_split_and_offsets_stay_out_of_its_manifest():
+    spec = TensorSpec(name="w", dtype="F32", shape=(5, 3))
+    assert [plan.rank_holds([spec], 2, r) for r in range(2)] == plan.plan_shards([spec], 2)
+    assert all(h.offsets is None for r in plan.plan_shards([spec], 2) for h in r)
+    shard1 = plan.rank_holds([spec], 2, 1, {"w": plan.Local(origin=(0, 2), shape=(5, 1), replica=0, replicas=1)})
+    assert shard1 == (TensorSlice(name="w", dtype="F32", shape=(5, 1), start=0, offsets=(0, 2)),)
+
+
+def test_overlapping_or_escaping_dtensor_slices_are_problems():
+    m = dtensor_manifest((6, 4), (2,), (1,))  # Shard(1): columns 0..1 and 2..3
+    h = m.shards[1].holds[0]
+    for bad, says in ((attrs.evolve(h, offsets=(0, 1)), "same elements"),
+                      (attrs.evolve(h, shape=(6, 1)), "gap or an overlap"),
+                      (attrs.evolve(h, offsets=(0, 3)), "does not fit"),
+                      (attrs.evolve(h, name="v"), "does not list")):
+        broken = attrs.evolve(m, shards=(m.shards[0], attrs.evolve(m.shards[1], holds=(bad,))))
+        assert any(says in p for p in plan.manifest_problems(broken)), says
+    # The same number of elements, but two slices overlap and leave a gap: the sweep sees it.
+    a = TensorSlice(name="w", dtype="F64", shape=(3, 2), start=0, offsets=(0, 0))
+    b = TensorSlice(name="w", dtype="F64", shape=(3, 2), start=2, offsets=(2, 0))
+    spec = TensorSpec(name="w", dtype="F64", shape=(6, 2))
+    shards = [ShardEntry(rank=r, file=plan.shard_file(r, 2), size=56, sha256="0" * 64, holds=(x,))
+              for r, x in enumerate((a, b))]
+    assert plan.coverage_problems([spec], shards) == ["w: two shards hold the same elements"]

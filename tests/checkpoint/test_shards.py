@@ -143,3 +143,20 @@ def test_commit_dir_publishes_whole_and_never_replaces(tmp_path):
     final.mkdir()  # rename(2) would silently replace an empty directory: commit_dir must not
     with pytest.raises(InputError, match="never overwrites"):
         commit_dir(staging, final)
+
+
+def test_a_lazily_encoded_file_is_byte_for_byte_the_eager_one_asking_for_one_tensor_at_a_time():
+    from trainjob.tensors import tensor_specs
+    arrays = {"b": np.arange(5, dtype=np.float32), "a": np.ones((3, 2)), "c": np.zeros(0, dtype=np.int8)}
+    asked = []
+
+    def produce(name):
+        assert len(asked) == 0 or asked[-1] < name  # in name order, each once
+        asked.append(name)
+        return arrays[name]
+
+    stream = shards.encode_lazy(tensor_specs(arrays), produce, {"k": "v"})
+    header = next(stream)
+    assert asked == []  # the header needs no tensor
+    assert header + b"".join(bytes(c) for c in stream) == b"".join(bytes(c) for c in shards.encode(arrays, {"k": "v"}))
+    assert asked == ["a", "b", "c"]

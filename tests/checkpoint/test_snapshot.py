@@ -91,3 +91,41 @@ def test_a_state_that_changes_between_checkpoints_is_refused_naming_the_array(la
     with pytest.raises(UsageError) as info:
         host.snapshot(later, 3)
     assert str(info.value).startswith("step 3: ") and says in str(info.value)
+
+
+# --- DTensors (FSDP2's parameters): the local shard with its place, never the whole -----------
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory):
+    """A one-rank gloo group in this process: enough for a DTensor of each placement."""
+    dist = pytest.importorskip("torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_a_dtensor_is_snapshot_as_its_local_shard_with_its_offsets_and_comes_back_a_dtensor(mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    local = torch.arange(12.0).reshape(3, 4)
+    # One rank of a mesh of 1: its shard is the whole, but the snapshot must still take it as a shard.
+    sharded = DTensor.from_local(local, mesh, [Shard(1)], run_check=False)
+    replicated = DTensor.from_local(torch.ones(2), mesh, [Replicate()], run_check=False)
+    host = HostState()
+    arrays = host.snapshot({"w": sharded, "r": replicated}, 0)
+    assert host.sharded and arrays.boxes["w"].origin == (0, 0) and arrays.boxes["w"].shape == (3, 4)
+    assert np.shares_memory(arrays["w"], local.numpy())  # the shard itself, no copy, no gather
+    assert [t.shape for t in arrays.specs] == [(2,), (3, 4)]
+    back = host.live({"w": arrays["w"] * 2, "r": arrays["r"]})
+    assert isinstance(back["w"], DTensor) and back["w"].placements == (Shard(1),)
+    assert torch.equal(back["w"].to_local(), local * 2)
+
+
+def test_a_partial_dtensor_is_refused_naming_the_entry_before_anything_is_written(mesh):
+    import torch
+    from torch.distributed.tensor import DTensor, Partial
+    pending = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
+    with pytest.raises(UsageError, match=r"state_dict\(\)\['model.w'\]: a DTensor placed P.*Shard\(d\) and Replicate"):
+        HostState().snapshot({"model.w": pending}, 0)

@@ -127,3 +127,99 @@ def test_arrays_that_share_memory_are_never_both_read_into(tmp_path):
     loaded = store.load(ref, into={"a": shared, "b": shared[:]})
     assert np.array_equal(loaded.tensors["a"], state["a"]) and np.array_equal(loaded.tensors["b"], state["b"])
     assert not np.may_share_memory(loaded.tensors["a"], loaded.tensors["b"])
+
+
+# --- a sharded state (DTensor local shards): written with offsets, read back by offsets --------
+
+def write_sharded(pvc_root, whole: dict[str, np.ndarray], world: int, shard_dim: dict[str, int], step: int = 4):
+    """Commit a checkpoint as ``world`` ranks of an FSDP-like run write it: each its torch.chunk
+    shard of every tensor along ``shard_dim[name]`` (a name not in it: held whole by all)."""
+    from trainjob.checkpoint import plan
+    from trainjob.checkpoint.snapshot import HostArrays
+    from trainjob.tensors import tensor_specs
+    store = checkpoints.Committer(Pvc(pvc_root))
+    Pvc(pvc_root).create()
+    ref = Ref(attempt=1, step=step, world_size=world)
+    staging = store.create_staging(ref, 1)
+    specs, entries = tensor_specs(whole), []
+    for rank in range(world):
+        arrays, boxes = {}, {}
+        for name, a in whole.items():
+            if name not in shard_dim:
+                arrays[name] = a
+                continue
+            d, n = shard_dim[name], a.shape[shard_dim[name]]
+            size = -(-n // world)
+            lo, hi = min(rank * size, n), min((rank + 1) * size, n)
+            origin = tuple(lo if i == d else 0 for i in range(a.ndim))
+            index = tuple(slice(lo, hi) if i == d else slice(None) for i in range(a.ndim))
+            arrays[name] = np.ascontiguousarray(a[index])
+            boxes[name] = plan.Local(origin=origin, shape=arrays[name].shape, replica=0, replicas=1)
+        entries.append(store.write_shard(staging, rank, world, step,
+                                         HostArrays(arrays, boxes=boxes, specs=specs)))
+    manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
+                        tensors=specs, shards=entries)
+    store.commit(staging, ref, manifest)
+    return store, ref, specs
+
+
+def test_a_sharded_checkpoint_loads_into_another_sharding_reading_only_the_shards_that_overlap(tmp_path, monkeypatch):
+    whole = {"w": np.arange(33 * 4, dtype=np.float32).reshape(33, 4), "v": np.arange(6.0).reshape(2, 3),
+             "step": np.array([7.0])}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 4, {"w": 0, "v": 1})
+    manifest, _ = store.read_manifest(ref)
+    assert [h.offsets for h in manifest.shards[1].holds if h.name == "v"] == [(0, 1)]  # Shard(1): offsets kept
+    assert store.verify(ref).reason is None  # `trainjob verify`'s check passes on it
+    opened = []
+    real = checkpoints.shards.read_verified
+    monkeypatch.setattr(checkpoints.shards, "read_verified", lambda path, *a, **k: opened.append(path.name) or real(path, *a, **k))
+    for rank, (lo, hi) in enumerate([(0, 11), (11, 22), (22, 33)]):  # 4 -> 3 ranks, Shard(0) everywhere
+        opened.clear()
+        wanted = {"w": ((lo, 0), (hi - lo, 4)), "v": ((0, 0), (2, 3)), "step": ((0,), (1,))}
+        loaded = store.load_local(ref, specs, wanted, rank)
+        assert np.array_equal(loaded.tensors["w"], whole["w"][lo:hi])
+        assert np.array_equal(loaded.tensors["v"], whole["v"]) and loaded.tensors["step"][0] == 7.0
+        # 9 rows a shard (33 = 9+9+9+6): rank 1's rows 11..21 are in shards 1 and 2 only, but v's
+        # columns are in shards 0..2 and the replicated step in every one: no shard is skipped here.
+        assert set(opened) <= {f.file for f in manifest.shards}
+    store2, ref2, specs2 = write_sharded(tmp_path / "pvc2", {"w": whole["w"]}, 4, {"w": 0})
+    opened.clear()
+    loaded = store2.load_local(ref2, specs2, {"w": ((11, 0), (10, 4))}, 9)  # rows 11..20: shards 1 and 2 (a rank 9 of no shard)
+    assert np.array_equal(loaded.tensors["w"], whole["w"][11:21])
+    assert sorted(opened) == ["shard-00000-of-00004.safetensors", "shard-00001-of-00004.safetensors",
+                              "shard-00002-of-00004.safetensors"]  # 0 only for the plain values, 3 never
+
+
+def test_a_sharded_load_refuses_another_shape_before_reading_and_a_flipped_byte_of_a_shard_it_reads(tmp_path, monkeypatch):
+    from trainjob.errors import InputError
+    from trainjob.records import TensorSpec
+    whole = {"w": np.arange(40, dtype=np.float32).reshape(10, 4)}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 2, {"w": 0})
+    monkeypatch.setattr(checkpoints.shards, "read_verified", lambda *a, **k: pytest.fail("read before the check"))
+    other = (TensorSpec(name="w", dtype="F32", shape=(12, 4)),)
+    with pytest.raises(InputError, match=r"w is F32\[10, 4\] there, F32\[12, 4\] in the live state"):
+        store.load_local(ref, other, {"w": ((0, 0), (6, 4))}, 0)
+    monkeypatch.undo()
+    shard = store.path(ref) / "shard-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    into = {"w": np.zeros((5, 4), dtype=np.float32)}
+    with pytest.raises(InputError, match="sha256"):
+        store.load_local(ref, specs, {"w": ((5, 0), (5, 4))}, 1, into=into)
+    assert np.array_equal(store.load_local(ref, specs, {"w": ((0, 0), (5, 4))}, 0).tensors["w"], whole["w"][:5])
+
+
+def test_a_plain_checkpoint_loads_into_shards_and_a_sharded_one_loads_whole():
+    """The two layouts are one format: FSDP loads what plain ranks wrote (or `reshard` rewrote),
+    and a plain resume (or `reshard`) loads what FSDP wrote, each by the slices' offsets."""
+    whole = {"w": np.arange(9 * 5, dtype=np.float32).reshape(9, 5)}
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        plain_store, plain_ref, specs = write_sharded(Path(tmp) / "plain", whole, 2, {})  # rows 0..3 | 4..8
+        sharded_store, sharded_ref, _ = write_sharded(Path(tmp) / "fsdp", whole, 3, {"w": 1})  # columns 2 | 2 | 1
+        assert plain_store.read_manifest(plain_ref)[0].shards[1].holds[0].start == 4
+        got = plain_store.load_local(plain_ref, specs, {"w": ((3, 2), (4, 2))}, 0).tensors["w"]
+        assert np.array_equal(got, whole["w"][3:7, 2:4])  # a box across both plain shards
+        assert np.array_equal(sharded_store.load(sharded_ref).tensors["w"], whole["w"])

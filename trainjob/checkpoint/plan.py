@@ -6,7 +6,9 @@ callback) and returns plain values, so each policy is tested in isolation, with 
 ``store.py`` does the I/O and asks these functions what to do.
 
 The split rule (documented in docs/checkpoints.md): every tensor is split along its first axis
-into ``world_size`` contiguous ranges, rank ``r`` owning rows ``[r*n//W, (r+1)*n//W)``. For the
+into ``world_size`` contiguous ranges, rank ``r`` owning rows ``[r*n//W, (r+1)*n//W)``. A
+DTensor's local shard is split the same way among the ranks that hold it alike (``rank_holds``),
+and a load reads, by offsets, the parts of saved slices that overlap what it wants (``plan_reads``). For the
 linear trainer the state is one tensor ``params = [w0, w1, w2, bias]`` (float64), so at W=2 rank
 0 owns ``w0, w1`` and rank 1 owns ``w2, bias``; at W > 4 some ranks own an empty slice.
 """
@@ -15,11 +17,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, TensorSlice, TensorSpec
+from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, ShardEntry, TensorSlice, TensorSpec
 
 MANIFEST = "manifest.json"
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
@@ -73,66 +75,152 @@ def split_rows(rows: int, world_size: int) -> list[tuple[int, int]]:
     return [(r * rows // world_size, (r + 1) * rows // world_size) for r in range(world_size)]
 
 
-def plan_shards(tensors: Sequence[TensorSpec], world_size: int) -> list[tuple[TensorSlice, ...]]:
-    """What each rank's shard holds: its row range of every tensor (the documented split)."""
-    per_rank: list[list[TensorSlice]] = [[] for _ in range(world_size)]
+@attrs.frozen
+class Local:
+    """What one rank holds of one tensor: the box at ``origin`` (one offset per axis) of extent
+    ``shape`` in the whole tensor, held alike by ``replicas`` ranks, this one being number
+    ``replica`` of them. A plain tensor is the whole box, held by all ``W`` ranks; a DTensor's is
+    its local shard (``snapshot.py`` reads it from the placements), its replicas the ranks along
+    the mesh axes it is replicated on."""
+
+    origin: tuple[int, ...]
+    shape: tuple[int, ...]
+    replica: int
+    replicas: int
+
+
+def rank_holds(tensors: Sequence[TensorSpec], world_size: int, rank: int,
+               local: Mapping[str, Local] | None = None) -> tuple[TensorSlice, ...]:
+    """What rank ``rank``'s shard holds: of every tensor, its replica's row range of the box it
+    holds (``local``, by name; a tensor not in it is held whole by every rank). So what several
+    ranks hold alike is written once, split along its first axis as the documented rule says,
+    and a DTensor's shard is written by the ranks that hold it, never gathered."""
+    out = []
     for t in tensors:
-        for rank, (start, stop) in enumerate(split_rows(t.shape[0], world_size)):
-            per_rank[rank].append(TensorSlice(name=t.name, dtype=t.dtype, shape=(stop - start, *t.shape[1:]),
-                                              start=start))
-    return [tuple(p) for p in per_rank]
+        box = (local or {}).get(t.name) or Local(origin=(0,) * len(t.shape), shape=t.shape, replica=rank,
+                                                 replicas=world_size)
+        start, stop = split_rows(box.shape[0], box.replicas)[box.replica]
+        origin = (box.origin[0] + start, *box.origin[1:])
+        out.append(TensorSlice(name=t.name, dtype=t.dtype, shape=(stop - start, *box.shape[1:]), start=origin[0],
+                               offsets=origin if any(origin[1:]) else None))
+    return tuple(out)
+
+
+def plan_shards(tensors: Sequence[TensorSpec], world_size: int) -> list[tuple[TensorSlice, ...]]:
+    """What each rank's shard holds when every rank holds the whole state: its row range of every
+    tensor (the documented split)."""
+    return [rank_holds(tensors, world_size, rank) for rank in range(world_size)]
+
+
+Span = tuple[tuple[int, int], ...]  # one [start, stop) per axis
+
+
+def _meet(a_origin: Sequence[int], a_shape: Sequence[int], b_origin: Sequence[int],
+          b_shape: Sequence[int]) -> Span | None:
+    """Where two boxes of one tensor overlap, in the tensor's coordinates; None if they do not."""
+    span = tuple((max(ao, bo), min(ao + an, bo + bn)) for ao, an, bo, bn in zip(a_origin, a_shape, b_origin, b_shape))
+    return span if all(lo < hi for lo, hi in span) else None
 
 
 @attrs.frozen
 class Piece:
-    """Copy ``rows`` rows of ``tensor`` from source rank ``src_rank`` (at row ``src_row`` of its
-    slice) to row ``dest_row`` of the destination rank's slice."""
+    """Copy the part ``src`` (one ``[start, stop)`` per axis, in the coordinates of the slice
+    rank ``src_rank``'s shard holds of ``tensor``) to the part ``dest`` of the destination."""
 
     tensor: str
     src_rank: int
-    src_row: int
-    dest_row: int
-    rows: int
+    src: Span
+    dest: Span
 
     @property
-    def src_rows(self) -> slice:
-        return slice(self.src_row, self.src_row + self.rows)
+    def src_index(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.src)
 
     @property
-    def dest_rows(self) -> slice:
-        return slice(self.dest_row, self.dest_row + self.rows)
+    def dest_index(self) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.dest)
+
+    @property
+    def size(self) -> int:
+        return math.prod(b - a for a, b in self.src)
+
+
+def plan_reads(source: Manifest, wanted: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> list[Piece]:
+    """Where each wanted box (``{name: (origin, shape)}`` in the whole tensor) comes from: the
+    parts of the saved slices that overlap it, and nothing else. The reshard-by-offsets rule
+    (docs/checkpoints.md): the manifest's slices partition each tensor (``manifest_problems``),
+    so the pieces fill every wanted element exactly once, whatever world size or placements
+    wrote them and whatever reads them."""
+    pieces = []
+    for shard in source.shards:
+        for src in shard.holds:
+            want = wanted.get(src.name)
+            if want is None:
+                continue
+            origin, shape = want
+            span = _meet(src.origin, src.shape, origin, shape)
+            if span is not None:
+                pieces.append(Piece(tensor=src.name, src_rank=shard.rank,
+                                    src=tuple((lo - o, hi - o) for (lo, hi), o in zip(span, src.origin)),
+                                    dest=tuple((lo - o, hi - o) for (lo, hi), o in zip(span, origin))))
+    return pieces
 
 
 def plan_reshard(source: Manifest, world_size: int) -> list[tuple[Piece, ...]]:
     """For each destination rank, the pieces of source shards that make up its new shard.
 
     The destination layout is ``plan_shards(source.tensors, world_size)``: a resharded
-    checkpoint is indistinguishable from one written by ``world_size`` ranks in the first place.
+    checkpoint is indistinguishable from one written by ``world_size`` plain ranks in the first
+    place (a DTensor's checkpoint included: ``plan_reads`` loads it into any sharding).
     """
-    plan: list[tuple[Piece, ...]] = []
-    for dest_slices in plan_shards(source.tensors, world_size):
-        pieces = []
-        for dest in dest_slices:
-            d = dest.rows
-            for shard in source.shards:
-                for src in shard.holds:
-                    if src.name != dest.name:
-                        continue
-                    s = src.rows
-                    lo, hi = max(d.start, s.start), min(d.stop, s.stop)
-                    if lo < hi:
-                        pieces.append(Piece(tensor=dest.name, src_rank=shard.rank, src_row=lo - s.start,
-                                            dest_row=lo - d.start, rows=hi - lo))
-        plan.append(tuple(pieces))
-    return plan
+    return [tuple(plan_reads(source, {h.name: (h.origin, h.shape) for h in dest}))
+            for dest in plan_shards(source.tensors, world_size)]
+
+
+def coverage_problems(tensors: Sequence[TensorSpec], shards: Sequence[ShardEntry]) -> list[str]:
+    """Whether the shards' slices partition every tensor: each inside its tensor, with its dtype,
+    no two overlapping, and together as many elements as the tensor has (so no gap either)."""
+    problems: list[str] = []
+    by_name = {t.name: t for t in tensors}
+    boxes: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {n: [] for n in by_name}
+    for shard in shards:
+        if len({h.name for h in shard.holds}) != len(shard.holds):
+            problems.append(f"rank {shard.rank}'s shard holds one tensor twice")
+        for h in shard.holds:
+            t = by_name.get(h.name)
+            if t is None:
+                problems.append(f"rank {shard.rank}'s shard holds {h.name}, which the manifest does not list")
+            elif h.dtype != t.dtype or len(h.shape) != len(t.shape) or any(
+                    o + n > whole for o, n, whole in zip(h.origin, h.shape, t.shape)):
+                problems.append(f"rank {shard.rank}'s slice of {h.name} ({h.dtype}{list(h.shape)} at "
+                                f"{list(h.origin)}) does not fit the tensor ({t.dtype}{list(t.shape)})")
+            elif math.prod(h.shape):
+                boxes[h.name].append((h.origin, h.shape))
+    if problems:
+        return problems
+    for name, found in boxes.items():
+        total, held = math.prod(by_name[name].shape), sum(math.prod(s) for _, s in found)
+        if held != total:
+            problems.append(f"{name}: the shards hold {held} of its {total} elements (a gap or an overlap)")
+            continue
+        found.sort()
+        active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+        for origin, shape in found:  # a sweep along the first axis: only boxes still open can meet
+            active = [a for a in active if a[0][0] + a[1][0] > origin[0]]
+            if any(_meet(o, s, origin, shape) for o, s in active):
+                problems.append(f"{name}: two shards hold the same elements")
+                break
+            active.append((origin, shape))
+    return problems
 
 
 def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     """Everything that makes a (schema-valid) manifest inconsistent; empty when it is sound.
 
-    Ranks are exactly 0..W-1, file names plain and distinct, and each shard holds exactly the
-    documented split of every tensor, so the shards partition the state with no gap or overlap.
-    ``name`` is the checkpoint directory's name, which must agree with the manifest.
+    Ranks are exactly 0..W-1, file names plain and distinct, and the shards' slices partition
+    every tensor with no gap or overlap (``coverage_problems``): the documented split for a
+    plain state, each rank's local shards for a DTensor's. ``name`` is the checkpoint
+    directory's name, which must agree with the manifest.
     """
     problems = []
     if name is not None and Ref.parse(name) != Ref(attempt=m.attempt, step=m.step, world_size=m.world_size):
@@ -155,11 +243,10 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
         problems.append("two shards name the same file")
     if len({t.name for t in m.tensors}) != len(m.tensors):
         problems.append("two tensors have the same name")
-    expected = plan_shards(m.tensors, m.world_size)
+        return problems
+    problems += coverage_problems(m.tensors, m.shards)
     for shard in m.shards:
-        if shard.holds != expected[shard.rank]:
-            problems.append(f"rank {shard.rank}'s shard does not hold its documented slice of the state")
-        elif (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
+        if (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
             problems.append(f"rank {shard.rank}'s tensors need {claimed} bytes, more than its {shard.size}-byte file")
     return problems
 

@@ -7,7 +7,10 @@ that chunk by chunk) and must never be held twice in memory; ``tests/checkpoint/
 output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading is done here too
 (``read_verified``, following the format's spec): the bytes go straight from the file into the
 caller's arrays and are hashed on the way, so a load reads every byte once, holds the state once,
-and uses exactly the bytes it checked.
+and uses exactly the bytes it checked. A load by offsets (a rank taking parts of another
+sharding's slices) reads a slice through one bounded buffer and copies only those parts
+(``_scatter``); ``encode_lazy`` writes a file whose tensors are produced one at a time (a sharded
+model's artifact, gathered tensor by tensor).
 
 This module knows nothing about ranks, manifests on disk or the PVC layout.
 """
@@ -17,14 +20,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import InputError, open_regular
 from ..storage.digest import Sha256Pipe
-from ..records import TensorSlice
+from ..records import TensorSlice, TensorSpec
 from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
@@ -44,18 +48,42 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     """
     arrays = {name: np.ascontiguousarray(a, dtype=np_dtype(dtype_code(a)))
               for name, a in sorted(tensors.items())}
+    yield _header([(name, dtype_code(a), a.shape) for name, a in arrays.items()], metadata)
+    for a in arrays.values():
+        yield from _chunks(a)
+
+
+def encode_lazy(specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray],
+                metadata: Mapping[str, str]) -> Iterator[bytes | memoryview]:
+    """The same bytes as ``encode`` of the arrays ``produce(name)`` returns, asking for each one
+    (in name order) only once the previous one is written: the header needs only ``specs``, so
+    at most one tensor is held at a time (a sharded model's artifact, gathered tensor by tensor)."""
+    ordered = sorted(specs, key=lambda t: t.name)
+    yield _header([(t.name, t.dtype, t.shape) for t in ordered], metadata)
+    for t in ordered:
+        a = np.ascontiguousarray(produce(t.name), dtype=np_dtype(t.dtype))
+        if a.shape != tuple(t.shape):
+            raise ValueError(f"{t.name}: {list(a.shape)} produced, {list(t.shape)} announced")  # a caller's bug
+        yield from _chunks(a)
+        del a
+
+
+def _header(entries: Sequence[tuple[str, str, Sequence[int]]], metadata: Mapping[str, str]) -> bytes:
     header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
-    for name, a in arrays.items():
-        header[name] = {"dtype": dtype_code(a), "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        offset += a.nbytes
+    for name, code, shape in entries:
+        nbytes = np_dtype(code).itemsize * math.prod(shape)
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    yield len(text).to_bytes(8, "little") + text
-    for a in arrays.values():
-        flat = byte_view(a)
-        for i in range(0, len(flat), CHUNK):
-            yield flat[i:i + CHUNK]
+    return len(text).to_bytes(8, "little") + text
+
+
+def _chunks(a: np.ndarray) -> Iterator[memoryview]:
+    flat = byte_view(a)
+    for i in range(0, len(flat), CHUNK):
+        yield flat[i:i + CHUNK]
 
 
 def _open(path: Path, size: int | None) -> tuple[int, str | None]:
@@ -168,7 +196,7 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
-def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, np.ndarray] | None,
+def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
                   metadata: dict[str, str] | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
@@ -177,7 +205,10 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
 
     One read, no intermediate copy: the bytes checked are the bytes the caller gets (no window
     between a hash pass and a parse pass). ``dest`` holds unverified bytes until this returns
-    None; callers discard it otherwise. The header is parsed here as data (JSON, size-capped),
+    None; callers discard it otherwise. A hold ``dest`` lacks is hashed and skipped; one it maps
+    to a list of ``(index into the hold, destination view)`` is read through a bounded buffer
+    and only those parts copied (a load by offsets: a rank takes the parts of another sharding's
+    slices that overlap its own). The header is parsed here as data (JSON, size-capped),
     following the safetensors format; nothing in the file can run code.
     """
     fd, reason = _open(path, size)
@@ -212,7 +243,14 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
                 if got != want:
                     break
                 continue
-            out = dest[h.name]
+            out = dest.get(h.name)
+            if out is None or isinstance(out, list):  # a part of it, or none: through a bounded buffer
+                want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
+                got = _skim(fd, want, digest) if out is None else _scatter(fd, h, out, digest)
+                seen += got
+                if got != want:
+                    break
+                continue
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
             view = byte_view(out)
@@ -230,6 +268,30 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, n
         return str(exc)
     finally:
         os.close(fd)
+
+
+def _scatter(fd: int, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+             digest: Sha256Pipe) -> int:
+    """Read and hash the slice ``h``'s bytes a block of whole rows at a time (one reused buffer
+    of about ``CHUNK`` bytes), copying each piece (``(where in h, destination view)``) as its
+    rows go by; the byte count actually read."""
+    dtype = np_dtype(h.dtype)
+    row = dtype.itemsize * math.prod(h.shape[1:])
+    step = max(1, CHUNK // row) if row else max(h.shape[0], 1)
+    buf = np.empty((min(step, h.shape[0]), *h.shape[1:]), dtype=dtype)
+    done = 0
+    for first in range(0, h.shape[0], step):
+        rows = buf[:min(step, h.shape[0] - first)]
+        view = byte_view(rows)
+        n = _read_exact(fd, view, digest)
+        done += n
+        if n < len(view):
+            break
+        for src, out in pieces:
+            lo, hi = max(src[0].start, first), min(src[0].stop, first + len(rows))
+            if lo < hi:
+                out[lo - src[0].start:hi - src[0].start] = rows[(slice(lo - first, hi - first), *src[1:])]
+    return done
 
 
 def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:

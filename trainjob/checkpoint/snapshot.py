@@ -19,8 +19,13 @@ dtypes as at the first snapshot; dense, contiguous, at least one axis; plain val
 what to change, before anything is written. At a resume, ``live`` checks a checkpoint's plain
 values against the live state's (the same keys and kinds) before handing anything over.
 
+A DTensor (FSDP2's parameters and optimizer state) is taken as its rank's local shard, with the
+place of that shard in the whole tensor (``dtensor_box``, from its placements): no rank gathers
+what it does not hold. ``live`` wraps a local shard read back into a DTensor of the same mesh
+and placements.
+
 torch is never imported here: a value is a tensor only if torch is already loaded (the trainer
-imported it). No I/O.
+imported it), a DTensor only if torch.distributed.tensor is. No I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import shards
+from . import plan, shards
 from .. import plain, state_tree as tree
 from ..errors import InputError, UsageError
 from ..records import TensorSpec
@@ -46,12 +51,17 @@ PLAIN_KEY, LOCAL_KEY = "trainjob.plain", "trainjob.local"  # shard metadata: the
 
 class HostArrays(dict[str, np.ndarray]):
     """One snapshot's host arrays, with its plain values as JSON text: ``plain`` (replicated,
-    stored in rank 0's shard) and ``local`` (this rank's RankLocal parts, in its own shard)."""
+    stored in rank 0's shard) and ``local`` (this rank's RankLocal parts, in its own shard).
+    ``boxes``: for each DTensor, where its local shard (the array here) sits in the whole
+    tensor and which of the ranks holding it alike this one is (``plan.Local``)."""
 
     def __init__(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
-                 local_text: str | None = None) -> None:
+                 local_text: str | None = None, boxes: Mapping[str, plan.Local] | None = None,
+                 specs: tuple[TensorSpec, ...] | None = None) -> None:
         super().__init__(arrays)
         self.plain, self.local = plain_text, local_text
+        self.boxes = dict(boxes or {})
+        self.specs = specs  # the whole tensors (a DTensor's global shape), as the manifest lists them
 
     def metadata(self, rank: int) -> dict[str, str]:
         """What rank ``rank``'s shard header holds besides its arrays."""
@@ -70,6 +80,41 @@ def _torch() -> Any:
 def is_tensor(value: object) -> bool:
     torch = _torch()
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+def is_dtensor(value: object) -> bool:
+    """A torch.distributed DTensor (an FSDP2 parameter, its optimizer state): only when torch
+    has loaded its distributed tensor package already, as any script that made one has."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(value, mod.DTensor)
+
+
+def dtensor_box(name: str, t: Any) -> plan.Local:
+    """Where a DTensor's local shard sits in the whole tensor, and which replica of that box this
+    rank holds (the ranks along the mesh axes it is Replicate on hold it alike). UsageError naming
+    the entry for a placement trainjob cannot store (Partial: pending sums, not values; a
+    strided shard), before anything is written."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    for p in t.placements:
+        if not (type(p) is Shard or isinstance(p, Replicate)):  # _StridedShard subclasses Shard
+            raise UsageError(f"state_dict()[{name!r}]: a DTensor placed {p}; trainjob stores Shard(d) and "
+                             "Replicate placements only (redistribute a Partial one, or hand out its "
+                             "full_tensor())")
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise UsageError(f"state_dict()[{name!r}]: a DTensor on a mesh this rank is not part of; every rank "
+                         "of the run must be in the mesh of every DTensor it checkpoints")
+    shape, origin = compute_local_shape_and_global_offset(t.shape, mesh, t.placements)
+    replica, replicas = 0, 1
+    for axis, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            size = mesh.size(axis)
+            replica, replicas = replica * size + coord[axis], replicas * size
+    return plan.Local(origin=tuple(int(o) for o in origin), shape=tuple(int(n) for n in shape),
+                      replica=replica, replicas=replicas)
 
 
 def _cpu_view(t: Any) -> np.ndarray:
@@ -91,6 +136,9 @@ def as_tensor(array: np.ndarray) -> Any:
 def _check(name: str, value: object) -> str:
     """The safetensors dtype code of one state value; UsageError saying what to change."""
     where = f"state_dict()[{name!r}]"
+    if is_dtensor(value):
+        dtensor_box(name, value)  # its placements, before anything is written
+        value = value.to_local()
     if is_tensor(value):
         t: Any = value
         if t.device.type == "meta":
@@ -161,19 +209,34 @@ class HostState:
         self.plain: Any = None  # the first snapshot's plain documents, what a checkpoint's must fit
         self.local: Any = None
         self.tensors: set[str] = set()  # names whose live value is a torch tensor
+        self.dtensors: dict[str, tuple[Any, Any, Any]] = {}  # name -> (mesh, placements, stride) of a DTensor
+        self.boxes: dict[str, plan.Local] = {}  # name -> where this rank's shard of a DTensor sits
         self.buffers: dict[str, np.ndarray] = {}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether some array is a DTensor: this rank holds only its shard of the state."""
+        return bool(self.boxes)
+
+    def wanted(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+        """What this rank's state holds of each tensor, as ``plan.plan_reads`` takes it: a
+        DTensor's local box, a plain tensor's whole."""
+        assert self.specs is not None
+        return {t.name: ((b.origin, b.shape) if (b := self.boxes.get(t.name)) else ((0,) * len(t.shape), t.shape))
+                for t in self.specs}
 
     def _buffer(self, name: str, spec: TensorSpec, like: Any) -> np.ndarray:
         buf = self.buffers.get(name)
         if buf is None:
             dtype = shards.np_dtype(spec.dtype)
+            shape = self.boxes[name].shape if name in self.boxes else spec.shape  # a DTensor's: its local shard
             if is_tensor(like):
                 torch = _torch()
                 pinned = torch.cuda.is_available()  # page-locked: the device copies by DMA
-                host = torch.empty(spec.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+                host = torch.empty(shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
                 buf = _cpu_view(host)
             else:
-                buf = np.empty(spec.shape, dtype=dtype)
+                buf = np.empty(shape, dtype=dtype)
             self.buffers[name] = buf
         return buf
 
@@ -192,17 +255,26 @@ class HostState:
         except plain.PlainError as exc:
             raise UsageError(f"state_dict(): {exc}") from None
         state = parts.arrays
-        specs = specs_of(state)
+        specs = specs_of(state)  # a DTensor's whole shape; its placements checked
+        boxes = {n: dtensor_box(n, v) for n, v in state.items() if is_dtensor(v)}
         if self.specs is None:
             self.specs, self.paths = specs, parts.paths
             self.plain, self.local = parts.plain, parts.local
             self.tensors = {n for n, v in state.items() if is_tensor(v)}
+            self.dtensors = {n: (v.device_mesh, v.placements, v.stride()) for n, v in state.items() if is_dtensor(v)}
+            self.boxes = boxes
         elif specs != self.specs:
             raise UsageError(f"step {step}: {_changes(self.specs, specs)}")
+        elif boxes != self.boxes:
+            changed = next(n for n in sorted(set(boxes) | set(self.boxes)) if boxes.get(n) != self.boxes.get(n))
+            raise UsageError(f"step {step}: state_dict()[{changed!r}] is sharded otherwise than at the first "
+                             "checkpoint; keep every DTensor's mesh and placements")
         out: dict[str, np.ndarray] = {}
         device_copies = False
         for spec in specs:
             value = state[spec.name]
+            if spec.name in boxes:
+                value = value.to_local()  # this rank's shard, its place in the whole in ``boxes``
             on_host = not is_tensor(value) or value.device.type == "cpu"
             if on_host and not self.copy:
                 out[spec.name] = _cpu_view(value) if is_tensor(value) else value
@@ -216,7 +288,7 @@ class HostState:
             out[spec.name] = buf
         if device_copies:
             _torch().cuda.synchronize()  # the non-blocking copies above must land before a write
-        return HostArrays(out, plain_text, local_text)
+        return HostArrays(out, plain_text, local_text, boxes, specs)
 
     def live(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
              local_text: str | None = None, where: str = "the checkpoint",
@@ -243,6 +315,43 @@ class HostState:
                 raise InputError(f"{where}: {name}: {exc}") from None
             docs.append(found)
         tensors = {n: as_tensor(a) if n in self.tensors else a for n, a in arrays.items()}
+        for n, (mesh, placements, stride) in self.dtensors.items():  # a local shard back into its DTensor
+            from torch.distributed.tensor import DTensor
+            spec = next(t for t in self.specs or () if t.name == n)
+            tensors[n] = DTensor.from_local(tensors[n].to(mesh.device_type), mesh, placements, run_check=False,
+                                            shape=_torch().Size(spec.shape), stride=stride)
         if docs == [None, None] and all(len(p) == 1 for p in self.paths.values()):
             return tensors  # a flat mapping of arrays, as it was handed out
         return tree.join(tensors, self.paths, docs[0], docs[1])
+
+
+class Gathered:
+    """An export holding DTensors (a sharded model's weights), to be published whole without
+    any rank holding the whole model at once: ``specs`` describes it without gathering, and
+    ``host(name)`` gathers one tensor (``full_tensor()``, a collective) as a host array for rank
+    0 to write and drop before the next. Every other rank calls ``drain`` meanwhile, which joins
+    the same collectives in the same (name) order."""
+
+    def __init__(self, export: Mapping[str, Any]) -> None:
+        if not isinstance(export, Mapping) or not all(is_tensor(v) for v in export.values()):
+            raise UsageError("export: a sharded model publishes a flat mapping of names to tensors "
+                             "(its state_dict())")
+        self.export = dict(export)
+        self.specs = specs_of(self.export)  # each DTensor's whole shape; its placements checked
+
+    @staticmethod
+    def wanted(export: object) -> bool:
+        """Whether ``export`` holds a DTensor, and so is published through a ``Gathered``."""
+        return isinstance(export, Mapping) and any(is_dtensor(v) for v in export.values())
+
+    def _full(self, name: str) -> Any:
+        v = self.export[name]
+        return v.full_tensor() if is_dtensor(v) else v
+
+    def host(self, name: str) -> np.ndarray:
+        return _cpu_view(self._full(name).detach().cpu().contiguous())
+
+    def drain(self) -> None:
+        for name in sorted(self.export):  # encode_lazy's order
+            if is_dtensor(self.export[name]):
+                self._full(name)

@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -41,7 +42,7 @@ import numpy as np
 from . import plan
 from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
-from ..errors import InputError, NoSpace, os_errors
+from ..errors import InputError, NoSpace, StateMismatch, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
@@ -66,6 +67,23 @@ def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray])
                 and not any(np.may_share_memory(a, b) for b in chosen.values()))
         chosen[t.name] = a if fits else np.empty(t.shape, dtype=dtype)
     return chosen
+
+
+def local_parts(holds: tuple[TensorSlice, ...], host: HostArrays) -> dict[str, np.ndarray]:
+    """Each slice's values, as views of this rank's arrays: the whole tensor's rows, or (a
+    DTensor's) the part of its local shard, which sits at ``host.boxes[name].origin``."""
+    out = {}
+    for h in holds:
+        box = host.boxes.get(h.name)
+        base = box.origin if box is not None else (0,) * len(h.shape)
+        out[h.name] = host[h.name][tuple(slice(o - b, o - b + n) for o, b, n in zip(h.origin, base, h.shape))]
+    return out
+
+
+def _place(view: np.ndarray, h: TensorSlice) -> np.ndarray | list:
+    """Where a slice's bytes go: straight into ``view`` when it is contiguous (whole rows), else
+    (a column block of a DTensor's Shard(1)) through ``read_verified``'s bounded buffer."""
+    return view if view.flags.c_contiguous else [(tuple(slice(0, n) for n in h.shape), view)]
 
 
 @attrs.frozen
@@ -182,7 +200,7 @@ class CheckpointStore:
         def check(shard: ShardEntry) -> str | None:
             # One verification for run, reshard and verify: with or without ``into``, the header
             # is checked against the manifest and every byte hashed (what verify calls ok loads).
-            rows = None if into is None else {h.name: into[h.name][h.rows] for h in shard.holds}
+            rows = None if into is None else {h.name: _place(into[h.name][h.box], h) for h in shard.holds}
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
             return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256, meta)
 
@@ -211,7 +229,7 @@ class CheckpointStore:
             return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
                                                f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
-        metadata: dict[int, dict[str, str]] | None = {} if load else None
+        metadata: dict[int, dict[str, str]] = {}  # the headers are read either way: cheap, and reshard needs them
         reason = self.check_files(ref, manifest, full, metadata)
         return Verification(manifest, sha, reason, full if reason is None else None,
                             metadata if reason is None else None)
@@ -226,6 +244,66 @@ class CheckpointStore:
         if verdict.reason is not None or verdict.manifest is None or verdict.sha256 is None or verdict.tensors is None:
             raise InputError(f"{verdict.reason}; run `trainjob verify --pvc {self.pvc.root}` for details")
         return Loaded(ref, verdict.manifest, verdict.sha256, verdict.tensors, verdict.metadata or {})
+
+    def load_local(self, ref: Ref, specs: tuple[TensorSpec, ...], wanted: Mapping[str, tuple[tuple[int, ...],
+                   tuple[int, ...]]], rank: int, expect_sha256: str | None = None,
+                   into: Mapping[str, np.ndarray] | None = None, verify_all: bool = False) -> Loaded:
+        """This rank's part of the checkpoint (``wanted``: by name, the box of the whole tensor it
+        holds, as ``HostState.wanted`` gives it), read by offsets (``plan.plan_reads``) from the
+        shards that overlap it, whatever world size and placements wrote them; into ``into``'s
+        arrays where they fit. Each shard it reads is hashed whole and its header checked
+        against the manifest before this returns; one it needs nothing from is not opened
+        (rank 0's, for the plain values, and this rank's own, for its rank-local state, always
+        are). ``verify_all``: hash every shard in the same pass, reading each once (rank 0's
+        resume: it picks the checkpoint for every rank). StateMismatch (exit 2) when the
+        manifest's tensors are not ``specs`` (the live model's whole shapes), before a byte is
+        read; InputError when a shard does not verify."""
+        manifest, sha = self.read_manifest(ref)
+        where = self.rel(self.path(ref) / MANIFEST)
+        if expect_sha256 is not None and sha != expect_sha256:
+            raise InputError(f"{where}: differs from the manifest checkpoint.json recorded (sha256 "
+                             f"{expect_sha256[:12]}...)")
+        if manifest.tensors != tuple(specs):
+            mine, theirs = {t.name: t for t in specs}, {t.name: t for t in manifest.tensors}
+            name = next((n for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)), "?")
+            said = lambda t: f"{t.dtype}{list(t.shape)}" if t else "absent"  # noqa: E731
+            raise StateMismatch(f"{where}: {name} is {said(theirs.get(name))} there, {said(mine.get(name))} in the "
+                             "live state (its whole shape); relaunch with the model that wrote it")
+        local = {t.name: wanted[t.name][1] for t in specs}
+        dest = {}
+        for t in specs:
+            a = (into or {}).get(t.name)
+            fits = (isinstance(a, np.ndarray) and a.shape == tuple(local[t.name]) and a.dtype == np_dtype(t.dtype)
+                    and a.flags.c_contiguous and a.flags.writeable
+                    and not any(np.may_share_memory(a, b) for b in dest.values()))
+            dest[t.name] = a if fits else np.empty(local[t.name], dtype=np_dtype(t.dtype))
+        targets: dict[int, dict[str, Any]] = {}
+        for p in plan.plan_reads(manifest, wanted):
+            out = dest[p.tensor][p.dest_index]
+            targets.setdefault(p.src_rank, {}).setdefault(p.tensor, []).append((p.src_index, out))
+        by_rank = {s.rank: s for s in manifest.shards}
+        for r, wants in targets.items():  # a piece that is the whole slice, into contiguous memory: no copy
+            for name, pieces in wants.items():
+                (src, out), hold = pieces[0], next(h for h in by_rank[r].holds if h.name == name)
+                if len(pieces) == 1 and out.shape == tuple(hold.shape) and out.flags.c_contiguous:
+                    wants[name] = out
+        reading = (list(range(manifest.world_size)) if verify_all
+                   else sorted({*targets, 0, *((rank,) if rank < manifest.world_size else ())}))
+        directory, metadata = self.path(ref), {}
+
+        def check(r: int) -> str | None:
+            shard = by_rank[r]
+            return shards.read_verified(directory / shard.file, shard.holds, targets.get(r, {}), shard.size,
+                                        shard.sha256, metadata.setdefault(r, {}))
+
+        for r in reading:
+            metadata.setdefault(r, {})
+        with ThreadPoolExecutor(max_workers=max(1, min(len(reading), os.cpu_count() or 1, 16))) as pool:
+            bad = [reason for reason in pool.map(check, reading) if reason]
+        if bad:
+            raise InputError(f"{self.rel(directory)}: {'; '.join(bad)}; run `trainjob verify --pvc "
+                             f"{self.pvc.root}` for details")
+        return Loaded(ref, manifest, sha, dest, metadata)
 
     def staging(self, ref: Ref, generation: int) -> Path:
         """Where launch ``generation`` builds checkpoint ``ref`` before rank 0 commits it."""
@@ -252,10 +330,10 @@ class ShardWriter(CheckpointStore):
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
                     tensors: Mapping[str, np.ndarray]) -> ShardEntry:
         """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
-        holds = plan.plan_shards(tensor_specs(tensors), world_size)[rank]
-        documents = tensors.metadata(rank) if isinstance(tensors, HostArrays) else {}
-        return self.write_slices(staging, rank, world_size, step, holds,
-                                 {h.name: tensors[h.name][h.rows] for h in holds}, documents)
+        host = tensors if isinstance(tensors, HostArrays) else HostArrays(tensors)
+        specs = host.specs or tensor_specs(tensors)
+        holds = plan.rank_holds(specs, world_size, rank, host.boxes)
+        return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank))
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray],

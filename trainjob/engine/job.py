@@ -37,13 +37,14 @@ from .overlap import AsyncCheckpoints
 from ..checkpoint.store import Committer, Loaded
 from ..defaults import ASYNC_WRITE_TIMEOUT
 from .config import RunConfig
-from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint, WorldSizeMismatch
+from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, StateMismatch, UsageError,
+                      WorldSizeMismatch)
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordinator
 from ..records import MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, dumps, load
-from ..checkpoint.snapshot import HostState
+from ..checkpoint.snapshot import Gathered, HostState
 from ..states import State as JobState
 
 
@@ -149,13 +150,15 @@ class Job(MachineModel, AsyncCheckpoints):
             self.enable_async(ASYNC_WRITE_TIMEOUT)
         machine.build(self)
 
-    def read(self, into: dict[str, np.ndarray] | None = None) -> None:
+    def read(self, into: dict[str, np.ndarray] | None = None, host: Any = None) -> None:
         """Read what the PVC holds (state, log, pointer, attempts) and, when an attempt is in
         flight, verify and load its newest sound checkpoint, reading it into ``into``'s arrays
         where they fit (the trainer's own: see ``CheckpointStore.verify``; lent only when the
         attempt will resume, since a verification that fails leaves them undefined). Call once, before
         ``start``; it writes nothing. Raises AlreadyCompleted, WorldSizeMismatch or
-        NoVerifiedCheckpoint (each exit 2) or InputError for a corrupt PVC file."""
+        NoVerifiedCheckpoint (each exit 2) or InputError for a corrupt PVC file. ``host`` (the
+        live state's ``HostState``): when it is sharded (DTensors), candidates are verified
+        without being held, then only this rank's part of the chosen one is read, by offsets."""
         pvc, log = self.pvc, self.log
         self.last = pvc.read_state()
         self.completion_announced = decisions.completion_announced(
@@ -168,18 +171,29 @@ class Job(MachineModel, AsyncCheckpoints):
         self.persisted_state = self.last.state if self.last else None
         if self.last is None or self.last.state not in decisions.ATTEMPT_ENDED:
             # Verify before any write. Without a run record the resume depends on the step found.
-            self._discover(self.last.attempt if self.last else self.attempt, into if self.last else None)
+            self._discover(self.last.attempt if self.last else self.attempt, into if self.last else None,
+                           host if host is not None and host.sharded else None)
 
-    def _discover(self, attempt: int, into: dict[str, np.ndarray] | None) -> None:
+    def _discover(self, attempt: int, into: dict[str, np.ndarray] | None, host: Any = None) -> None:
         """Find the newest checkpoint of ``attempt`` that verifies; refuse loudly if there is none."""
         pointer = self.pointer if self.pointer is not None and self.pointer.attempt == attempt else None
         named = Ref.parse(pointer.dir.removeprefix("checkpoints/")) if pointer else None
         refs = self.store.committed()
         verdicts = {}
+        sharded: dict[Ref, Loaded] = {}
 
         def verify(ref: Ref) -> str | None:
-            verdicts[ref] = self.store.verify(ref, pointer.manifest_sha256 if ref == named else None, load=True,
-                                              into=into)
+            expect = pointer.manifest_sha256 if ref == named else None
+            if host is not None:  # sharded: every shard hashed, only this rank's part read, in one pass
+                try:
+                    sharded[ref] = self.store.load_local(ref, host.specs, host.wanted(), 0, expect, into,
+                                                         verify_all=True)
+                except StateMismatch:
+                    raise  # another model's checkpoint is not damage: refused, nothing set aside
+                except InputError as exc:
+                    return str(exc)
+                return None
+            verdicts[ref] = self.store.verify(ref, expect, load=True, into=into)
             return verdicts[ref].reason
 
         pick = plan.pick_resume(refs, attempt, self.cfg.world_size, verify)
@@ -198,7 +212,10 @@ class Job(MachineModel, AsyncCheckpoints):
             raise NoVerifiedCheckpoint(
                 f"{self.pvc.root}: no checkpoint verifies, and starting over would discard them ({reasons}); "
                 f"run `trainjob verify --pvc {self.pvc.root}` to inspect them")
-        if pick.chosen is not None:
+        if pick.chosen is not None and host is not None:
+            self.loaded = sharded[pick.chosen]
+            self.last_size = self.loaded.size
+        elif pick.chosen is not None:
             self.loaded = self.store.load(pick.chosen, verdict=verdicts[pick.chosen])
             self.last_size = self.loaded.size
         self.rejected = rejected
@@ -297,6 +314,9 @@ class Job(MachineModel, AsyncCheckpoints):
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
                             loss_milli=loss_milli, tensors=specs, shards=entries)
+        if problems := plan.coverage_problems(manifest.tensors, manifest.shards):  # DTensors not spanning every rank
+            raise UsageError(f"step {step}: the ranks' shards do not make up the state ({'; '.join(problems)}); "
+                             "every DTensor must be on a mesh of all the run's ranks (nothing was committed)")
         sha = self.store.commit(staging, ref, manifest)
         self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
         self.store.rotate(self.cfg.keep, world, protect=ref)
@@ -314,11 +334,16 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
+        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
+                          holdout=kw["holdout"], baseline=kw["baseline"])
+        if isinstance(kw["exported"], Gathered):  # a sharded model: gathered and written tensor by tensor
+            name = artifact_names(self.attempt)[1]
+            stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
+            self.artifact = {"sha256": self.pvc.write_artifact(name, stream), "path": f"artifacts/{name}"}
+            return
         exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
         if exported.plain is not None or exported.local is not None:  # an artifact holds arrays only
             raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
-                          holdout=kw["holdout"], baseline=kw["baseline"])
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
             record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
             name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()

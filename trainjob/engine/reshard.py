@@ -2,7 +2,8 @@
 
 The machine's ``reshard`` edge, with its own small model: pick the source (the newest checkpoint
 that verifies, or the newest at ``--step``), verify it, then build the new checkpoint shard by
-shard from the pure plan in ``plan.plan_reshard`` and commit it like any other: staged in a
+shard, each read by offsets from the source shards that overlap it (``plan.plan_reads``,
+``CheckpointStore.load_local``: one new shard in memory at a time), and commit it like any other: staged in a
 tmp directory, manifest last, one rename. The source is left alone (rotation removes it later),
 so a kill at any instant leaves the PVC as it was, plus at most a staging directory that the
 next start deletes. Takes the job lock: never runs beside a ``run``.
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 from collections import ChainMap
 
-import numpy as np
 from transitions import EventData
 
 from ..checkpoint import plan
@@ -31,7 +31,6 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..records import MANIFEST_SCHEMA, Manifest
 from ..states import State
-from ..tensors import np_dtype
 
 STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank launch
 
@@ -45,7 +44,7 @@ def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tu
         raise InputError(f"{store.root}: no committed checkpoint{where} to reshard")
     reasons = []
     for ref in sorted(refs, key=lambda r: (r.attempt, r.step, r.world_size != world_size), reverse=True):
-        verdict = store.verify(ref, load=True)  # the state, read once, as its bytes were hashed
+        verdict = store.verify(ref)  # every byte hashed, in bounded memory: the state is read per new shard
         if verdict.reason is None:
             return ref, verdict
         reasons.append(verdict.reason)
@@ -66,7 +65,7 @@ class Reshard(MachineModel):
             raise AlreadyCompleted(f"{pvc.root}: this job already completed; there is nothing to resume")
         self.source, verdict = pick_source(self.store, step, world_size)
         assert verdict.manifest is not None and verdict.sha256 is not None
-        self.manifest, self.source_sha, self.source_tensors = verdict.manifest, verdict.sha256, verdict.tensors
+        self.manifest, self.source_sha = verdict.manifest, verdict.sha256
         self.target = Ref(attempt=self.source.attempt, step=self.source.step, world_size=world_size)
         metadata, self.dropped = verdict.metadata or {}, False
         self.plain = metadata.get(0, {}).get(PLAIN_KEY)
@@ -93,21 +92,18 @@ class Reshard(MachineModel):
 
     def persist_reshard(self, _ev: EventData) -> None:
         src, n = self.manifest, self.target.world_size
-        assert self.source_tensors is not None
-        # Each source rank's rows, as views of the verified state (held once, 1x).
-        parts = {s.rank: {h.name: self.source_tensors[h.name][h.rows] for h in s.holds}
-                 for s in src.shards}
         if self.dropped:  # after persist_cleanup's note, in NOTED_WITHIN's order
             self.notes.append(("rank_local_dropped", dict(from_world_size=src.world_size, world_size=n)))
         staging = self.store.create_staging(self.target, STAGING_GENERATION)
         entries = []
-        dest_layout = plan.plan_shards(src.tensors, n)
-        for rank, pieces in enumerate(plan.plan_reshard(src, n)):
-            mine = {h.name: np.empty(h.shape, dtype=np_dtype(h.dtype)) for h in dest_layout[rank]}
-            for p in pieces:
-                mine[p.tensor][p.dest_rows] = parts[p.src_rank][p.tensor][p.src_rows]
+        for rank, holds in enumerate(plan.plan_shards(src.tensors, n)):
+            # One new shard at a time, read by offsets from the source shards that overlap it (each
+            # hashed again as it is read): never the whole state in this process, whatever its size.
+            mine = self.store.load_local(self.source, src.tensors, {h.name: (h.origin, h.shape) for h in holds},
+                                         src.world_size, self.source_sha).tensors
             documents = {PLAIN_KEY: self.plain} if rank == 0 and self.plain is not None else {}
-            entries.append(self.store.write_slices(staging, rank, n, src.step, dest_layout[rank], mine, documents))
+            entries.append(self.store.write_slices(staging, rank, n, src.step, holds, mine, documents))
+            del mine
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,
                             resharded_from=self.source_sha)

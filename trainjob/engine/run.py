@@ -77,7 +77,7 @@ from .config import DEFAULT_LOG, RunConfig
 from .job import ARTIFACT_FORMATS, Job, StopFlag
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
-from ..checkpoint.snapshot import HostState
+from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors, one_line,
@@ -229,7 +229,7 @@ class Run:
         # load_state_dict that refuses it, ends the run here (exit 2) with the PVC untouched;
         # running out of memory on the way is 75.
         with memory_errors("loading the newest checkpoint"):
-            job.read(into=initial)
+            job.read(into=initial, host=self._host)
             if job.loaded is not None and job.should_resume():
                 resume_into(self.stateful, self._host, job.loaded, job.store.rel(job.store.path(job.loaded.ref)), 0)
         del initial  # the engine holds no reference to the state between checkpoints
@@ -269,8 +269,11 @@ class Run:
         # before this rank's first shard: a checkpoint that fails here really is damaged.
         if session.checkpoint:
             with memory_errors(f"loading {session.checkpoint}"):
-                loaded = writer.load(Ref.parse(session.checkpoint), session.manifest_sha256,  # type: ignore[arg-type]
-                                     into=initial)
+                ref = Ref.parse(session.checkpoint)
+                assert ref is not None and self._host.specs is not None
+                loaded = (writer.load_local(ref, self._host.specs, self._host.wanted(), self.rank,
+                                            session.manifest_sha256, initial) if self._host.sharded
+                          else writer.load(ref, session.manifest_sha256, into=initial))
                 resume_into(self.stateful, self._host, loaded, session.checkpoint, self.rank)
             del loaded
         del initial
@@ -439,6 +442,16 @@ class Run:
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
+        if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
+            if self.artifact_format != "safetensors":
+                raise UsageError("a sharded model (DTensors) is published as safetensors only; leave "
+                                 "artifact_format at its default")
+            export = Gathered(export)
+            # Rank 0 gathers only if the gate passes: the same pure decision, taken on the same
+            # scores (a sharded model's gate must be given the same ones on every rank).
+            if self.rank != 0 and decisions.drift_passes(holdout.correct, holdout.total, baseline.correct,
+                                                         self.cfg.max_drop):
+                export.drain()
         if self.rank != 0:
             self.final = self._peers.wait_outcome().state
             return

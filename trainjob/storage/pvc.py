@@ -415,11 +415,20 @@ class Pvc:
     def write_checkpoint(self, pointer: CheckpointPointer) -> None:
         atomic_write(self.checkpoint_path, (dumps(pointer) + "\n").encode())
 
-    def write_artifact(self, name: str, data: bytes) -> str:
-        """Publish an artifact; identical bytes already there are fine, different ones are not."""
+    def write_artifact(self, name: str, data: bytes | Iterable[bytes | memoryview]) -> str:
+        """Publish an artifact; identical bytes already there are fine, different ones are not.
+        ``data`` may be a stream of chunks (a sharded model's, gathered tensor by tensor): it is
+        then consumed whole either way, and compared by sha256."""
         refuse_symlink(self.artifacts)
         path = self.artifacts / name
         existing = self.read_bytes(path)
+        if existing is not None and not isinstance(data, bytes):
+            digest = hashlib.sha256()
+            for chunk in data:
+                digest.update(chunk)
+            if digest.hexdigest() != hashlib.sha256(existing).hexdigest():
+                raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
+            return digest.hexdigest()
         if existing is not None and existing != data:
             raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
         if existing is None:

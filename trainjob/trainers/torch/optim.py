@@ -82,13 +82,26 @@ class Layout:
         return out
 
     def zeros(self, fqn: str) -> dict[str, Any]:
-        """The state torch has not created yet, as the checkpoint holds it."""
-        return {k: torch.zeros(v[1], dtype=v[0], device=v[2]) if isinstance(v, tuple) else v
+        """The state torch has not created yet, as the checkpoint holds it: for a DTensor
+        parameter (FSDP2), an entry of its shape is a DTensor sharded as it is, as torch's own
+        lazy state will be (each rank holds its shard, never the whole)."""
+        p = self.params[self.fqns.index(fqn)]
+        return {k: (_zeros_like_sharded(p, v[0]) if _is_dtensor(p) and v[1] == p.shape
+                    else torch.zeros(v[1], dtype=v[0], device=v[2])) if isinstance(v, tuple) else v
                 for k, v in self.entries[fqn].items()}
 
     def shape(self, fqn: str, key: str) -> torch.Size | None:
         v = self.entries.get(fqn, {}).get(key)
         return v[1] if isinstance(v, tuple) else None
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
+
+
+def _zeros_like_sharded(p: Any, dtype: torch.dtype) -> Any:
+    return torch.zeros_like(p.detach(), dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def _describe(state: dict[str, Any], like: torch.Tensor | None = None) -> dict[str, Any]:

@@ -1,0 +1,146 @@
+"""examples/fsdp.py, FSDP2 under torchrun (gloo on the CPU), as a user runs it: every parameter and
+its AdamW state a DTensor no rank holds whole.
+
+A SIGKILL of the whole launch at a random instant (checkpoints included) and a relaunch end with
+the uninterrupted run's artifact bytes; a run cut short at W=2 resumes at W=1 and W=4 after
+`trainjob reshard` (the world-size change refused, then logged, as for any state); a model of
+another shape is refused (exit 2) with the PVC untouched; `trainjob verify` passes on every
+checkpoint written; a 2-D mesh at 4 ranks resumes by offsets along both axes. Each test checks
+several guarantees per launch; a launch takes 3-5 s here (torch's import and gloo's start-up in
+every rank), so the W=2 -> 4 -> 1 test, six launches and two reshards, takes about 35 s on this
+shared machine: splitting it would pay the first launches twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_run_example import newest_step
+from trainjob.deploy.launches import kill_when
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.process, pytest.mark.torchrun]
+
+EXAMPLE = ROOT / "examples/fsdp.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
+
+
+def torchrun(pvc: Path, ranks: int = 2, *flags: str) -> subprocess.Popen:
+    """`trainjob torchrun`: torchrun, with the workers' exit code as its own (torchrun says 1 for any)."""
+    return subprocess.Popen([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node",
+                             str(ranks), "--monitor-interval", "0.1", str(EXAMPLE), "--pvc", str(pvc), *flags],
+                            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def run(pvc: Path, ranks: int = 2, *flags: str) -> tuple[int, str]:
+    proc = torchrun(pvc, ranks, *flags)
+    _, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+def trainjob(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainjob", *argv], capture_output=True, text=True, timeout=120,
+                          env=ENV)
+
+
+def cut_short(pvc: Path, rng: random.Random, *flags: str) -> None:
+    """SIGKILL every process of a W=2 launch at a random instant after its first checkpoint."""
+    launch = torchrun(pvc, 2, *flags)
+    after = rng.randrange(4, 16)  # a later checkpoint is still to come
+    assert kill_when(launch, lambda: newest_step(pvc) >= after), f"seed {SEED}: the launch ended first"
+    launch.communicate(timeout=60)
+
+
+def tree(pvc: Path) -> dict[str, str]:
+    """Every file on the PVC with its sha256 (what "untouched" is checked against)."""
+    return {str(p.relative_to(pvc)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(pvc.rglob("*")) if p.is_file()}
+
+
+def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_bytes(tmp_path):
+    """The killed run and its relaunch checkpoint asynchronously (the writer thread's snapshot of
+    each rank's shards), the reference synchronously: the bytes must not differ either way."""
+    code, err = run(tmp_path / "ref")
+    assert code == 0, err[-2000:]
+    expected = (tmp_path / "ref/artifacts/model-v1.safetensors").read_bytes()
+    pvc = tmp_path / "pvc"
+    cut_short(pvc, random.Random(SEED), "--async-checkpoint")
+    code, err = run(pvc, 2, "--async-checkpoint")
+    assert code == 0, err[-2000:]
+    log = (pvc / "log.jsonl").read_text()
+    assert '"resumed"' in log and '"completed"' in log, f"seed {SEED}"
+    assert (pvc / "artifacts/model-v1.safetensors").read_bytes() == expected, f"seed {SEED}"
+    from safetensors.numpy import load_file  # the published model is whole, not rank 0's shards
+    weights = load_file(pvc / "artifacts/model-v1.safetensors")
+    assert weights["1.up.weight"].shape == (132, 66) and weights["0.weight"].shape == (66, 8)
+    verified = trainjob("verify", "--pvc", str(pvc))
+    assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout
+
+
+def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_is_refused(tmp_path):
+    pvc = tmp_path / "pvc"
+    cut_short(pvc, random.Random(SEED))  # (a SIGKILL of one rank alone: its peer waits ~30 s for gloo; not here)
+    before = tree(pvc)
+    code, err = run(pvc, 2, "--width", "64")  # not the model that wrote the checkpoint
+    assert code == 2 and "64" in err and "relaunch with the model that wrote it" in err, err[-2000:]
+    code, err = run(pvc, 1)  # another world size: refused until resharded, as for any state
+    assert code == 2 and "trainjob reshard" in err, err[-2000:]
+    assert tree(pvc) == before  # neither refusal wrote anything
+    step = newest_step(pvc)
+    for ranks in (4, 1):  # 2 -> 4 (each rank reads parts of one shard), then 4 -> 1 (of all four)
+        resharded = trainjob("reshard", "--pvc", str(pvc), "--world-size", str(ranks))
+        assert resharded.returncode == 0, resharded.stderr
+        if ranks == 4:
+            launch = torchrun(pvc, 4)  # cut short again, a checkpoint later, written by four ranks
+            assert kill_when(launch, lambda: newest_step(pvc) > step), f"seed {SEED}: it ended first"
+            launch.communicate(timeout=60)
+    code, err = run(pvc, 1)
+    assert code == 0, err[-2000:]
+    log = (pvc / "log.jsonl").read_text()
+    assert "from_world_size=2 world_size=4" in log and "from_world_size=4 world_size=1" in log  # loud, logged
+    assert log.count('"resumed"') == 2 and '"completed"' in log, f"seed {SEED}"
+    verified = trainjob("verify", "--pvc", str(pvc))
+    assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout
+
+
+def test_the_readme_shows_the_example_as_it_is():
+    block = re.search(r"### A sharded model \(FSDP2\).*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block and block[1] == EXAMPLE.read_text()
+
+
+def test_a_2d_mesh_state_is_saved_by_offsets_along_both_axes_and_resumes_to_the_same_values(tmp_path):
+    """HSDP's placement (Replicate, Shard(0)) and a block per rank (Shard(0), Shard(1)) on a 2x2
+    mesh of 4 ranks: two launches, the first ending abruptly after its step-2 checkpoint."""
+    script, pvc = ROOT / "tests/helpers/mesh2d_state.py", tmp_path / "pvc"
+
+    def launch(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "4",
+                               "--monitor-interval", "0.1", str(script), str(pvc), *extra],
+                              capture_output=True, text=True, env=ENV, timeout=300)
+
+    assert launch("3").returncode != 0
+    import json
+    manifest = json.loads((pvc / "checkpoints/step-00000002-a0001-w004/manifest.json").read_text())
+    holds = {s["rank"]: {h["name"]: h for h in s["holds"]} for s in manifest["shards"]}
+    # a: mesh column 0 holds rows 0..3, its two replicas (ranks 0 and 2) write 2 rows each; column 1
+    # holds rows 4..6, split 1 + 2 between ranks 1 and 3. b: a 3x3 block per rank, at its offsets.
+    assert [(holds[r]["a"]["start"], holds[r]["a"]["shape"]) for r in range(4)] == [
+        (0, [2, 5]), (4, [1, 5]), (2, [2, 5]), (5, [2, 5])]
+    assert [holds[r]["b"].get("offsets") for r in range(4)] == [None, [0, 3], None, [3, 3]]
+    done = launch()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert '"resumed"' in (pvc / "log.jsonl").read_text()
+    from safetensors.numpy import load_file
+    published = load_file(pvc / "artifacts/model-v1.safetensors")
+    assert (published["a"] == torch.arange(35.0).reshape(7, 5).numpy() + 4).all()
+    assert (published["b"] == torch.arange(36.0).reshape(6, 6).numpy() * 16).all()
