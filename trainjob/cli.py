@@ -29,7 +29,7 @@ from .engine.config import DEFAULT_LOG, RunConfig
 from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
-from .storage.backend import location
+from .storage.backend import location as _storage_location
 from .storage.pvc import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
@@ -71,6 +71,15 @@ def _weights(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
+def location_arg(text: str) -> object:
+    """A ``--pvc``/``--log`` value: a path or ``s3://BUCKET/PREFIX``; a malformed URL is a usage
+    error naming what is wrong."""
+    try:
+        return _storage_location(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainjob", description="A training job that refuses silent success.")
     parser.add_argument("--version", action="version", version=f"trainjob {VERSION}")
@@ -83,13 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
     d = RunConfig()
-    r.add_argument("--pvc", type=location, required=True,
+    r.add_argument("--pvc", type=location_arg, required=True,
                    help="durable directory (or s3://BUCKET/PREFIX) for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
                    help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
                         "(docs/trainers.md)")
-    r.add_argument("--log", type=location, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+    r.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps)
     r.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     r.add_argument("--lr", type=float, default=d.lr)
@@ -113,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
 
     v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
-    v.add_argument("--pvc", type=location, required=True)
-    v.add_argument("--log", type=location, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
+    v.add_argument("--pvc", type=location_arg, required=True)
+    v.add_argument("--log", type=location_arg, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
     v.add_argument("--json", action="store_true")
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another world size (the source is kept)")
@@ -126,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
-    s.add_argument("log", type=location)
+    s.add_argument("log", type=location_arg)
     shape = s.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true")
     shape.add_argument("--path", action="store_true",
