@@ -220,3 +220,30 @@ def test_only_the_manifests_conditional_create_publishes_and_a_half_deleted_tree
     assert deleted == [f"checkpoints/{name}/manifest.json"]
     assert backend.published("checkpoints", "manifest.json") == []
     assert backend.unpublished("checkpoints", "manifest.json") == [name]
+
+
+def test_a_409_conditional_request_conflict_is_retried_after_re_reading(s3_pvc, monkeypatch):
+    """AWS answers 409 ConditionalRequestConflict when conditional writes of one key race: the
+    write re-reads the key, and retries only if nobody else won in between."""
+    import obstore as obs
+
+    pvc = Pvc(location(s3_pvc))
+    pvc.write_attempts(1)
+    real_put, conflicts = obs.put, []
+
+    def conflict_once(store, path, data, **kw):
+        if path == "attempts" and not conflicts:
+            conflicts.append(path)
+            raise OSError("Server returned non-2xx status code: 409 Conflict: ConditionalRequestConflict")
+        return real_put(store, path, data, **kw)
+
+    monkeypatch.setattr(obs, "put", conflict_once)
+    pvc.write_attempts(2)
+    assert conflicts == ["attempts"] and Pvc(location(s3_pvc)).read_attempts() == 2
+    conflicts.clear()
+    other = Pvc(location(s3_pvc))
+    other.read_attempts()
+    other.write_attempts(3)  # its conflict is retried too, and it wins: the writer holding a stale ETag loses
+    with pytest.raises(s3.PvcBusy):
+        pvc.write_attempts(4)
+    assert Pvc(location(s3_pvc)).read_attempts() == 3
