@@ -29,7 +29,7 @@ from .engine.config import DEFAULT_LOG, RunConfig
 from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
-from .storage.backend import location as _storage_location
+from .storage.backend import Url, location as _storage_location
 from .storage.pvc import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--grace", type=int, default=t.grace,
                     help="terminationGracePeriodSeconds (default %(default)s)")
     kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+    kr.add_argument("--pvc", type=location_arg,
+                    help="s3://BUCKET/PREFIX: keep the job's files in a bucket instead of a claim (no PVC rendered)")
+    kr.add_argument("--s3-secret", default="",
+                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default NAME-s3)")
     kr.add_argument("child", **child)
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
@@ -472,12 +476,15 @@ def cmd_prove(args: argparse.Namespace) -> int:
 def cmd_k8s(args: argparse.Namespace) -> int:
     target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
                         backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
-                        run_args=tuple(_run_argv(args.child) if args.child else ()))
+                        run_args=tuple(_run_argv(args.child) if args.child else ()),
+                        bucket=str(args.pvc) if isinstance(args.pvc, Url) else "", secret=args.s3_secret)
+    if args.pvc is not None and not target.bucket:
+        raise UsageError("k8s render --pvc takes an s3://BUCKET/PREFIX; a claim is rendered without it")
     target.check()
     # Every pod's command line must pass run's own checks. The Job owns --pvc and --backoff-limit;
     # argparse lets a later flag win, so the user's arguments after -- must not override them.
     ran = _parse_run(target.run_flags())
-    if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
+    if (str(ran.pvc), ran.backoff_limit) != (target.pvc, target.backoff_limit):
         raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
                          "--backoff-limit`); drop them after --")
     emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).splitlines())
