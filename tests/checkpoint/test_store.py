@@ -14,7 +14,7 @@ import pytest
 from conftest import events, snapshot, trainjob
 from trainjob import cli
 from trainjob.checkpoint import store as checkpoints
-from trainjob.storage import backend as backend_module, pvc as pvc_module
+from trainjob.storage import pvc as pvc_module
 from trainjob.checkpoint.plan import Ref
 from trainjob.views.history import replay
 from trainjob.storage.pvc import Pvc
@@ -54,7 +54,7 @@ def test_a_save_that_cannot_fit_exits_75_and_keeps_every_checkpoint(tmp_path, mo
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
     before = snapshot(pvc / "checkpoints")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(backend_module.shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(pvc_module.shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 100, 100))
     assert cli.main(["run", "--pvc", str(pvc)]) == 75
     assert "bytes free, but the next checkpoint needs about" in capsys.readouterr().err
     assert snapshot(pvc / "checkpoints") == before
