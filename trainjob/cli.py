@@ -127,12 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--json", action="store_true")
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another world size (the source is kept)")
-    rs.add_argument("--pvc", type=Path, required=True)
+    rs.add_argument("--pvc", type=location_arg, required=True)
     rs.add_argument("--world-size", type=int, required=True)
     rs.add_argument("--step", type=int, help="the step to reshard (default: the newest that verifies)")
     rs.add_argument("--drop-rank-local", action="store_true",
                     help="reshard a checkpoint holding rank-local state (RNG streams, loader positions) without it")
-    rs.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+    rs.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
     s.add_argument("log", type=location_arg)
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
                     help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
     dg.add_argument("-o", "--output", type=Path, help="write here instead of to stdout")
-    dg.add_argument("--log", type=Path, help="highlight the path this decision log took")
+    dg.add_argument("--log", type=location_arg, help="highlight the path this decision log took")
 
     p = sub.add_parser("plot", help="plot a logged run (needs trainjob[plot]): losses, kills, resumes, verdict")
     p.add_argument("log", type=Path)
@@ -361,7 +361,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         raise UsageError(f"--step must be 0 or more, got {args.step}")
     pvc = Pvc(args.pvc)
-    if not pvc.root.is_dir():
+    if not pvc.local:
+        pvc.create()  # a bucket: it exists, the credentials work, it honours If-None-Match
+    elif not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
     check_writable(_log_path(args))
     with pvc.lock():

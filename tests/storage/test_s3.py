@@ -247,3 +247,23 @@ def test_a_409_conditional_request_conflict_is_retried_after_re_reading(s3_pvc, 
     with pytest.raises(s3.PvcBusy):
         pvc.write_attempts(4)
     assert Pvc(location(s3_pvc)).read_attempts() == 3
+
+
+def test_reshard_supervise_and_diagram_take_a_bucket_pvc(s3_pvc):
+    """One cut-short run on the bucket, then: reshard writes a verified W=2 copy (and a second
+    reshard finds it and does nothing), supervise relaunches the run to completion, and diagram
+    --log and status read the segmented log."""
+    assert trainjob("run", "--pvc", s3_pvc, "--die-at", 4).returncode == 75
+    resharded = trainjob("reshard", "--pvc", s3_pvc, "--world-size", 2)
+    assert resharded.returncode == 0 and "wrote checkpoints/step-00000004-a0001-w002" in resharded.stdout
+    again = trainjob("reshard", "--pvc", s3_pvc, "--world-size", 2)
+    assert again.returncode == 0 and "already exists and verifies" in again.stdout
+    verify = trainjob("verify", "--pvc", s3_pvc)
+    assert verify.returncode == 0 and "world_size=2 loss_milli=241 resharded_from=" in verify.stdout
+    drawn = trainjob("diagram", "--log", f"{s3_pvc}/log.jsonl")
+    assert drawn.returncode == 0 and "last state resharded" in drawn.stdout, drawn.stdout[:300]
+    supervised = trainjob("supervise", "--max-starts", 3, "--", "run", "--pvc", s3_pvc)
+    assert supervised.returncode == 0 and "ending=completed" in supervised.stderr
+    status = trainjob("status", f"{s3_pvc}/log.jsonl")
+    assert status.returncode == 0 and "last_event: completed" in status.stdout
+    assert "supervisor: stop | start=1 exit=0 ending=completed" in status.stdout  # its own segment, read in order
