@@ -269,3 +269,26 @@ def test_reshard_supervise_and_diagram_take_a_bucket_pvc(s3_pvc):
     status = trainjob("status", f"{s3_pvc}/log.jsonl")
     assert status.returncode == 0 and "last_event: completed" in status.stdout
     assert "supervisor: stop | start=1 exit=0 ending=completed" in status.stdout  # its own segment, read in order
+
+
+def test_a_bucket_prefix_synced_into_a_folder_verifies_and_back(s3_pvc, tmp_path, capsys):
+    """The prefix holds a PVC's layout: copied key by key into a folder (as `aws s3 sync` does),
+    `verify` accepts the folder; a PVC folder copied into a fresh prefix, `verify` accepts it too
+    (the bucket reads a plain log.jsonl object before the segments)."""
+    assert cli.main(["run", "--pvc", s3_pvc]) == 0
+    backend, folder = store_of(s3_pvc), tmp_path / "synced"
+    for key in backend._all(""):
+        if not key.startswith("."):
+            (folder / key).parent.mkdir(parents=True, exist_ok=True)
+            (folder / key).write_bytes(backend.read(key, 1 << 30))
+    assert cli.main(["verify", "--pvc", str(folder)]) == 0
+    assert "ok        artifact   artifacts/model-v1.json" in capsys.readouterr().out
+    local, up = tmp_path / "pvc", f"{s3_pvc}-up"
+    assert cli.main(["run", "--pvc", str(local)]) == 0
+    target = store_of(up)
+    for path in sorted(local.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            target.write_part(str(path.relative_to(local)), [path.read_bytes()])
+    assert cli.main(["verify", "--pvc", up]) == 0
+    out = capsys.readouterr().out
+    assert "ok        artifact   artifacts/model-v1.json" in out and out.strip().endswith("verdict: ok")

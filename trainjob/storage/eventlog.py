@@ -113,10 +113,15 @@ class EventLog:
 _TAIL = 64 * 1024
 
 
-class Segments:
-    """A log on a bucket, as ordered segment objects (module docstring)."""
+def _segment_dir(path: Path) -> Path:
+    return path.with_name(f"{path.name}.d")
 
-    def __init__(self, path: Url) -> None:
+
+class Segments:
+    """A log on a bucket, as ordered segment objects (module docstring); read-only, also a folder
+    of them (a bucket prefix synced into a directory)."""
+
+    def __init__(self, path: Path | Url) -> None:
         self.backend = open_backend(path.parent)
         self.prefix = f"{path.name}.d"
         self.key: str | None = None
@@ -154,7 +159,9 @@ class Segments:
 
 def log_exists(path: Path) -> bool:
     """Is there a log to read at ``path`` (a file, or a bucket log with a segment)?"""
-    return bool(Segments(path).names()) if isinstance(path, Url) else path.is_file()
+    if isinstance(path, Url):
+        return bool(Segments(path).names()) or Segments(path).backend.size(path.name) is not None
+    return path.is_file() or (not os.path.lexists(path) and _segment_dir(path).is_dir())
 
 
 def _ends_mid_line(fd: int) -> bool:
@@ -215,8 +222,8 @@ def _bounded_lines(handle: BinaryIO) -> Iterator[bytes | None]:
 def read_log(path: Path) -> Iterator[LogLine]:
     """Yield every line of the log; lines that are not valid events carry a problem instead.
     Memory stays flat for any input: lines are read one at a time, each at most MAX_LINE bytes."""
-    if isinstance(path, Url):
-        yield from _read_segments(path)
+    if isinstance(path, Url) or (not os.path.lexists(path) and _segment_dir(path).is_dir()):
+        yield from _read_segments(path)  # a bucket's log, or one synced from a bucket into a folder
         return
     with os_errors(path, "cannot read log", InputError):
         try:
@@ -242,11 +249,13 @@ def _read_segments(path: Url) -> Iterator[LogLine]:
 
     segments = Segments(path)
     names = segments.names()
-    if not names:
+    # A PVC directory synced into the bucket brings its log.jsonl as one object: read it first.
+    plain = segments.backend.read(path.name, 1 << 30) if isinstance(path, Url) else None
+    if not names and plain is None:
         raise InputError(f"{path}: log not found (no segment under {path}.d/)")
     number = 0
-    for name in names:
-        for raw in _bounded_lines(io.BytesIO(segments.read(name))):
+    for name, data in [("", plain or b""), *((n, segments.read(n)) for n in names)]:
+        for raw in _bounded_lines(io.BytesIO(data)):
             number += 1
             if raw is None:
                 yield LogLine(number, None, f"{path}.d/{name}: a line longer than {MAX_LINE} bytes; not read")
