@@ -1,4 +1,5 @@
-"""Everything trainjob keeps on the PVC, behind one narrow class.
+"""Everything trainjob keeps on the PVC, behind one narrow class (``Pvc``, over a ``backend.Backend``),
+and the directory backend itself (``LocalBackend``: atomic writers, fsync, flock).
 
 Layout of a PVC directory (all paths relative to it):
 
