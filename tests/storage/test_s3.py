@@ -174,22 +174,22 @@ def test_sigkill_at_random_instants_of_a_bucket_run_still_reaches_the_uninterrup
     flags = ["--steps", "40", "--ckpt-every", "2"]
     assert trainjob("run", "--pvc", local, *flags).returncode == 0
     env = {**os.environ, "TRAINJOB_LEASE_SECONDS": "0.6"}
-    rng, kills = random.Random(28), 0
-    for _ in range(12):
-        # --idempotent, as the rendered Job and supervise relaunch: a kill after `completed` was
-        # logged leaves a completed job, which a plain relaunch refuses (the lab's exit 2).
-        proc = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", s3_pvc, *flags, "--idempotent"],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    rng, kills, argv = random.Random(28), 0, [sys.executable, "-m", "trainjob", "run", "--pvc", s3_pvc, *flags,
+                                              # as the rendered Job and supervise relaunch: a kill after
+                                              # `completed` was logged leaves a completed job, which a
+                                              # plain relaunch refuses (the lab's exit 2)
+                                              "--idempotent"]
+    for _ in range(6):
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(rng.uniform(0.35, 0.9))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         err = proc.communicate()[1].decode()
         assert proc.returncode in (0, 75, -signal.SIGKILL), err  # never a refusal of what a kill left
-        if proc.returncode == 0:
-            break
         time.sleep(0.7)  # the killed run's lease lapses
-    assert proc.returncode == 0 and kills >= 1
+    final = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)  # a loaded machine may
+    assert final.returncode == 0 and kills >= 1, final.stderr                         # kill all six early
     artifact = store_of(s3_pvc).read("artifacts/model-v1.json", 1 << 20)
     assert hashlib.sha256(artifact).digest() == hashlib.sha256((local / "artifacts/model-v1.json").read_bytes()).digest()
     assert trainjob("verify", "--pvc", s3_pvc).returncode == 0
