@@ -292,3 +292,14 @@ def test_a_bucket_prefix_synced_into_a_folder_verifies_and_back(s3_pvc, tmp_path
     assert cli.main(["verify", "--pvc", up]) == 0
     out = capsys.readouterr().out
     assert "ok        artifact   artifacts/model-v1.json" in out and out.strip().endswith("verdict: ok")
+
+
+def test_a_held_lease_is_renewed_so_it_never_lapses_under_a_live_run(s3_pvc, monkeypatch):
+    monkeypatch.setattr(s3, "LEASE_SECONDS", 0.6)
+    with Pvc(location(s3_pvc)).lock():
+        time.sleep(1.5)  # over twice the lifetime: only renewals keep it live
+        with pytest.raises(s3.PvcBusy, match="another trainjob run holds this PVC"):
+            with Pvc(location(s3_pvc)).lock():
+                pass
+    with Pvc(location(s3_pvc)).lock():  # released at exit: free at once
+        pass
