@@ -303,3 +303,21 @@ def test_a_held_lease_is_renewed_so_it_never_lapses_under_a_live_run(s3_pvc, mon
                 pass
     with Pvc(location(s3_pvc)).lock():  # released at exit: free at once
         pass
+
+
+def test_a_run_whose_lease_was_taken_over_writes_nothing_more(s3_pvc, monkeypatch):
+    """A holder stalled past its lease (another run took it over): its renewal fails, and every
+    later write it tries is refused (PvcBusy, 75) instead of mixing into the new holder's PVC."""
+    monkeypatch.setattr(s3, "LEASE_SECONDS", 0.6)
+    pvc = Pvc(location(s3_pvc))
+    with pvc.lock():
+        intruder = store_of(s3_pvc)
+        intruder.read(".lease", 1 << 16)
+        intruder.write(".lease", b'{"holder": "the new run", "expires": %f}\n' % (time.time() + 60))
+        time.sleep(0.5)  # the next renewal meets the intruder's ETag
+        for write in (lambda: pvc.write_attempts(1), lambda: pvc.backend.create("x", b"1"),
+                      lambda: pvc.backend.write_part("checkpoints/s/shard", [b"1"])):
+            with pytest.raises(s3.PvcBusy, match="lease could not be renewed"):
+                write()
+    assert store_of(s3_pvc).list("") == [".lease"]
+    assert b"the new run" in store_of(s3_pvc).read(".lease", 1 << 16)  # not released over the new holder

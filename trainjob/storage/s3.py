@@ -105,6 +105,7 @@ class S3Backend:
         self._store: Any = None
         self._etags: dict[str, str | None] = {}  # what this process last saw of each key (None: absent)
         self._lock = threading.Lock()
+        self._lost: BaseException | None = None  # the lease's renewal failed: write nothing more
 
     # --- the client ---------------------------------------------------------------------------
 
@@ -187,11 +188,22 @@ class S3Backend:
                     return None
                 raise
 
+    def _holding(self, key: str) -> None:
+        """Refuse any write once the lease could not be renewed: another run may hold it now."""
+        if isinstance(self._lost, PvcBusy):
+            raise PvcBusy(f"{self.where(key)}: not written: this run's lease could not be renewed: another "
+                          "run took it over (this one stalled past its lease); it holds the PVC now") from self._lost
+        if self._lost is not None:
+            raise TryAgainLater(f"{self.where(key)}: not written: this run's lease could not be renewed (the store "
+                                "is unreachable or failing); relaunch when it answers") from self._lost
+
     def write(self, key: str, data: Data) -> Written:
         """Replace ``key`` by If-Match on the ETag this process last saw (If-None-Match when it saw
         none): a write by anyone else in between makes this one fail (PvcBusy), not win."""
         import obstore as obs
 
+        if not key.startswith(".lease"):
+            self._holding(key)
         body = data if isinstance(data, bytes) else b"".join(bytes(c) for c in data)
         if key not in self._etags:
             head = self._head(key)
@@ -222,6 +234,7 @@ class S3Backend:
     def create(self, key: str, data: bytes) -> Written | None:
         import obstore as obs
 
+        self._holding(key)
         with _errors(self.where(key), "write failed"):
             try:
                 result = obs.put(self.store, key, data, mode="create")
@@ -289,6 +302,7 @@ class S3Backend:
         """Upload in parallel parts, hashing each chunk as it goes (never by reading back)."""
         import obstore as obs
 
+        self._holding(key)
         digest, size = Sha256Pipe(), 0
 
         def hashed() -> Iterator[bytes]:
@@ -375,8 +389,9 @@ class S3Backend:
                 try:
                     with self._lock:
                         self._put_lease(key, me, time.time() + LEASE_SECONDS)
-                except Exception as exc:  # noqa: BLE001  the next conditional state write fails too
+                except Exception as exc:  # noqa: BLE001  every later write of this process refuses
                     lost.append(exc)
+                    self._lost = exc
                     return
 
         thread = threading.Thread(target=renew, name="trainjob-lease", daemon=True)
