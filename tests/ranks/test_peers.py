@@ -22,7 +22,6 @@ import pytest
 from conftest import ROOT, events, trainjob, untouched
 from trainjob.errors import PeerFailed
 from trainjob.storage.pvc import Pvc
-from trainjob.ranks.coordination import Coordinator, Follower
 from trainjob.ranks.peers import PvcCoordinator, PvcFollower
 from trainjob.records import Session
 

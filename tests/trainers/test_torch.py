@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import ROOT, snapshot, trainjob

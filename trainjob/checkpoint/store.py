@@ -20,17 +20,16 @@ writes one rank's shard (every rank), ``Committer`` commits, rotates and cleans 
 
 This module does the I/O; every choice (what to resume from, what to delete, whether a manifest
 is consistent) is asked of the pure functions in ``plan.py``. Writes go through
-``pvc.write_staged`` (shards and the manifest, inside a staging directory), ``pvc.atomic_write``
-(receipts) and ``pvc.commit_dir`` only.
+the PVC's ``storage.backend.Backend`` only (``write_part`` for shards, inside what ``stage``
+gives; ``write`` for receipts; ``publish`` for the manifest and the commit), so the same code
+serves a directory and a bucket; docs/checkpoints.md says what each backend's commit is.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import stat
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,14 +41,14 @@ import numpy as np
 from . import plan
 from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
-from ..errors import InputError, NoSpace, StateMismatch, os_errors
+from ..errors import InputError, NoSpace, StateMismatch
 from .plan import MANIFEST, Ref
-from ..storage.pvc import Pvc, atomic_write, commit_dir, fsync_dir, make_dir, write_staged
+from ..storage.pvc import TMP, Pvc
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 from ..tensors import np_dtype, tensor_specs
 
 RECEIPT = ".receipt.json"
-TMP, TRASH, REJECTED = ".tmp-", ".trash-", "rejected-"
+REJECTED = "rejected-"
 
 
 def _destinations(specs: tuple[TensorSpec, ...], into: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -123,40 +122,36 @@ class CheckpointStore:
     """
 
     def __init__(self, pvc: Pvc) -> None:
-        self.pvc = pvc
+        self.pvc, self.backend = pvc, pvc.backend
         self.root = pvc.root / "checkpoints"
 
     def path(self, ref: Ref) -> Path:
         return self.root / ref.name
 
     def rel(self, path: Path) -> str:
-        return str(path.relative_to(self.pvc.root))
+        return self.pvc.key(path)
 
     # --- listing -----------------------------------------------------------------------------
 
     def entries(self) -> list[str]:
-        if self.root.is_symlink():
-            raise InputError(f"{self.root}: is a symlink; trainjob does not follow links on the PVC")
-        with os_errors(self.root, "cannot list", InputError):
-            try:
-                return sorted(os.listdir(self.root))
-            except FileNotFoundError:
-                return []
+        return self.backend.list("checkpoints")
 
     def committed(self) -> list[Ref]:
-        """Every directory named like a checkpoint (its manifest is checked by ``verify``)."""
-        return [ref for name in self.entries() if (ref := Ref.parse(name)) is not None]
+        """Every published checkpoint, by its name (its manifest is checked by ``verify``)."""
+        published = self.backend.published("checkpoints", MANIFEST)
+        return [ref for name in published if (ref := Ref.parse(name)) is not None]
 
     # --- verification and loading --------------------------------------------------------------
 
     def read_manifest(self, ref: Ref) -> tuple[Manifest, str]:
         """The manifest and the sha256 of its bytes; InputError naming the problem."""
         directory = self.path(ref)
-        st = os.lstat(directory) if os.path.lexists(directory) else None
-        if st is None:
-            raise InputError(f"{self.rel(directory)}: missing")
-        if not stat.S_ISDIR(st.st_mode):
-            raise InputError(f"{self.rel(directory)}: not a directory (a symlink is never followed)")
+        if self.pvc.local:  # a bucket has no directories, and no links to follow
+            st = os.lstat(directory) if os.path.lexists(directory) else None
+            if st is None:
+                raise InputError(f"{self.rel(directory)}: missing")
+            if not stat.S_ISDIR(st.st_mode):
+                raise InputError(f"{self.rel(directory)}: not a directory (a symlink is never followed)")
         path = directory / MANIFEST
         raw = self.pvc.read_bytes(path)
         if raw is None:
@@ -167,19 +162,20 @@ class CheckpointStore:
             raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
         return manifest, hashlib.sha256(raw).hexdigest()
 
-    @staticmethod
-    def _size_problems(directory: Path, manifest: Manifest) -> list[str]:
+    def _size_problems(self, directory: Path, manifest: Manifest) -> list[str]:
         """Each shard file's size on disk against the manifest's, before anything is sized from
         the manifest: with ``manifest_problems`` (its tensors fit in its shards' sizes), no
         allocation can exceed the bytes actually on the PVC."""
         problems = []
         for shard in manifest.shards:
             try:
-                actual = os.lstat(directory / shard.file).st_size
+                actual = self.backend.size(self.rel(directory / shard.file))
             except OSError as exc:
                 problems.append(f"{shard.file}: {exc.strerror}")
                 continue
-            if actual != shard.size:
+            if actual is None:
+                problems.append(f"{shard.file}: No such file or directory")
+            elif actual != shard.size:
                 problems.append(f"{shard.file}: {actual} bytes, the manifest says {shard.size}")
         return problems
 
@@ -193,7 +189,7 @@ class CheckpointStore:
         """
         directory = self.path(ref)
         expected = {MANIFEST, *(s.file for s in manifest.shards)}
-        extra = sorted(set(os.listdir(directory)) - expected)
+        extra = sorted(set(self.backend.list(self.rel(directory))) - expected)
         if extra:
             return f"{self.rel(directory)}: holds files the manifest does not list: {', '.join(extra)}"
 
@@ -202,7 +198,8 @@ class CheckpointStore:
             # is checked against the manifest and every byte hashed (what verify calls ok loads).
             rows = None if into is None else {h.name: _place(into[h.name][h.box], h) for h in shard.holds}
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
-            return shards.read_verified(directory / shard.file, shard.holds, rows, shard.size, shard.sha256, meta)
+            with self.backend.reading(self.rel(directory / shard.file)) as path:
+                return shards.read_verified(path, shard.holds, rows, shard.size, shard.sha256, meta)
 
         if len(manifest.shards) == 1:
             reasons = [check(manifest.shards[0])]
@@ -284,7 +281,7 @@ class CheckpointStore:
         by_rank = {s.rank: s for s in manifest.shards}
         for r, wants in targets.items():  # a piece that is the whole slice, into contiguous memory: no copy
             for name, pieces in wants.items():
-                (src, out), hold = pieces[0], next(h for h in by_rank[r].holds if h.name == name)
+                (_, out), hold = pieces[0], next(h for h in by_rank[r].holds if h.name == name)
                 if len(pieces) == 1 and out.shape == tuple(hold.shape) and out.flags.c_contiguous:
                     wants[name] = out
         reading = (list(range(manifest.world_size)) if verify_all
@@ -293,8 +290,9 @@ class CheckpointStore:
 
         def check(r: int) -> str | None:
             shard = by_rank[r]
-            return shards.read_verified(directory / shard.file, shard.holds, targets.get(r, {}), shard.size,
-                                        shard.sha256, metadata.setdefault(r, {}))
+            with self.backend.reading(self.rel(directory / shard.file)) as path:
+                return shards.read_verified(path, shard.holds, targets.get(r, {}), shard.size, shard.sha256,
+                                            metadata.setdefault(r, {}))
 
         for r in reading:
             metadata.setdefault(r, {})
@@ -343,12 +341,12 @@ class ShardWriter(CheckpointStore):
         into ``staging``."""
         name = plan.shard_file(rank, world_size)
         meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
-        written = write_staged(staging / name, shards.encode(mine, meta))
+        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta))
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
         """(ranks >= 1) Tell rank 0 this rank's shard is written, with its size and sha256."""
-        atomic_write(staging / (entry.file + RECEIPT), (dumps(entry) + "\n").encode())
+        self.backend.write(self.rel(staging / (entry.file + RECEIPT)), (dumps(entry) + "\n").encode())
 
 
 class Committer(ShardWriter):
@@ -359,21 +357,16 @@ class Committer(ShardWriter):
 
     def check_space(self, needed: int) -> None:
         """(rank 0, first) Refuse a save that cannot fit (75), before anything is written or deleted."""
-        with os_errors(self.root, "cannot check free space"):
-            free = shutil.disk_usage(self.root if self.root.is_dir() else self.pvc.root).free
-        if free < needed:
+        free = self.backend.free_space()
+        if free is not None and free < needed:
             raise NoSpace(f"{self.root}: {free} bytes free, but the next checkpoint needs about {needed} "
                           "(the size of the last one); free some space or lower --keep, then relaunch "
                           "(every checkpoint already on the PVC was kept)")
 
     def create_staging(self, ref: Ref, generation: int) -> Path:
         """(rank 0, before any shard) The directory every rank writes its shard into."""
-        path = self.staging(ref, generation)
-        # No fsync here: the staging directory need not survive a power loss, and commit_dir
-        # fsyncs it and its parent before the checkpoint counts.
-        with os_errors(path, "cannot create"):
-            make_dir(path)
-        return path
+        staged = self.backend.stage(self.rel(self.path(ref)), self.rel(self.staging(ref, generation)))
+        return self.pvc.root / staged
 
     def read_receipt(self, staging: Path, rank: int, world_size: int) -> ShardEntry:
         """(rank 0, after its own shard) Rank ``rank``'s receipt, once ``receipt_path`` exists."""
@@ -386,35 +379,17 @@ class Committer(ShardWriter):
     def commit(self, staging: Path, ref: Ref, manifest: Manifest) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
         place; return the manifest's sha256."""
-        for shard in manifest.shards:  # receipts were for rank 0 only; the manifest now says it all
-            (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
-        written = write_staged(staging / MANIFEST, (dumps(manifest) + "\n").encode())
-        commit_dir(staging, self.path(ref))
+        if self.pvc.local:  # receipts were for rank 0 only; the manifest now says it all
+            for shard in manifest.shards:
+                (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
+        written = self.backend.publish(self.rel(staging), self.rel(self.path(ref)), MANIFEST,
+                                       (dumps(manifest) + "\n").encode())
         return written.sha256
 
 
     def _remove(self, path: Path) -> bool:
-        """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
-        trash = path if path.name.startswith(TRASH) else self.root / f"{TRASH}{path.name.removeprefix(TMP)}"
-        try:
-            # No fsync after this rename: it hides a half-deleted directory from a relaunch after
-            # SIGKILL, which needs none. After a power loss the directory may come back; journalling
-            # filesystems keep the rename ahead of the deletes, and where one did not, the half-
-            # deleted copy is older than the committed, fsynced checkpoint that caused its
-            # rotation (a resume tries that first), and fails verification if it is ever reached.
-            if trash != path:
-                os.rename(path, trash)
-            for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
-                try:
-                    shutil.rmtree(trash)
-                    return True
-                except FileNotFoundError:
-                    return True
-                except OSError:
-                    time.sleep(0.02)
-        except OSError:
-            pass
-        return False  # left for the next start's cleanup
+        """Delete a checkpoint so that it never looks committed while half-deleted (``delete_tree``)."""
+        return self.backend.delete_tree(self.rel(path))
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
         """(rank 0, after the commit and the pointer) Delete the oldest so that ``keep`` remain."""
@@ -426,24 +401,19 @@ class Committer(ShardWriter):
 
     def set_aside(self, ref: Ref) -> str:
         """(rank 0, at a resume) Move a checkpoint that failed verification out of the way of new commits."""
-        src = self.path(ref)
-        dest = self.root / f"{REJECTED}{ref.name}"
-        n = 1
-        while os.path.lexists(dest):
-            dest, n = self.root / f"{REJECTED}{ref.name}.{n}", n + 1
-        with os_errors(src, "cannot set aside"):
-            try:
-                os.rename(src, dest)
-                fsync_dir(self.root)
-            except FileNotFoundError:
-                return ""  # it was missing to begin with
-        return self.rel(dest)
+        taken = set(self.entries())
+        dest, n = f"{REJECTED}{ref.name}", 1
+        while dest in taken:
+            dest, n = f"{REJECTED}{ref.name}.{n}", n + 1
+        if not self.backend.move(self.rel(self.path(ref)), self.rel(self.root / dest)):
+            return ""  # it was missing to begin with
+        return self.rel(self.root / dest)
 
     def cleanup(self) -> list[str]:
         """(rank 0, at its first transition) Delete what killed writers left (under the job lock): tmp files on the PVC, staging
         and trash directories. Returns the paths removed, relative to the PVC."""
-        removed = [str(p.relative_to(self.pvc.root)) for p in self.pvc.remove_stray_tmp()]
-        for name in self.entries():
-            if name.startswith((TMP, TRASH)) and self._remove(self.root / name):
+        removed = [self.rel(p) for p in self.pvc.remove_stray_tmp()]
+        for name in self.backend.unpublished("checkpoints", MANIFEST):
+            if self._remove(self.root / name):
                 removed.append(f"checkpoints/{name}")
         return removed

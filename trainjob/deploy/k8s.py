@@ -50,6 +50,8 @@ class Target:
     grace: int = 60
     deadline: int = 3600
     run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc and --backoff-limit
+    bucket: str = ""  # an s3://BUCKET/PREFIX PVC: no claim is rendered, credentials come from ``secret``
+    secret: str = ""  # the Secret holding AWS_* for a bucket PVC (default NAME-s3)
 
     def check(self) -> None:
         """Raise UsageError for a flag Kubernetes would reject or that breaks the contract."""
@@ -75,10 +77,24 @@ class Target:
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
         if self.deadline < 1:
             raise UsageError(f"--deadline must be at least 1 second, got {self.deadline}")
+        if self.bucket and self.world_size > 1:  # every pod would exit 2: say so now
+            raise UsageError(f"--pvc {self.bucket}: a bucket PVC runs one rank for now; drop --world-size "
+                             "or use a ReadWriteMany claim")
+        if self.secret and not _DNS_LABEL.fullmatch(self.secret):
+            raise UsageError(f"--s3-secret must be a Secret name (a DNS-1123 label), got {self.secret!r}")
 
     @property
     def claim(self) -> str:
         return f"{self.name}-data"
+
+    @property
+    def credentials(self) -> str:
+        return self.secret or f"{self.name}-s3"
+
+    @property
+    def pvc(self) -> str:
+        """The run's --pvc: the claim's mount, or the bucket."""
+        return self.bucket or MOUNT
 
     @property
     def job_backoff_limit(self) -> int:
@@ -97,7 +113,7 @@ class Target:
         eviction or a lost node in the instant after the model was published); that pod must
         verify the artifact and exit 0, not fail the Job with the lab's refusal (exit 2).
         """
-        return ["--pvc", MOUNT, "--backoff-limit", str(self.backoff_limit), "--idempotent", *self.run_args]
+        return ["--pvc", self.pvc, "--backoff-limit", str(self.backoff_limit), "--idempotent", *self.run_args]
 
     def container_args(self) -> list[str]:
         """The container's ``trainjob`` arguments (Kubernetes wants every one a string).
@@ -169,6 +185,9 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
         "args": target.container_args(),
         "volumeMounts": [{"name": "pvc", "mountPath": MOUNT}],
     }
+    if target.bucket:  # no volume: the bucket is reached over the network, with the Secret's AWS_* keys
+        del container["volumeMounts"]
+        container["envFrom"] = [{"secretRef": {"name": target.credentials}}]
     if indexed:
         container["ports"] = [{"name": "c10d", "containerPort": RDZV_PORT}]
         # The control plane injects this too; declaring it (the same downward-API field) makes
@@ -193,12 +212,15 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
                 **({"subdomain": target.name} if indexed else {}),
                 "terminationGracePeriodSeconds": target.grace,
                 "containers": [container],
-                "volumes": [{"name": "pvc", "persistentVolumeClaim": {"claimName": target.claim}}],
+                **({} if target.bucket else
+                   {"volumes": [{"name": "pvc", "persistentVolumeClaim": {"claimName": target.claim}}]}),
             },
         },
     }
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": target.name, "labels": labels()}, "spec": job_spec}
+    if target.bucket:
+        return [job]
     if not indexed:
         return [claim, job]
     # The documented pattern for pod-to-pod communication in an Indexed Job: a headless Service

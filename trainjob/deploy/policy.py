@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
-from ..records import SUPERVISOR as SOURCE
+from ..records import SUPERVISOR as SOURCE  # noqa: F401 (the supervisor's log source, for cli.py and tests)
 
 # What a child's exit code says under trainjob's contract (cli.py maps codes to these words).
 # None is any other code: 70 (a bug), a signal, an OOM kill (137), an interpreter crash.

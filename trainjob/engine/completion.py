@@ -18,7 +18,7 @@ import attrs
 from ..checkpoint import plan
 from ..errors import ArtifactUnverified, InputError
 from ..exits import EXIT_FAILED, EXIT_OK
-from ..storage.eventlog import EventLog, read_log
+from ..storage.eventlog import EventLog, log_exists, read_log
 from ..storage.pvc import Pvc
 from . import decisions
 from .job import already_completed, artifact_names
@@ -36,7 +36,7 @@ class Item:
 def logged_artifacts(log_path: Path) -> dict[str, str]:
     """Each artifact's path -> the sha256 its ``artifact_written`` event recorded."""
     logged: dict[str, str] = {}
-    if log_path.is_file():
+    if log_exists(log_path):
         for line in read_log(log_path):
             if line.event is not None and line.event.event == "artifact_written":
                 fields = parse_detail("artifact_written", line.event.detail)

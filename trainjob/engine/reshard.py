@@ -81,8 +81,7 @@ class Reshard(MachineModel):
 
     def target_exists(self) -> bool:
         """A previous reshard (perhaps killed before logging) already wrote the target: verify it."""
-        path = self.store.path(self.target)
-        if not path.exists():
+        if self.target not in self.store.committed():  # published only: a bucket's unpublished prefix is litter
             return False
         verdict = self.store.verify(self.target)
         if verdict.reason is not None:

@@ -65,7 +65,6 @@ import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -88,6 +87,7 @@ from ..ranks import connect, torchrun
 from ..records import Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
+from ..storage.backend import Url, as_location
 from ..storage.pvc import Pvc, check_path, make_dir
 from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
 
@@ -133,8 +133,8 @@ class Run:
         """Nothing is checked or touched here: entering the ``with`` does it, so that every error
         ends in ``exit_code``. ``stop``: a StopFlag already installed (the CLI installs it before
         it builds the trainer); by default the run installs its own while it is entered."""
-        self.pvc_path = Path(pvc)
-        self.log_path = Path(log) if log is not None else self.pvc_path / DEFAULT_LOG
+        self.pvc_path = as_location(pvc)  # a directory, or an s3:// bucket prefix
+        self.log_path = as_location(log) if log is not None else self.pvc_path / DEFAULT_LOG
         self.stateful, self.data_sha256 = state, data_sha256 or NO_DATA_SHA256
         self.lr_given = lr is not None
         self.cfg = RunConfig(steps=steps, ckpt_every=ckpt_every, lr=lr if lr is not None else 0.0, max_drop=max_drop,
@@ -191,14 +191,18 @@ class Run:
         cfg.check(lr_required=self.lr_given)
         if self.artifact_format not in ARTIFACT_FORMATS:
             raise UsageError(f"artifact_format is {self.artifact_format!r}; use one of {', '.join(ARTIFACT_FORMATS)}")
+        if isinstance(self.pvc_path, Url) and self.world_size > 1:
+            raise UsageError(f"{self.pvc_path}: a bucket PVC runs one rank for now (W > 1 coordinates through "
+                             "files on a directory PVC)")
         check_path(self.pvc_path)
         if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
             check_path(self.log_path)
         pvc = Pvc(self.pvc_path)
         check_writable(self.log_path)
         pvc.create()
-        with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
-            make_dir(self.log_path.parent)
+        if not isinstance(self.log_path, Url):
+            with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
+                make_dir(self.log_path.parent)
         self._stack.enter_context(pvc.lock(self.rank))  # stray tmp files are removed (and logged) by the start
         if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
             if self.rank == 0:

@@ -1,4 +1,5 @@
-"""Everything trainjob keeps on the PVC, behind one narrow class.
+"""Everything trainjob keeps on the PVC, behind one narrow class (``Pvc``, over a ``backend.Backend``),
+and the directory backend itself (``LocalBackend``: atomic writers, fsync, flock).
 
 Layout of a PVC directory (all paths relative to it):
 
@@ -31,14 +32,15 @@ import fcntl
 import hashlib
 import os
 import re
+import shutil
 import socket
+import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 
-import attrs
-
+from .backend import Backend, Data, Url, Written
 from .digest import Sha256Pipe
 from ..errors import InputError, PvcBusy, one_line, open_regular, os_errors, read_regular
 from ..records import CheckpointPointer, RunState, dumps, load
@@ -58,14 +60,6 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@attrs.frozen
-class Written:
-    """What ``atomic_write`` put on disk: its size and sha256, computed from the bytes as written."""
-
-    size: int
-    sha256: str
 
 
 def _writeback_starter() -> Callable[[int, int, int], object] | None:
@@ -283,6 +277,8 @@ def check_path(path: Path) -> None:
     """A path given to trainjob, before any work: a name the OS refuses (a component longer than
     the file system allows, a file where a directory should be, a symlink loop) is bad input, one
     line and exit 2, not an OSError from deep inside. A path that does not exist yet is fine."""
+    if isinstance(path, Url):
+        return  # a bucket location: ``backend.location`` checked its form, ``Pvc.create`` probes it
     with os_errors(path, "unusable path", InputError):
         try:
             os.lstat(path)
@@ -295,17 +291,199 @@ def refuse_symlink(path: Path) -> None:
         raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
 
 
-class Pvc:
-    """The PVC directory: strict readers and atomic writers for each file it holds."""
+@contextmanager
+def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
+    """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock.
+
+    A second holder gets PvcBusy at once, never waits. Rank 0's lock is the job lock that
+    ``run``, ``reshard`` and the coordinator take; each other rank has its own, so two
+    rank-1 processes cannot both write rank 1's shards.
+
+    A lock on a file binds to its inode, not its name: unlink ``.lock`` under a running job
+    and a second run would create and lock a new one. So rank 0 also locks the PVC
+    directory itself, which no unlink can replace (where the file system cannot lock a
+    directory, e.g. NFS, the file lock stands alone), and every lock checks, once held,
+    that its path still names the inode it locked.
+    """
+    path = root / (".lock" if rank == 0 else f".lock.rank-{rank:05d}")
+
+    def busy(locked: Path) -> PvcBusy:
+        holder = lock_holder(locked)
+        return PvcBusy(f"{root}: another trainjob run holds this PVC: {holder}; relaunch when it has exited"
+                       if rank == 0 else
+                       f"{path}: another rank-{rank} process of this job holds this rank's lock: {holder}; "
+                       "relaunch when it has exited")
+    refuse_symlink(path)
+    with ExitStack() as held:  # closing a descriptor releases its lock, also on a kill
+        with os_errors(path, "cannot open the lock file", InputError):
+            fd = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE)  # O_CLOEXEC
+        _hold(held, fd)
+        with os_errors(path, "cannot lock"):
+            if not _flock(fd) or os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
+                raise busy(path)  # or replaced between our open and our lock: whoever did holds it
+        if rank == 0:
+            with os_errors(root, "cannot lock the PVC directory"):
+                directory = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                _hold(held, directory)
+                if _flock(directory, unsupported_ok=True) is False:
+                    raise busy(root)  # .lock was unlinked under a run that still holds the PVC
+        yield
+
+
+TMP, TRASH = ".tmp-", ".trash-"  # a checkpoint being built, or being deleted (checkpoint/store.py)
+
+
+class LocalBackend:
+    """A PVC directory: atomic renames, fsync, flock (``pvc.py``). The reference implementation:
+    every method is what trainjob did on a PVC before the interface existed."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.state_path = root / "state.json"
-        self.attempts_path = root / "attempts"
-        self.checkpoint_path = root / "checkpoint.json"
-        self.artifacts = root / "artifacts"
+
+    def path(self, key: str) -> Path:
+        return self.root / key if key else self.root
+
+    def read(self, key: str, limit: int) -> bytes | None:
+        path = self.path(key)
+        with os_errors(path, "cannot read", InputError):
+            try:
+                return read_regular(path, limit)
+            except FileNotFoundError:
+                return None
+
+    def write(self, key: str, data: Data) -> Written:
+        return atomic_write(self.path(key), data)
+
+    def create(self, key: str, data: bytes) -> Written | None:
+        # A hard link is create-if-absent in one step: it fails when the name exists.
+        path = self.path(key)
+        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
+        with os_errors(path, "write failed"):
+            written = write_staged(tmp, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return None
+            finally:
+                tmp.unlink(missing_ok=True)
+            fsync_dir(path.parent)
+        return written
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.lstat(self.path(key)).st_size
+        except FileNotFoundError:
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        path = self.path(prefix)
+        if path.is_symlink():
+            raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
+        with os_errors(path, "cannot list", InputError):
+            try:
+                return sorted(os.listdir(path))
+            except FileNotFoundError:
+                return []
+
+    def delete_tree(self, prefix: str) -> bool:
+        """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
+        path = self.path(prefix)
+        trash = path if path.name.startswith(TRASH) else path.with_name(f"{TRASH}{path.name.removeprefix(TMP)}")
+        try:
+            # No fsync after this rename: it hides a half-deleted directory from a relaunch after
+            # SIGKILL, which needs none. After a power loss the directory may come back; journalling
+            # filesystems keep the rename ahead of the deletes, and where one did not, the half-
+            # deleted copy is older than the committed, fsynced checkpoint that caused its
+            # rotation (a resume tries that first), and fails verification if it is ever reached.
+            if trash != path:
+                os.rename(path, trash)
+            for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
+                try:
+                    shutil.rmtree(trash)
+                    return True
+                except FileNotFoundError:
+                    return True
+                except OSError:
+                    time.sleep(0.02)
+        except OSError:
+            pass
+        return False  # left for the next start's cleanup
+
+    def move(self, src: str, dest: str) -> bool:
+        path = self.path(src)
+        with os_errors(path, "cannot set aside"):
+            try:
+                os.rename(path, self.path(dest))
+                fsync_dir(self.path(dest).parent)
+            except FileNotFoundError:
+                return False
+        return True
+
+    def stage(self, final: str, staging: str) -> str:
+        # No fsync here: the staging directory need not survive a power loss, and commit_dir
+        # fsyncs it and its parent before the checkpoint counts.
+        with os_errors(self.path(staging), "cannot create"):
+            make_dir(self.path(staging))
+        return staging
+
+    def write_part(self, key: str, data: Data) -> Written:
+        return write_staged(self.path(key), data)
+
+    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
+        written = write_staged(self.path(f"{staged}/{marker}"), data)
+        commit_dir(self.path(staged), self.path(final))
+        return written
+
+    def published(self, prefix: str, marker: str) -> list[str]:
+        # On a PVC only commit_dir's rename puts a checkpoint's name in place: every name there was
+        # published (one with a missing marker is damage, which verification reports).
+        return self.list(prefix)
+
+    def unpublished(self, prefix: str, marker: str) -> list[str]:
+        return [name for name in self.list(prefix) if name.startswith((TMP, TRASH))]
+
+    @contextmanager
+    def reading(self, key: str) -> Iterator[Path]:
+        yield self.path(key)
+
+    def free_space(self) -> int | None:
+        root = self.path("checkpoints")
+        with os_errors(root, "cannot check free space"):
+            return shutil.disk_usage(root if root.is_dir() else self.root).free
+
+    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
+        return lock_dir(self.root, rank)
+
+
+def open_backend(root: Path | Url) -> Backend:
+    """The backend for a ``--pvc``: a bucket for ``s3://``, else the directory."""
+    if isinstance(root, Url):
+        from .s3 import S3Backend  # only here: a local run never imports an object-store client
+        return S3Backend(root)
+    return LocalBackend(Path(root))
+
+
+class Pvc:
+    """The PVC (a directory, or a bucket prefix): strict readers and atomic writers for each file
+    it holds, all through one ``backend.Backend``. What each file means is decided above."""
+
+    def __init__(self, root: Path | str, backend: Backend | None = None) -> None:
+        self.root: Path = root if isinstance(root, Url) else Path(root)  # a Url joins like a Path
+        self.backend = backend if backend is not None else open_backend(self.root)
+        self.local = not isinstance(self.root, Url)
+        self.state_path = self.root / "state.json"
+        self.attempts_path = self.root / "attempts"
+        self.checkpoint_path = self.root / "checkpoint.json"
+        self.artifacts = self.root / "artifacts"
+
+    def key(self, path: Path | str) -> str:
+        """``path`` (under ``root``) as the backend's key."""
+        return str(path)[len(str(self.root)):].lstrip("/")
 
     def create(self) -> None:
+        if not self.local:
+            self.backend.create_root()  # type: ignore[attr-defined]  # probes the bucket (s3.py)
+            return
         if self.root.exists() and not self.root.is_dir():
             raise InputError(f"{self.root}: --pvc must be a directory, but this is a file")
         with os_errors(self.root, "cannot create PVC directory", InputError):
@@ -314,46 +492,15 @@ class Pvc:
         for entry in (self.state_path, self.attempts_path, self.checkpoint_path, self.artifacts):
             refuse_symlink(entry)
 
-    @contextmanager
-    def lock(self, rank: int = 0) -> Iterator[None]:
-        """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock.
-
-        A second holder gets PvcBusy at once, never waits. Rank 0's lock is the job lock that
-        ``run``, ``reshard`` and the coordinator take; each other rank has its own, so two
-        rank-1 processes cannot both write rank 1's shards.
-
-        A lock on a file binds to its inode, not its name: unlink ``.lock`` under a running job
-        and a second run would create and lock a new one. So rank 0 also locks the PVC
-        directory itself, which no unlink can replace (where the file system cannot lock a
-        directory, e.g. NFS, the file lock stands alone), and every lock checks, once held,
-        that its path still names the inode it locked.
-        """
-        path = self.root / (".lock" if rank == 0 else f".lock.rank-{rank:05d}")
-
-        def busy(locked: Path) -> PvcBusy:
-            holder = lock_holder(locked)
-            return PvcBusy(f"{self.root}: another trainjob run holds this PVC: {holder}; relaunch when it has exited"
-                           if rank == 0 else
-                           f"{path}: another rank-{rank} process of this job holds this rank's lock: {holder}; "
-                           "relaunch when it has exited")
-        refuse_symlink(path)
-        with ExitStack() as held:  # closing a descriptor releases its lock, also on a kill
-            with os_errors(path, "cannot open the lock file", InputError):
-                fd = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE)  # O_CLOEXEC
-            _hold(held, fd)
-            with os_errors(path, "cannot lock"):
-                if not _flock(fd) or os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
-                    raise busy(path)  # or replaced between our open and our lock: whoever did holds it
-            if rank == 0:
-                with os_errors(self.root, "cannot lock the PVC directory"):
-                    directory = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                    _hold(held, directory)
-                    if _flock(directory, unsupported_ok=True) is False:
-                        raise busy(self.root)  # .lock was unlinked under a run that still holds the PVC
-            yield
+    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
+        """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock (``lock_dir`` on a
+        directory, a lease on a bucket: ``s3.py``). A second holder gets PvcBusy at once."""
+        return self.backend.lock(rank)
 
     def remove_stray_tmp(self) -> list[Path]:
         """Delete tmp files left by writers that were killed mid-write (call under the lock)."""
+        if not self.local:
+            return []  # a bucket's objects appear whole or not at all: no tmp files
         removed = []
         ranks = self.root / "ranks"
         generations = sorted(p for p in ranks.iterdir() if p.is_dir() and not p.is_symlink()) if ranks.is_dir() else []
@@ -370,11 +517,7 @@ class Pvc:
     def read_bytes(self, path: Path, limit: int = MAX_FILE) -> bytes | None:
         """The file's bytes if it exists; a symlink, FIFO, device or a file over ``limit`` bytes
         is an InputError, found without reading it (``errors.read_regular``)."""
-        with os_errors(path, "cannot read", InputError):
-            try:
-                return read_regular(path, limit)
-            except FileNotFoundError:
-                return None
+        return self.backend.read(self.key(path), limit)
 
     def read_record(self, path: Path, cls: type[T]) -> T | None:
         raw = self.read_bytes(path, MAX_RECORD)
@@ -404,23 +547,31 @@ class Pvc:
             raise InputError(f"{self.artifacts / name}: missing, but state.json says the job completed")
         return data
 
+    def artifact_names(self) -> list[str]:
+        """The names under ``artifacts/``."""
+        return self.backend.list("artifacts")
+
     # --- writers -------------------------------------------------------------------------------
 
+    def write_record(self, path: Path, record: object) -> None:
+        self.backend.write(self.key(path), (dumps(record) + "\n").encode())
+
     def write_state(self, state: RunState) -> None:
-        atomic_write(self.state_path, (dumps(state) + "\n").encode())
+        self.write_record(self.state_path, state)
 
     def write_attempts(self, attempts: int) -> None:
-        atomic_write(self.attempts_path, f"{attempts}\n".encode())
+        self.backend.write(self.key(self.attempts_path), f"{attempts}\n".encode())
 
     def write_checkpoint(self, pointer: CheckpointPointer) -> None:
-        atomic_write(self.checkpoint_path, (dumps(pointer) + "\n").encode())
+        self.write_record(self.checkpoint_path, pointer)
 
     def write_artifact(self, name: str, data: bytes | Iterable[bytes | memoryview]) -> str:
         """Publish an artifact; identical bytes already there are fine, different ones are not.
         ``data`` may be a stream of chunks (a sharded model's, gathered tensor by tensor): it is
         then consumed whole either way, and compared by sha256."""
-        refuse_symlink(self.artifacts)
         path = self.artifacts / name
+        if self.local:
+            refuse_symlink(self.artifacts)
         existing = self.read_bytes(path)
         if existing is not None and not isinstance(data, bytes):
             digest = hashlib.sha256()
@@ -432,7 +583,8 @@ class Pvc:
         if existing is not None and existing != data:
             raise InputError(f"{path}: already exists with different bytes; refusing to overwrite it")
         if existing is None:
-            with os_errors(self.artifacts, "cannot create"):
-                make_dir(self.artifacts)
-            return atomic_write(path, data).sha256
+            if self.local:
+                with os_errors(self.artifacts, "cannot create"):
+                    make_dir(self.artifacts)
+            return self.backend.write(self.key(path), data).sha256
         return hashlib.sha256(existing).hexdigest()

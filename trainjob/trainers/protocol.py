@@ -42,7 +42,6 @@ from typing import Any, Protocol
 
 from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, memory_errors, one_line
 from ..records import Score, TensorSpec, is_sha256_hex
-from ..tensors import tensor_specs
 from .builtin import BUILTIN
 
 State = Mapping[str, Any]  # name -> numpy array or torch tensor

@@ -29,7 +29,7 @@ from ..engine.machine import INITIAL, OUT_OF_BAND, parse_detail
 from ..errors import InputError, os_errors
 from ..records import converter
 from .diagram import guard_label
-from .history import Aside, RunPath, Skipped, Step, table_edges
+from .history import Aside, RunPath, Step, table_edges
 
 # A line longer than this is shown cut, saying how much was left out: a page must stay a page.
 SHOWN_CHARS = 2000

@@ -17,10 +17,10 @@ import attrs
 
 from ..checkpoint import plan
 from ..checkpoint.plan import MANIFEST, Ref
-from ..checkpoint.store import REJECTED, TMP, TRASH, CheckpointStore
+from ..checkpoint.store import REJECTED, CheckpointStore
 from ..engine.completion import Item, check_artifact, logged_artifacts
 from ..errors import InputError
-from ..storage.pvc import Pvc
+from ..storage.pvc import TMP, TRASH, Pvc
 
 
 @attrs.frozen
@@ -30,7 +30,9 @@ class Report:
 
 
 def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
-    if not pvc.root.is_dir():
+    if not pvc.local:
+        pvc.backend.list("")  # a missing bucket or refused credentials: one line, exit 2
+    elif not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
     store = CheckpointStore(pvc)
     items, ok = [], True
@@ -54,7 +56,7 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
                 items.append(Item("checkpoint", rel, "ok", f"step={m.step} attempt={m.attempt} "
                                   f"world_size={m.world_size} loss_milli={m.loss_milli}{extra}"))
             else:
-                partial = not (store.path(ref) / MANIFEST).exists()
+                partial = pvc.backend.size(store.rel(store.path(ref) / MANIFEST)) is None
                 items.append(Item("checkpoint", rel, "partial" if partial else "corrupt", verdict.reason))
                 ok = ok and ref not in newest
         elif name.startswith(TMP):
@@ -81,7 +83,7 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
             ok = False
 
     logged = logged_artifacts(log_path)
-    on_disk = sorted(f"artifacts/{p.name}" for p in pvc.artifacts.iterdir()) if pvc.artifacts.is_dir() else []
+    on_disk = sorted(f"artifacts/{name}" for name in pvc.artifact_names())
     for rel in sorted(set(logged) | set(on_disk)):
         items.append(check_artifact(pvc, rel, logged.get(rel)))
         ok = ok and items[-1].verdict == "ok"

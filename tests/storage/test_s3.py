@@ -1,0 +1,323 @@
+"""A job's PVC in an S3 bucket (storage/s3.py), against a real server: SeaweedFS's ``weed mini``
+(tests/s3server.py), never a mock in its place. Each launch here checks several guarantees."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import trainjob
+from trainjob import cli
+from trainjob.storage import s3
+from trainjob.storage.backend import location
+from trainjob.storage.pvc import Pvc
+
+pytestmark = [pytest.mark.process, pytest.mark.s3]
+
+
+def store_of(url: str):
+    return Pvc(location(url)).backend
+
+
+def test_the_server_refuses_a_second_conditional_create_and_a_stale_if_match(s3_pvc):
+    """The suite's premise: the server itself honours If-None-Match and If-Match (412), so the
+    tests below test trainjob, not a lenient double."""
+    import obstore as obs
+
+    backend = store_of(s3_pvc)
+    obs.put(backend.store, "k", b"one", mode="create")
+    with pytest.raises(Exception) as second:
+        obs.put(backend.store, "k", b"two", mode="create")
+    assert "412" in str(second.value)
+    etag = obs.head(backend.store, "k")["e_tag"]
+    obs.put(backend.store, "k", b"three", mode={"e_tag": etag})
+    with pytest.raises(Exception) as stale:
+        obs.put(backend.store, "k", b"four", mode={"e_tag": etag})
+    assert "412" in str(stale.value)
+    assert bytes(obs.get(backend.store, "k").bytes()) == b"three"
+
+
+def test_a_store_that_ignores_if_none_match_is_refused_with_exit_2(s3_pvc, monkeypatch, capsys):
+    """A double that answers 200 and overwrites despite If-None-Match: trainjob probes and refuses
+    it before writing anything of the job."""
+    import obstore as obs
+
+    real_put = obs.put
+    with pytest.MonkeyPatch.context() as lenient:
+        lenient.setattr(obs, "put", lambda store, path, data, mode=None, **kw: real_put(store, path, data, **kw))
+        assert cli.main(["run", "--pvc", s3_pvc]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "despite If-None-Match" in err
+    assert store_of(s3_pvc).list("") == []  # nothing of the job was written
+
+
+def test_bad_bucket_credentials_and_urls_exit_2_with_one_line_naming_what(s3_pvc, monkeypatch, capsys):
+    bucket_missing = "s3://no-such-bucket-here/p"
+    assert cli.main(["run", "--pvc", bucket_missing]) == 2
+    assert capsys.readouterr().err.strip() == (f"trainjob run: {bucket_missing}: the bucket does not exist; "
+                                                "create it first (or fix the URL)")
+    assert cli.main(["verify", "--pvc", bucket_missing]) == 2
+    assert "the bucket does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as malformed:
+        cli.main(["run", "--pvc", "s3://Not_A_Bucket/p"])
+    assert malformed.value.code == 2 and "not a valid S3 bucket name 'Not_A_Bucket'" in capsys.readouterr().err
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    assert cli.main(["run", "--pvc", s3_pvc]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "refused the credentials" in err and "AWS_SECRET_ACCESS_KEY" in err
+
+
+def test_a_bucket_pvc_runs_resumes_and_verifies_like_a_directory(s3_pvc, tmp_path):
+    """run (cut short at step 4, then resumed), status and verify on s3://; the prefix holds the
+    layout of a PVC directory, and the artifact is byte for byte the directory's."""
+    local = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", local).returncode == 0
+    first = trainjob("run", "--pvc", s3_pvc, "--die-at", 4)
+    assert first.returncode == 75, first.stderr
+    second = trainjob("run", "--pvc", s3_pvc)
+    assert second.returncode == 0, second.stderr
+    status = trainjob("status", f"{s3_pvc}/log.jsonl")
+    assert status.returncode == 0 and "last_event: completed" in status.stdout and "attempts: 1" in status.stdout
+    events = [line for line in status.stdout.splitlines() if line.startswith("lines:")]
+    assert events and int(events[0].split()[1]) >= 8  # both launches' segments, read in order
+    verify = trainjob("verify", "--pvc", s3_pvc)
+    assert verify.returncode == 0 and verify.stdout.strip().endswith("verdict: ok"), verify.stdout
+    backend = store_of(s3_pvc)
+    on_disk = sorted(p.name for p in local.iterdir() if not p.name.startswith("."))
+    assert sorted(n for n in backend.list("") if not n.startswith(".")) == \
+        sorted(["log.jsonl.d" if n == "log.jsonl" else n for n in on_disk])
+    assert backend.list("checkpoints") == sorted(os.listdir(local / "checkpoints"))
+    assert backend.read("artifacts/model-v1.json", 1 << 20) == (local / "artifacts/model-v1.json").read_bytes()
+    assert [name for name in backend.list("log.jsonl.d")] == ["00000001.jsonl", "00000002.jsonl"]
+
+
+def test_a_live_lease_refuses_a_second_run_and_a_lapsed_one_is_taken_over_loudly(s3_pvc, capsys):
+    backend = store_of(s3_pvc)
+    backend.create(".lease", b'{"holder": "pid 1 on elsewhere", "expires": %f}\n' % (time.time() + 600))
+    assert cli.main(["run", "--pvc", s3_pvc]) == 75
+    err = capsys.readouterr().err
+    assert "another trainjob run holds this PVC: pid 1 on elsewhere" in err
+    assert backend.list("") == [".lease"]  # refused before writing anything
+    stale = store_of(s3_pvc)
+    stale.read(".lease", 1 << 16)
+    stale.write(".lease", b'{"holder": "pid 2 on gone", "expires": %f}\n' % (time.time() - 5))
+    assert cli.main(["run", "--pvc", s3_pvc]) == 0
+    assert "taking over the lapsed lease of pid 2 on gone" in capsys.readouterr().err
+    assert cli.main(["run", "--pvc", s3_pvc, "--idempotent"]) == 0  # released at exit: taken quietly
+    assert "taking over" not in capsys.readouterr().err
+
+
+def test_two_writers_of_one_record_cannot_both_win(s3_pvc):
+    first, second = Pvc(location(s3_pvc)), Pvc(location(s3_pvc))
+    assert first.read_attempts() == second.read_attempts() == 0
+    first.write_attempts(1)
+    with pytest.raises(s3.PvcBusy, match="changed by another writer"):
+        second.write_attempts(7)
+    assert Pvc(location(s3_pvc)).read_attempts() == 1
+    assert first.backend.create("once", b"a") is not None and first.backend.create("once", b"b") is None
+    assert first.backend.read("once", 10) == b"a"
+
+
+def test_a_server_stopped_mid_run_exits_75_and_the_restarted_one_resumes(tmp_path, monkeypatch, capsys):
+    """The server dies right after the step-4 commit: the run exits 75; nothing it half-wrote
+    counts; once the server is back, the relaunch resumes from step 4 and completes with the
+    uninterrupted run's artifact bytes."""
+    from s3server import BUCKET, WeedServer
+
+    server = WeedServer(tmp_path / "weed")
+    server.start()
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(s3, "LEASE_SECONDS", 1.0)
+        url = f"s3://{BUCKET}/stopped"
+        real_publish = s3.S3Backend.publish
+
+        def publish_then_die(self, staged, final, marker, data):
+            written = real_publish(self, staged, final, marker, data)
+            if final.endswith("step-00000004-a0001-w001"):
+                server.stop()
+            return written
+
+        monkeypatch.setattr(s3.S3Backend, "publish", publish_then_die)
+        assert cli.main(["run", "--pvc", url]) == 75
+        assert "unreachable" in capsys.readouterr().err
+        monkeypatch.setattr(s3.S3Backend, "publish", real_publish)
+        server.start()
+        time.sleep(1.2)  # the lease the dead server kept lapses
+        assert cli.main(["run", "--pvc", url]) == 0
+        err = capsys.readouterr().err
+        assert "taking over the lapsed lease" in err
+        log = "".join(store_of(url).read(f"log.jsonl.d/{n}", 1 << 20).decode()
+                      for n in store_of(url).list("log.jsonl.d"))
+        assert '"event":"resumed","detail":"from_step=4"' in log, log
+        local = tmp_path / "pvc"
+        assert cli.main(["run", "--pvc", str(local)]) == 0
+        assert store_of(url).read("artifacts/model-v1.json", 1 << 20) == \
+            (local / "artifacts/model-v1.json").read_bytes()
+        assert cli.main(["verify", "--pvc", url]) == 0
+    finally:
+        server.stop()
+
+
+def test_sigkill_at_random_instants_of_a_bucket_run_still_reaches_the_uninterrupted_bytes(s3_pvc, tmp_path):
+    """SIGKILL a run on the bucket at random instants (uploads included), relaunch until it
+    completes: the artifact is the uninterrupted run's, and verify passes."""
+    local = tmp_path / "pvc"
+    flags = ["--steps", "40", "--ckpt-every", "2"]
+    assert trainjob("run", "--pvc", local, *flags).returncode == 0
+    env = {**os.environ, "TRAINJOB_LEASE_SECONDS": "0.6"}
+    rng, kills, argv = random.Random(28), 0, [sys.executable, "-m", "trainjob", "run", "--pvc", s3_pvc, *flags,
+                                              # as the rendered Job and supervise relaunch: a kill after
+                                              # `completed` was logged leaves a completed job, which a
+                                              # plain relaunch refuses (the lab's exit 2)
+                                              "--idempotent"]
+    for _ in range(6):
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(rng.uniform(0.35, 0.9))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        err = proc.communicate()[1].decode()
+        assert proc.returncode in (0, 75, -signal.SIGKILL), err  # never a refusal of what a kill left
+        time.sleep(0.7)  # the killed run's lease lapses
+    final = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)  # a loaded machine may
+    assert final.returncode == 0 and kills >= 1, final.stderr                         # kill all six early
+    artifact = store_of(s3_pvc).read("artifacts/model-v1.json", 1 << 20)
+    assert hashlib.sha256(artifact).digest() == hashlib.sha256((local / "artifacts/model-v1.json").read_bytes()).digest()
+    assert trainjob("verify", "--pvc", s3_pvc).returncode == 0
+
+
+def test_only_the_manifests_conditional_create_publishes_and_a_half_deleted_tree_is_never_published(
+        s3_pvc, monkeypatch):
+    """Shards under a checkpoint key count for nothing until its manifest is created; deleting
+    removes the manifest first, so a delete cut short leaves an unpublished tree, never a
+    committed checkpoint with missing shards."""
+    import obstore as obs
+
+    backend = store_of(s3_pvc)
+    name = "step-00000002-a0001-w001"
+    backend.write_part(f"checkpoints/{name}/shard-00000-of-00001.safetensors", [b"x" * 1000])
+    assert backend.published("checkpoints", "manifest.json") == []
+    assert backend.unpublished("checkpoints", "manifest.json") == [name]
+    backend.publish(f"checkpoints/{name}", f"checkpoints/{name}", "manifest.json", b"{}")
+    assert backend.published("checkpoints", "manifest.json") == [name]
+    real_delete, deleted = obs.delete, []
+
+    def delete_one_then_fail(store, key):
+        if deleted:
+            raise OSError("the server went away")
+        deleted.append(key)
+        real_delete(store, key)
+
+    monkeypatch.setattr(obs, "delete", delete_one_then_fail)
+    assert backend.delete_tree(f"checkpoints/{name}") is False
+    assert deleted == [f"checkpoints/{name}/manifest.json"]
+    assert backend.published("checkpoints", "manifest.json") == []
+    assert backend.unpublished("checkpoints", "manifest.json") == [name]
+
+
+def test_a_409_conditional_request_conflict_is_retried_after_re_reading(s3_pvc, monkeypatch):
+    """AWS answers 409 ConditionalRequestConflict when conditional writes of one key race: the
+    write re-reads the key, and retries only if nobody else won in between."""
+    import obstore as obs
+
+    pvc = Pvc(location(s3_pvc))
+    pvc.write_attempts(1)
+    real_put, conflicts = obs.put, []
+
+    def conflict_once(store, path, data, **kw):
+        if path == "attempts" and not conflicts:
+            conflicts.append(path)
+            raise OSError("Server returned non-2xx status code: 409 Conflict: ConditionalRequestConflict")
+        return real_put(store, path, data, **kw)
+
+    monkeypatch.setattr(obs, "put", conflict_once)
+    pvc.write_attempts(2)
+    assert conflicts == ["attempts"] and Pvc(location(s3_pvc)).read_attempts() == 2
+    conflicts.clear()
+    other = Pvc(location(s3_pvc))
+    other.read_attempts()
+    other.write_attempts(3)  # its conflict is retried too, and it wins: the writer holding a stale ETag loses
+    with pytest.raises(s3.PvcBusy):
+        pvc.write_attempts(4)
+    assert Pvc(location(s3_pvc)).read_attempts() == 3
+
+
+def test_reshard_supervise_and_diagram_take_a_bucket_pvc(s3_pvc):
+    """One cut-short run on the bucket, then: reshard writes a verified W=2 copy (and a second
+    reshard finds it and does nothing), supervise relaunches the run to completion, and diagram
+    --log and status read the segmented log."""
+    assert trainjob("run", "--pvc", s3_pvc, "--die-at", 4).returncode == 75
+    resharded = trainjob("reshard", "--pvc", s3_pvc, "--world-size", 2)
+    assert resharded.returncode == 0 and "wrote checkpoints/step-00000004-a0001-w002" in resharded.stdout
+    again = trainjob("reshard", "--pvc", s3_pvc, "--world-size", 2)
+    assert again.returncode == 0 and "already exists and verifies" in again.stdout
+    verify = trainjob("verify", "--pvc", s3_pvc)
+    assert verify.returncode == 0 and "world_size=2 loss_milli=241 resharded_from=" in verify.stdout
+    drawn = trainjob("diagram", "--log", f"{s3_pvc}/log.jsonl")
+    assert drawn.returncode == 0 and "last state resharded" in drawn.stdout, drawn.stdout[:300]
+    supervised = trainjob("supervise", "--max-starts", 3, "--", "run", "--pvc", s3_pvc)
+    assert supervised.returncode == 0 and "ending=completed" in supervised.stderr
+    status = trainjob("status", f"{s3_pvc}/log.jsonl")
+    assert status.returncode == 0 and "last_event: completed" in status.stdout
+    assert "supervisor: stop | start=1 exit=0 ending=completed" in status.stdout  # its own segment, read in order
+
+
+def test_a_bucket_prefix_synced_into_a_folder_verifies_and_back(s3_pvc, tmp_path, capsys):
+    """The prefix holds a PVC's layout: copied key by key into a folder (as `aws s3 sync` does),
+    `verify` accepts the folder; a PVC folder copied into a fresh prefix, `verify` accepts it too
+    (the bucket reads a plain log.jsonl object before the segments)."""
+    assert cli.main(["run", "--pvc", s3_pvc]) == 0
+    backend, folder = store_of(s3_pvc), tmp_path / "synced"
+    for key in backend._all(""):
+        if not key.startswith("."):
+            (folder / key).parent.mkdir(parents=True, exist_ok=True)
+            (folder / key).write_bytes(backend.read(key, 1 << 30))
+    assert cli.main(["verify", "--pvc", str(folder)]) == 0
+    assert "ok        artifact   artifacts/model-v1.json" in capsys.readouterr().out
+    local, up = tmp_path / "pvc", f"{s3_pvc}-up"
+    assert cli.main(["run", "--pvc", str(local)]) == 0
+    target = store_of(up)
+    for path in sorted(local.rglob("*")):
+        if path.is_file() and not path.name.startswith("."):
+            target.write_part(str(path.relative_to(local)), [path.read_bytes()])
+    assert cli.main(["verify", "--pvc", up]) == 0
+    out = capsys.readouterr().out
+    assert "ok        artifact   artifacts/model-v1.json" in out and out.strip().endswith("verdict: ok")
+
+
+def test_a_held_lease_is_renewed_so_it_never_lapses_under_a_live_run(s3_pvc, monkeypatch):
+    monkeypatch.setattr(s3, "LEASE_SECONDS", 0.6)
+    with Pvc(location(s3_pvc)).lock():
+        time.sleep(1.5)  # over twice the lifetime: only renewals keep it live
+        with pytest.raises(s3.PvcBusy, match="another trainjob run holds this PVC"):
+            with Pvc(location(s3_pvc)).lock():
+                pass
+    with Pvc(location(s3_pvc)).lock():  # released at exit: free at once
+        pass
+
+
+def test_a_run_whose_lease_was_taken_over_writes_nothing_more(s3_pvc, monkeypatch):
+    """A holder stalled past its lease (another run took it over): its renewal fails, and every
+    later write it tries is refused (PvcBusy, 75) instead of mixing into the new holder's PVC."""
+    monkeypatch.setattr(s3, "LEASE_SECONDS", 0.6)
+    pvc = Pvc(location(s3_pvc))
+    with pvc.lock():
+        intruder = store_of(s3_pvc)
+        intruder.read(".lease", 1 << 16)
+        intruder.write(".lease", b'{"holder": "the new run", "expires": %f}\n' % (time.time() + 60))
+        time.sleep(0.5)  # the next renewal meets the intruder's ETag
+        for write in (lambda: pvc.write_attempts(1), lambda: pvc.backend.create("x", b"1"),
+                      lambda: pvc.backend.write_part("checkpoints/s/shard", [b"1"])):
+            with pytest.raises(s3.PvcBusy, match="lease could not be renewed"):
+                write()
+    assert store_of(s3_pvc).list("") == [".lease"]
+    assert b"the new run" in store_of(s3_pvc).read(".lease", 1 << 16)  # not released over the new holder

@@ -1,0 +1,143 @@
+"""Where a job's files live: the one narrow interface every backend implements, and the PVC's.
+
+``Backend`` is the *whole* surface the parts above use to keep bytes (as torchtitan's checkpointer
+keeps its storage behind four methods): read, replace, create-if-absent, list, delete, a staged
+write and its one-step publish, the single-writer lock. Keys are relative POSIX names
+(``state.json``, ``checkpoints/step-.../manifest.json``), the same on every backend, so a bucket
+prefix holds the same layout as a PVC directory. Retention, discovery and what a file means stay
+above, written once (``checkpoint/store.py``, ``checkpoint/plan.py``, ``pvc.Pvc``).
+
+Two implementations: ``pvc.LocalBackend`` (a directory, through ``pvc.py``'s atomic writers and
+flock: exactly what trainjob did before there was an interface) and ``s3.S3Backend`` (a bucket,
+through conditional writes; imported only when a ``--pvc s3://`` asks for it). ``pvc.open_backend``
+picks one for a ``--pvc``.
+
+Must not decide anything, and must not import an object-store client at module level
+(tests/test_startup.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from ..errors import UsageError
+
+Data = bytes | Iterable[bytes | memoryview]
+
+
+@attrs.frozen
+class Written:
+    """What a write put in storage: its size and sha256, computed from the bytes as written."""
+
+    size: int
+    sha256: str
+SCHEME = "s3://"
+
+
+class Url(str):
+    """A bucket location (``s3://BUCKET/PREFIX/...``) that joins like a Path (``url / "state.json"``),
+    so messages name bucket objects as they name PVC files. It has no file-system methods: nothing
+    can mistake it for a local path."""
+
+    def __truediv__(self, other: str) -> Url:
+        return Url(f"{self.rstrip('/')}/{other}")
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Url:
+        return Url(self.rstrip("/").rsplit("/", 1)[0])
+
+
+def location(text: str) -> Path | Url:
+    """A ``--pvc`` (or ``--log``) argument: ``s3://BUCKET[/PREFIX]`` or a local path. A malformed
+    URL is a UsageError naming what is wrong (exit 2)."""
+    if not text.startswith(SCHEME):
+        if "://" in text:
+            raise UsageError(f"{text}: only s3:// URLs and local paths are storage locations")
+        return Path(text)
+    bucket, _, prefix = text[len(SCHEME):].partition("/")
+    if not bucket or not _bucket_name_ok(bucket):
+        raise UsageError(f"{text}: not a valid S3 bucket name {bucket!r} (3-63 characters: a-z, 0-9, '.', '-')")
+    parts = [p for p in prefix.split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise UsageError(f"{text}: a prefix may not hold '.' or '..'")
+    return Url(SCHEME + "/".join([bucket, *parts]))
+
+
+def as_location(value: str | os.PathLike[str]) -> Path | Url:
+    """What ``trainjob.Run(pvc=...)`` accepts: a Url, an ``s3://`` string, or a path."""
+    if isinstance(value, Url):
+        return value
+    return location(value) if isinstance(value, str) else Path(value)
+
+
+def _bucket_name_ok(name: str) -> bool:
+    return 3 <= len(name) <= 63 and all(c.islower() or c.isdigit() or c in ".-" for c in name) \
+        and name[0].isalnum() and name[-1].isalnum()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The whole storage surface trainjob uses. ``key``: a relative POSIX name. Every method is
+    called by the process holding ``lock()`` unless it says "(any process)"."""
+
+    root: Path | Url  # how messages name the root; ``root / key`` names a key
+
+    def read(self, key: str, limit: int) -> bytes | None:
+        """(any process) The bytes, None when absent; InputError when not a readable object."""
+
+    def write(self, key: str, data: Data) -> Written:
+        """Replace (or create) ``key``: a reader sees the old bytes or the new, never a mixture.
+        Two writers cannot both win: the loser gets PvcBusy (on a PVC the lock rules it out)."""
+
+    def create(self, key: str, data: bytes) -> Written | None:
+        """Create ``key`` only if absent, in one step; None (nothing written) when it exists."""
+
+    def size(self, key: str) -> int | None:
+        """(any process) The size in bytes, None when absent."""
+
+    def list(self, prefix: str) -> list[str]:
+        """(any process) Sorted names one level below ``prefix`` (files and 'directories')."""
+
+    def delete_tree(self, prefix: str) -> bool:
+        """Delete ``prefix`` and all below it so that it never looks whole while half-deleted;
+        False when it could not (the next start's cleanup tries again)."""
+
+    def move(self, src: str, dest: str) -> bool:
+        """Move a tree aside (``rejected-...``), keeping its bytes; False when ``src`` is absent."""
+
+    def stage(self, final: str, staging: str) -> str:
+        """The prefix a new tree's parts are written under, before ``publish`` makes ``final`` visible."""
+
+    def write_part(self, key: str, data: Data) -> Written:
+        """Write one part of a staged tree (no atomic step of its own: ``publish`` is that step)."""
+
+    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
+        """Write ``marker`` (the manifest) last and make ``final`` visible in one step; never over a
+        published ``final`` (InputError)."""
+
+    def published(self, prefix: str, marker: str) -> list[str]:
+        """(any process) The names below ``prefix`` that a ``publish`` made visible (or that sit
+        where only a publish could put them), sorted."""
+
+    def unpublished(self, prefix: str, marker: str) -> list[str]:
+        """Names below ``prefix`` that killed writers left: staged, half-deleted."""
+
+    def reading(self, key: str) -> AbstractContextManager[Path]:
+        """(any process) A local file holding ``key``'s bytes, for the shard reader."""
+
+    def free_space(self) -> int | None:
+        """Bytes free for the next checkpoint; None when the store has no such limit."""
+
+    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
+        """Hold the single-writer lock (rank 0's job lock, or rank ``rank``'s own); PvcBusy at once
+        when another holder has it."""

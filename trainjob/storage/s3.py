@@ -1,0 +1,433 @@
+"""A job's files in an S3 bucket: the ``Backend`` interface by conditional writes (docs/checkpoints.md).
+
+A bucket has no rename, no fsync, no directory and no lock, so each promise a PVC keeps by the
+file system is kept here by one conditional PUT, which S3 makes atomic:
+
+- create-if-absent is ``If-None-Match: *`` (412 when the key exists): a checkpoint becomes
+  visible by creating its manifest this way, after every shard under its key is uploaded; a
+  listing never makes anything count.
+- replace is ``If-Match: ETAG`` of the bytes this process last read or wrote (or ``If-None-Match``
+  when it saw none): two writers cannot both win; the loser gets PvcBusy (exit 75) instead of
+  overwriting. A 409 ConditionalRequestConflict is retried after re-reading, as AWS documents.
+- the single-writer lock is a lease object (``.lease``: holder, expiry), taken and renewed by the
+  same conditional writes; a live one refuses a second run (PvcBusy), a lapsed one is taken over
+  loudly (a line on stderr naming the previous holder).
+
+The client is obstore (Rust's object_store: multipart, parallel, conditional PUTs, the AWS
+environment: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_REGION``), imported on first use. Errors are mapped once (``_errors``): a missing bucket,
+refused credentials or a store that ignores ``If-None-Match`` are bad input (exit 2, one line); an
+unreachable or failing server, after the client's bounded retries, is TryAgainLater (exit 75).
+
+Must not decide anything about what a key means (that is above ``Backend``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError, PvcBusy, TryAgainLater, one_line
+from .backend import SCHEME, Data, Url, Written
+from .digest import Sha256Pipe
+
+LEASE_SECONDS = float(os.environ.get("TRAINJOB_LEASE_SECONDS", "30"))  # a holder renews at a third of it
+PART = 16 << 20  # multipart part size: large parts, few requests
+CONFLICT_RETRIES = 5
+
+
+class Unconformant(InputError):
+    """The store answered a conditional create of an existing key with success: it does not
+    honour ``If-None-Match``, so no commit protocol can be built on it."""
+
+
+def _is(exc: BaseException, *names: str) -> bool:
+    return type(exc).__name__ in names
+
+
+@contextmanager
+def _errors(where: str, doing: str) -> Iterator[None]:
+    """obstore's errors as this tree's: bad input (2) or retryable (75), one line naming ``where``."""
+    try:
+        yield
+    except (InputError, TryAgainLater):
+        raise
+    except Exception as exc:
+        module = type(exc).__module__ or ""
+        if not module.startswith("obstore") and not isinstance(exc, (OSError, ValueError)):
+            raise
+        text = str(exc)
+        first = one_line(text.split("\n", 1)[0])[:300]
+        if "NoSuchBucket" in text:
+            raise InputError(f"{where}: the bucket does not exist; create it first (or fix the URL)") from exc
+        if _is(exc, "PermissionDeniedError", "UnauthenticatedError") or "InvalidAccessKeyId" in text \
+                or "SignatureDoesNotMatch" in text or "AccessDenied" in text:
+            raise InputError(f"{where}: the store refused the credentials ({first}); check AWS_ACCESS_KEY_ID, "
+                             "AWS_SECRET_ACCESS_KEY and AWS_PROFILE") from exc
+        if _is(exc, "UnknownConfigurationKeyError", "InvalidPathError"):
+            raise InputError(f"{where}: {doing}: {first}") from exc
+        raise TryAgainLater(f"{where}: {doing}: {first} (the store is unreachable or failing; relaunch when "
+                            "it answers)") from exc
+
+
+def _etag(meta: Any) -> str | None:
+    return meta.get("e_tag") if isinstance(meta, dict) else getattr(meta, "e_tag", None)
+
+
+def _scratch(size: int) -> str | None:
+    """Where a shard is downloaded before it is verified: memory (/dev/shm) when it has room for
+    it twice over, as the page cache would hold it on a PVC; else the default temporary directory."""
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * size + (64 << 20) else None
+    except OSError:
+        return None
+
+
+class S3Backend:
+    """``s3://BUCKET/PREFIX`` as a PVC: the same keys under the prefix (backend.Backend)."""
+
+    def __init__(self, root: Url) -> None:
+        self.root = root
+        self.bucket, _, self.prefix = root[len(SCHEME):].partition("/")
+        self._store: Any = None
+        self._etags: dict[str, str | None] = {}  # what this process last saw of each key (None: absent)
+        self._lock = threading.Lock()
+        self._lost: BaseException | None = None  # the lease's renewal failed: write nothing more
+
+    # --- the client ---------------------------------------------------------------------------
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            try:
+                from obstore.store import S3Store
+            except ImportError as exc:
+                raise InputError(f"{self.root}: an s3:// PVC needs the S3 client: pip install 'trainjob[s3]'") \
+                    from exc
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+            options = {"allow_http": True} if endpoint.startswith("http://") else {}
+            retry = {"max_retries": int(os.environ.get("TRAINJOB_S3_RETRIES", "3")),
+                     "retry_timeout": timedelta(seconds=float(os.environ.get("TRAINJOB_S3_RETRY_SECONDS", "10"))),
+                     "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
+                                 "base": 2}}
+            options["timeout"] = timedelta(seconds=float(os.environ.get("TRAINJOB_S3_TIMEOUT", "30")))
+            options["connect_timeout"] = timedelta(seconds=5)
+            with _errors(self.root, "cannot configure the S3 client"):
+                self._store = S3Store(self.bucket, prefix=self.prefix or None, client_options=options,
+                                      retry_config=retry,
+                                      **({"virtual_hosted_style_request": False} if endpoint else {}))
+        return self._store
+
+    def where(self, key: str) -> Url:
+        return self.root / key if key else self.root
+
+    # --- Backend -------------------------------------------------------------------------------
+
+    def create_root(self) -> None:
+        """Check the bucket before anything is written: it exists, the credentials work, and it
+        honours ``If-None-Match`` (a second conditional create of one key must fail)."""
+        import obstore as obs
+
+        with _errors(self.root, "cannot list the bucket"):
+            obs.list_with_delimiter(self.store, None)
+        probe = f".probe-{uuid.uuid4().hex}"
+        with _errors(self.where(probe), "cannot write"):
+            obs.put(self.store, probe, b"1", mode="create")
+            try:
+                obs.put(self.store, probe, b"2", mode="create")
+                honoured = False
+            except Exception as exc:
+                if not _is(exc, "AlreadyExistsError", "PreconditionError"):
+                    raise
+                honoured = True
+            finally:
+                obs.delete(self.store, probe)
+        if not honoured:
+            raise Unconformant(f"{self.root}: the store overwrote an existing object despite If-None-Match: *; "
+                               "trainjob cannot commit safely to it (use a store with conditional writes)")
+
+    def read(self, key: str, limit: int) -> bytes | None:
+        import obstore as obs
+
+        with _errors(self.where(key), "cannot read"):
+            try:
+                result = obs.get(self.store, key)
+            except Exception as exc:
+                if _is(exc, "FileNotFoundError", "NotFoundError") and "NoSuchBucket" not in str(exc):
+                    self._etags[key] = None
+                    return None
+                raise
+            meta = result.meta
+            if meta["size"] > limit:
+                raise InputError(f"{self.where(key)}: {meta['size']} bytes, more than the {limit} trainjob reads")
+            data = bytes(result.bytes())
+        self._etags[key] = _etag(meta)
+        return data
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        import obstore as obs
+
+        with _errors(self.where(key), "cannot read"):
+            try:
+                return dict(obs.head(self.store, key))
+            except Exception as exc:
+                if _is(exc, "FileNotFoundError", "NotFoundError") and "NoSuchBucket" not in str(exc):
+                    return None
+                raise
+
+    def _holding(self, key: str) -> None:
+        """Refuse any write once the lease could not be renewed: another run may hold it now."""
+        if isinstance(self._lost, PvcBusy):
+            raise PvcBusy(f"{self.where(key)}: not written: this run's lease could not be renewed: another "
+                          "run took it over (this one stalled past its lease); it holds the PVC now") from self._lost
+        if self._lost is not None:
+            raise TryAgainLater(f"{self.where(key)}: not written: this run's lease could not be renewed (the store "
+                                "is unreachable or failing); relaunch when it answers") from self._lost
+
+    def write(self, key: str, data: Data) -> Written:
+        """Replace ``key`` by If-Match on the ETag this process last saw (If-None-Match when it saw
+        none): a write by anyone else in between makes this one fail (PvcBusy), not win."""
+        import obstore as obs
+
+        if not key.startswith(".lease"):
+            self._holding(key)
+        body = data if isinstance(data, bytes) else b"".join(bytes(c) for c in data)
+        if key not in self._etags:
+            head = self._head(key)
+            self._etags[key] = None if head is None else _etag(head)
+        for _ in range(CONFLICT_RETRIES):
+            expected = self._etags[key]
+            mode: Any = "create" if expected is None else {"e_tag": expected}
+            with _errors(self.where(key), "write failed"):
+                try:
+                    result = obs.put(self.store, key, body, mode=mode)
+                except Exception as exc:
+                    if _is(exc, "AlreadyExistsError", "PreconditionError"):
+                        raise PvcBusy(f"{self.where(key)}: changed by another writer since this run read it; "
+                                      "this run no longer holds the job (relaunch: the lease decides who "
+                                      "does)") from exc
+                    if "409" in str(exc) or "ConditionalRequestConflict" in str(exc):
+                        head = self._head(key)  # re-read, then try again only if nobody else won
+                        if (None if head is None else _etag(head)) != expected:
+                            raise PvcBusy(f"{self.where(key)}: changed by another writer during a conflicting "
+                                          "write; this run no longer holds the job") from exc
+                        time.sleep(0.05)
+                        continue
+                    raise
+            self._etags[key] = _etag(result)
+            return Written(size=len(body), sha256=hashlib.sha256(body).hexdigest())
+        raise TryAgainLater(f"{self.where(key)}: {CONFLICT_RETRIES} conditional writes in a row met a conflict")
+
+    def create(self, key: str, data: bytes) -> Written | None:
+        import obstore as obs
+
+        self._holding(key)
+        with _errors(self.where(key), "write failed"):
+            try:
+                result = obs.put(self.store, key, data, mode="create")
+            except Exception as exc:
+                if _is(exc, "AlreadyExistsError", "PreconditionError"):
+                    return None
+                raise
+        self._etags[key] = _etag(result)
+        return Written(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    def size(self, key: str) -> int | None:
+        head = self._head(key)
+        return None if head is None else int(head["size"])
+
+    def _all(self, prefix: str) -> list[str]:
+        """Every key below ``prefix`` (relative to the root), sorted."""
+        import obstore as obs
+
+        with _errors(self.where(prefix), "cannot list"):
+            return sorted(str(o["path"]) for batch in obs.list(self.store, prefix.rstrip("/") + "/" if prefix else None)
+                          for o in batch)
+
+    def list(self, prefix: str) -> list[str]:
+        # From every key below, not the delimiter listing: some servers (SeaweedFS) keep an empty
+        # "directory" as a common prefix after its last object is deleted.
+        base = prefix.rstrip("/") + "/" if prefix else ""
+        return sorted({key[len(base):].split("/", 1)[0] for key in self._all(prefix)})
+
+    def delete_tree(self, prefix: str) -> bool:
+        """Delete every key below ``prefix``, the manifest (``manifest.json``) first: "m" sorts
+        before "shard-", and a tree without its manifest is unpublished, so a half-deleted
+        checkpoint never looks committed."""
+        import obstore as obs
+
+        keys = self._all(prefix)
+        keys.sort(key=lambda k: (not k.endswith("/manifest.json"), k))
+        try:
+            with _errors(self.where(prefix), "cannot delete"):
+                for key in keys:
+                    obs.delete(self.store, key)
+        except TryAgainLater:
+            return False  # left for the next start's cleanup
+        return True
+
+    def move(self, src: str, dest: str) -> bool:
+        """Copy ``src``'s keys under ``dest`` (the manifest last), then delete ``src``."""
+        import obstore as obs
+
+        keys = self._all(src)
+        if not keys:
+            return False
+        keys.sort(key=lambda k: (k.endswith("/manifest.json"), k))
+        with _errors(self.where(src), "cannot set aside"):
+            for key in keys:
+                obs.copy(self.store, key, dest + key[len(src):])
+        return self.delete_tree(src)
+
+    def stage(self, final: str, staging: str) -> str:
+        # No rename on a bucket: the parts go under the final key, and only the manifest's
+        # conditional create (``publish``) makes it count. What a killed writer left there has no
+        # manifest: ``unpublished`` names it and the next start deletes it.
+        return final
+
+    def write_part(self, key: str, data: Data) -> Written:
+        """Upload in parallel parts, hashing each chunk as it goes (never by reading back)."""
+        import obstore as obs
+
+        self._holding(key)
+        digest, size = Sha256Pipe(), 0
+
+        def hashed() -> Iterator[bytes]:
+            nonlocal size
+            for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
+                view = memoryview(chunk).cast("B")
+                copy = bytes(view)  # the client holds the buffer past this call
+                digest.update(memoryview(copy))
+                size += len(copy)
+                yield copy
+
+        with _errors(self.where(key), "upload failed"):
+            obs.put(self.store, key, hashed(), use_multipart=True, chunk_size=PART, max_concurrency=8)
+        return Written(size=size, sha256=digest.hexdigest())
+
+    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
+        written = self.create(f"{final}/{marker}", data)
+        if written is None:
+            raise InputError(f"{self.where(final)}: already committed; trainjob never overwrites a committed "
+                             "checkpoint")
+        return written
+
+    def _markers(self, prefix: str, marker: str) -> tuple[list[str], set[str]]:
+        names, marked = set(), set()
+        base = prefix.rstrip("/") + "/"
+        for key in self._all(prefix):
+            name, _, rest = key[len(base):].partition("/")
+            names.add(name)
+            if rest == marker:
+                marked.add(name)
+        return sorted(names), marked
+
+    def published(self, prefix: str, marker: str) -> list[str]:
+        names, marked = self._markers(prefix, marker)
+        return [n for n in names if n in marked]
+
+    def unpublished(self, prefix: str, marker: str) -> list[str]:
+        names, marked = self._markers(prefix, marker)
+        return [n for n in names if n not in marked and not n.startswith("rejected-")]
+
+    @contextmanager
+    def reading(self, key: str) -> Iterator[Path]:
+        """Download to a private temporary file, which the shard reader then verifies."""
+        import obstore as obs
+
+        size = self.size(key) or 0
+        with tempfile.TemporaryDirectory(prefix="trainjob-s3-", dir=_scratch(size)) as tmp:
+            path = Path(tmp) / key.rsplit("/", 1)[-1]
+            with _errors(self.where(key), "download failed"):
+                if not size and self._head(key) is None:
+                    yield path  # absent: the reader says "missing"
+                    return
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:  # parallel ranged GETs, a batch at a time (bounded memory), each written in place
+                    for batch in range(0, size, PART * 8):
+                        starts = list(range(batch, min(size, batch + PART * 8), PART))
+                        ends = [min(size, start + PART) for start in starts]
+                        for start, chunk in zip(starts, obs.get_ranges(self.store, key, starts=starts, ends=ends,
+                                                                        coalesce=0)):
+                            view, at = memoryview(chunk), start
+                            while view:
+                                n = os.pwrite(fd, view, at)
+                                view, at = view[n:], at + n
+                finally:
+                    os.close(fd)
+            yield path
+
+    def free_space(self) -> int | None:
+        return None
+
+    # --- the lease -----------------------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, rank: int = 0) -> Iterator[None]:
+        """A lease object, taken and renewed by conditional writes (module docstring)."""
+        key = ".lease" if rank == 0 else f".lease.rank-{rank:05d}"
+        me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
+        self._take(key, me)
+        stop = threading.Event()
+        lost: list[BaseException] = []
+
+        def renew() -> None:
+            while not stop.wait(LEASE_SECONDS / 3):
+                try:
+                    with self._lock:
+                        self._put_lease(key, me, time.time() + LEASE_SECONDS)
+                except Exception as exc:  # noqa: BLE001  every later write of this process refuses
+                    lost.append(exc)
+                    self._lost = exc
+                    return
+
+        thread = threading.Thread(target=renew, name="trainjob-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            if not lost:
+                try:  # released: expiry 0, which the next run takes quietly
+                    self._put_lease(key, me, 0.0)
+                except (InputError, TryAgainLater):
+                    pass  # it lapses by itself
+
+    def _put_lease(self, key: str, holder: str, expires: float) -> None:
+        body = json.dumps({"holder": holder, "expires": expires}).encode() + b"\n"
+        self.write(key, body)
+
+    def _take(self, key: str, me: str) -> None:
+        raw = self.read(key, 1 << 16)
+        if raw is not None:
+            try:
+                lease = json.loads(raw)
+                holder, expires = str(lease["holder"]), float(lease["expires"])
+            except (ValueError, KeyError, TypeError):
+                holder, expires = "unreadable", 1.0
+            if expires > time.time():
+                raise PvcBusy(f"{self.root}: another trainjob run holds this PVC: {one_line(holder)[:120]} "
+                              f"(lease {self.where(key)} renewed until {time.strftime('%H:%M:%SZ', time.gmtime(expires))})"
+                              "; relaunch when it has exited")
+            if expires > 0:  # lapsed, not released: its holder died or lost the store
+                print(f"trainjob: {self.where(key)}: taking over the lapsed lease of {one_line(holder)[:120]} "
+                      f"(expired {time.time() - expires:.0f} s ago)", file=sys.stderr, flush=True)
+        try:
+            self._put_lease(key, me, time.time() + LEASE_SECONDS)
+        except PvcBusy as exc:
+            raise PvcBusy(f"{self.root}: another trainjob run took the lease at the same moment; relaunch "
+                          "when it has exited") from exc
