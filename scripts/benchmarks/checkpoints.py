@@ -4,7 +4,8 @@ The state is synthetic: float32 matrices split across W ranks by trainjob's own 
 (``plan.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
 peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
 ``trainjob run`` makes (``Committer.create_staging/write_slices/write_receipt/commit`` for a
-save, ``CheckpointStore.load`` for a resume). Within each repeat every contender runs between two
+save, ``CheckpointStore.load`` for a resume). A save is timed after one untimed save by the same
+process, as a run's checkpoints after its first are. Within each repeat every contender runs between two
 runs of its reference (``common.bracketed``).
 """
 
@@ -23,6 +24,7 @@ from trainjob.checkpoint import plan
 from trainjob.checkpoint.plan import Ref
 from trainjob.checkpoint.store import CheckpointStore, Committer
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
+from trainjob.storage.eventlog import EventLog
 from trainjob.storage.pvc import Pvc
 
 from .common import MiB, bracketed, fmt, fsync_path, summary, vm_hwm
@@ -32,10 +34,12 @@ TENSORS = 8  # matrices in the state (a model's layers, say)
 CHUNK = 8 << 20
 POLL = 0.001
 
-SAVES = ("raw", "trainjob", "safetensors", "numpy", "torch", "gather")
+SAVES = ("raw", "trainjob", "trainjob-step", "safetensors", "numpy", "torch", "gather")
 LOADS = ("limit", "trainjob", "trainjob-new", "safetensors", "numpy", "torch")
 LABEL = {
-    "save": {"raw": "raw write+fsync (limit)", "trainjob": "trainjob", "safetensors": "safetensors save_file+fsync",
+    "save": {"raw": "raw write+fsync (limit)", "trainjob": "trainjob (shards + commit)",
+             "trainjob-step": "trainjob, a whole checkpoint (+ pointer, rotation, log line)",
+             "safetensors": "safetensors save_file+fsync",
              "numpy": "numpy.save+fsync", "torch": "torch.save+fsync",
              "gather": "gather to rank 0, then trainjob W=1"},
     "load": {"limit": "read+sha256, 1 thread (limit)",
@@ -75,8 +79,10 @@ def byte_views(mine: dict[str, np.ndarray]):
 
 # --- the contenders, each run inside a fresh worker process ---------------------------------------
 
-def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int) -> None:
-    """What persist_checkpoint and _follow_generation do for one checkpoint, minus the log/pointer."""
+def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int, whole: bool = False) -> None:
+    """What persist_checkpoint and _follow_generation do for one checkpoint: the shards and the
+    commit; with ``whole``, also rank 0's pointer, rotation (``--keep 1``) and ``checkpointed``
+    log line, every durability point of docs/checkpoints.md's table."""
     store = Committer(Pvc(root))  # rank 0's role; the other ranks use only ShardWriter's methods
     ref = Ref(attempt=1, step=step, world_size=world)
     staging = store.staging(ref, 1)
@@ -93,8 +99,13 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
         while not store.receipt_path(staging, r, world).exists():
             time.sleep(POLL)
         entries.append(store.read_receipt(staging, r, world))
-    store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world,
-                                        loss_milli=0, tensors=spec, shards=entries))
+    manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
+                        tensors=spec, shards=entries)
+    sha = store.commit(staging, ref, manifest)
+    if whole:
+        store.pvc.write_checkpoint(store.pointer(manifest, ref, sha))
+        store.rotate(1, world, protect=ref)
+        EventLog(root / "log.jsonl").append("checkpointed", f"step={step}")
 
 
 def save_peer(kind: str, root: Path, rank: int, mine: dict[str, np.ndarray]) -> None:
@@ -137,10 +148,22 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
                 for name, a in mine.items():
                     full[name][:a.shape[0]] = a  # rank 0 owns the first rows
                 state = state_bytes(spec)
+            # Every contender saves once untimed first: the timed save is a steady-state one, as
+            # the checkpoints of a run after its first are (thread pools, lazily built converters
+            # and first-touch costs are a launch's, once). trainjob-step's also gives the timed
+            # save's rotation a checkpoint to delete.
+            if kind == "trainjob-step":
+                save_trainjob(root_path, rank, world, holds, mine, spec, step, whole=True)
+            elif kind == "trainjob":
+                save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step)
+            elif kind != "gather":
+                (root_path / f"warm-{kind}").mkdir(exist_ok=True)
+                save_peer(kind, root_path / f"warm-{kind}", rank, mine)
             barrier.wait()
             t0 = time.perf_counter()
-            if kind == "trainjob":
-                save_trainjob(root_path, rank, world, holds, mine, spec, step)
+            if kind.startswith("trainjob"):
+                whole = kind == "trainjob-step"
+                save_trainjob(root_path, rank, world, holds, mine, spec, step + whole, whole=whole)
             elif kind == "gather":
                 if rank:  # ship every byte to rank 0 through a pipe
                     for view in byte_views(mine):
@@ -230,7 +253,7 @@ def run_section(ctx, work: Path, worlds: list[int], repeat: int, size: int, torc
             def save(kind: str) -> dict:
                 if kind == "raw":  # new files every time, like every contender's
                     shutil.rmtree(root / "raw", ignore_errors=True)
-                target = root / kind if kind in ("trainjob", "gather", "raw") else root
+                target = root / kind if kind in ("trainjob", "trainjob-step", "gather", "raw") else root
                 target.mkdir(parents=True, exist_ok=True)
                 return run_workers(ctx, "save", kind, target, w, size, rep + 1)
 

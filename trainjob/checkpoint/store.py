@@ -386,16 +386,15 @@ class Committer(ShardWriter):
                                        (dumps(manifest) + "\n").encode())
         return written.sha256
 
-
-    def _remove(self, path: Path) -> bool:
+    def _remove(self, path: Path, wait: bool = True) -> bool:
         """Delete a checkpoint so that it never looks committed while half-deleted (``delete_tree``)."""
-        return self.backend.delete_tree(self.rel(path))
+        return self.backend.delete_tree(self.rel(path), wait=wait)
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
         """(rank 0, after the commit and the pointer) Delete the oldest so that ``keep`` remain."""
         removed = []
         for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
-            if self._remove(self.path(ref)):
+            if self._remove(self.path(ref), wait=False):  # hidden now, its blocks freed in the background
                 removed.append(ref.name)
         return removed
 

@@ -108,9 +108,10 @@ class Backend(Protocol):
     def list(self, prefix: str) -> list[str]:
         """(any process) Sorted names one level below ``prefix`` (files and 'directories')."""
 
-    def delete_tree(self, prefix: str) -> bool:
+    def delete_tree(self, prefix: str, wait: bool = True) -> bool:
         """Delete ``prefix`` and all below it so that it never looks whole while half-deleted;
-        False when it could not (the next start's cleanup tries again)."""
+        False when it could not (the next start's cleanup tries again). ``wait=False``: once it
+        no longer looks whole, the rest may finish in the background."""
 
     def move(self, src: str, dest: str) -> bool:
         """Move a tree aside (``rejected-...``), keeping its bytes; False when ``src`` is absent."""

@@ -11,8 +11,13 @@ docs/benchmarks.md).
 
 The hash is still of the very bytes written or read: the caller passes the same buffer to
 ``update`` and to ``os.write``/``readv``, and must not modify it until the next ``update`` or
-``hexdigest`` (the buffers here are views of arrays nobody mutates during a save, or distinct
-regions of a load's destination).
+``hexdigest`` (a load's reader reuses two buffers in turn, so it gets this rule).
+
+A writer whose buffers stay unchanged until ``hexdigest`` (views of arrays nobody mutates during
+a save) says so (``Sha256Pipe(buffers_kept=True)``): then ``update`` never waits, the buffers
+queue up and the helper hashes them in order while the writer writes them all and starts the
+fsync. A small save is bound by the hash alone, not by the hash plus the fsync (sha256 runs
+slower than the page cache takes bytes: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 _INLINE = 256 << 10  # below this, handing off to a thread costs more than it saves
+_AHEAD = 256 << 20  # (buffers_kept) at most this many bytes wait for the hash
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -36,22 +43,56 @@ def _executor() -> ThreadPoolExecutor:
 
 
 class Sha256Pipe:
-    def __init__(self) -> None:
+    def __init__(self, buffers_kept: bool = False) -> None:
         self._digest = hashlib.sha256()
         self._pending: Future[None] | None = None
+        self._kept = buffers_kept
+        self._queue: deque[memoryview] = deque()  # (buffers_kept) not hashed yet, in order
+        self._queued = 0  # their bytes
+        self._changed = threading.Condition()
 
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
 
-    def update(self, buf: memoryview) -> None:
-        self._wait()  # in order: sha256 is sequential
-        if len(buf) >= _INLINE:
-            self._pending = _executor().submit(self._digest.update, buf)
-        else:
+    def _drain(self) -> None:
+        while True:
+            with self._changed:
+                if not self._queue:
+                    self._pending = None
+                    return
+                buf = self._queue[0]
             self._digest.update(buf)
+            with self._changed:
+                self._queue.popleft()
+                self._queued -= len(buf)
+                self._changed.notify_all()
+
+    def update(self, buf: memoryview) -> None:
+        if not self._kept:
+            self._wait()  # in order: sha256 is sequential
+            if len(buf) >= _INLINE:
+                self._pending = _executor().submit(self._digest.update, buf)
+            else:
+                self._digest.update(buf)
+            return
+        with self._changed:
+            # Bounded: a stream that makes its chunks (a sharded model's artifact, gathered
+            # tensor by tensor) must not pile up more than _AHEAD bytes waiting for the hash.
+            while self._queued > _AHEAD and self._pending is not None:
+                self._changed.wait()
+            self._queue.append(buf)
+            self._queued += len(buf)
+            if self._pending is None:
+                self._pending = _executor().submit(self._drain)
 
     def hexdigest(self) -> str:
-        self._wait()
+        if self._kept:
+            with self._changed:
+                pending = self._pending
+            if pending is not None:
+                pending.result()  # the drain ends once the queue is empty (or raises what failed)
+        else:
+            self._wait()
         return self._digest.hexdigest()

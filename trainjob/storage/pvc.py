@@ -36,6 +36,7 @@ import shutil
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
@@ -81,8 +82,8 @@ _WRITEBACK_MIN = 1 << 20  # small files are left to the one fsync
 
 def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
     """Create or truncate ``path``, write ``data``, fsync; raises OSError. The bytes are hashed as
-    written, never by reading the file back (on a helper thread, overlapped with writing the next
-    chunk: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
+    written, never by reading the file back (on a helper thread, overlapped with the writes and
+    the fsync: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
     in bounded memory.
 
     Each large chunk's writeback to the disk is started as soon as it is written, so the disk
@@ -91,19 +92,22 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Wr
     Starting writeback is only a hint; the fsync is what makes the bytes durable and reports
     errors, so a failed hint is ignored.
     """
-    digest, size = Sha256Pipe(), 0
+    # Every chunk is a view of bytes nobody changes until this returns (a trainer's arrays during
+    # a save, async's staging copy, a record's bytes), so the writer never waits for the hash: it
+    # writes every chunk and fsyncs while the helper thread hashes behind it (digest.py).
+    digest, size = Sha256Pipe(buffers_kept=True), 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             view = memoryview(chunk).cast("B")
-            digest.update(view)  # hashed on a helper thread while this chunk is written
+            digest.update(view)
             offset, size = size, size + len(view)
             while view:
                 view = view[os.write(fd, view):]
             if _start_writeback is not None and size - offset >= _WRITEBACK_MIN:
                 _start_writeback(fd, offset, size - offset)
-        sha256 = digest.hexdigest()  # waits for the last chunk's hash
         os.fsync(fd)
+        sha256 = digest.hexdigest()  # the hash of the last chunks, overlapped with the fsync
     finally:
         os.close(fd)
     return Written(size=size, sha256=sha256)
@@ -333,6 +337,46 @@ def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
 TMP, TRASH = ".tmp-", ".trash-"  # a checkpoint being built, or being deleted (checkpoint/store.py)
 
 
+def _rmtree(trash: Path) -> bool:
+    for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
+        try:
+            shutil.rmtree(trash)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            time.sleep(0.02)
+    return False  # left for the next start's cleanup
+
+
+# Rotation's deletions, one at a time in order, on a thread of their own. It is not a daemon:
+# the interpreter finishes them before the process exits (a SIGKILL leaves the rest to cleanup).
+_pool: ThreadPoolExecutor | None = None
+_deleting: list[Future[bool]] = []
+
+
+def _deleter() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trash")
+    return _pool
+
+
+def settle_deletions() -> None:
+    """Wait for every deletion handed to the helper thread (``delete_tree(wait=False)``)."""
+    while _deleting:
+        _deleting.pop(0).result()
+
+
+def _forget_deleter_in_child() -> None:
+    global _pool
+    _pool = None  # the thread does not exist in a forked child; its deletions are the parent's
+    _deleting.clear()
+
+
+os.register_at_fork(after_in_child=_forget_deleter_in_child)
+
+
 class LocalBackend:
     """A PVC directory: atomic renames, fsync, flock (``pvc.py``). The reference implementation:
     every method is what trainjob did on a PVC before the interface existed."""
@@ -385,8 +429,12 @@ class LocalBackend:
             except FileNotFoundError:
                 return []
 
-    def delete_tree(self, prefix: str) -> bool:
-        """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then delete."""
+    def delete_tree(self, prefix: str, wait: bool = True) -> bool:
+        """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then
+        delete. ``wait=False`` (rotation) deletes on a helper thread once the rename is done:
+        freeing a large file's blocks costs more than writing a small checkpoint (docs/benchmarks.md),
+        and nothing waits for it but the next free-space check. A kill mid-delete leaves a
+        ``.trash-`` directory for the next start's cleanup, as a kill mid-rmtree always did."""
         path = self.path(prefix)
         trash = path if path.name.startswith(TRASH) else path.with_name(f"{TRASH}{path.name.removeprefix(TMP)}")
         try:
@@ -397,17 +445,12 @@ class LocalBackend:
             # rotation (a resume tries that first), and fails verification if it is ever reached.
             if trash != path:
                 os.rename(path, trash)
-            for _ in range(5):  # a stale rank may still be adding a file; it fails and gives up soon
-                try:
-                    shutil.rmtree(trash)
-                    return True
-                except FileNotFoundError:
-                    return True
-                except OSError:
-                    time.sleep(0.02)
         except OSError:
-            pass
-        return False  # left for the next start's cleanup
+            return False  # left for the next start's cleanup
+        if wait:
+            return _rmtree(trash)
+        _deleting.append(_deleter().submit(_rmtree, trash))
+        return True
 
     def move(self, src: str, dest: str) -> bool:
         path = self.path(src)
@@ -447,6 +490,7 @@ class LocalBackend:
         yield self.path(key)
 
     def free_space(self) -> int | None:
+        settle_deletions()  # a rotation's blocks count as free once they are
         root = self.path("checkpoints")
         with os_errors(root, "cannot check free space"):
             return shutil.disk_usage(root if root.is_dir() else self.root).free

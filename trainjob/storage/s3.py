@@ -263,7 +263,7 @@ class S3Backend:
         base = prefix.rstrip("/") + "/" if prefix else ""
         return sorted({key[len(base):].split("/", 1)[0] for key in self._all(prefix)})
 
-    def delete_tree(self, prefix: str) -> bool:
+    def delete_tree(self, prefix: str, wait: bool = True) -> bool:
         """Delete every key below ``prefix``, the manifest (``manifest.json``) first: "m" sorts
         before "shard-", and a tree without its manifest is unpublished, so a half-deleted
         checkpoint never looks committed."""
