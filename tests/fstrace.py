@@ -1,6 +1,6 @@
 """Run the trainjob CLI, recording every fsync, rename and replace it makes, in order.
 
-    python tests/fstrace.py OUT run --pvc P ...      writes OUT-rank<R>.json (R from $RANK, else 0)
+    python tests/fstrace.py OUT run --pvc P ...      writes OUT-rank<R>.json (R from --rank or $RANK, else 0)
 
 Also a torchrun script: each worker writes its own file, a list of ``[call, on]`` pairs, ``on``
 relative to the PVC with every run of digits written N (steps, attempts, ranks, pids), so a
@@ -45,6 +45,7 @@ if __name__ == "__main__":
     seen: list[tuple[str, str]] = []
     record(argv[argv.index("--pvc") + 1], seen, lambda name, f: setattr(os, name, f))
     code = cli.main(argv)
-    with open(f"{out}-rank{os.environ.get('RANK', '0')}.json", "w") as f:
+    rank = argv[argv.index("--rank") + 1] if "--rank" in argv else os.environ.get("RANK", "0")
+    with open(f"{out}-rank{rank}.json", "w") as f:
         json.dump(seen, f)
     sys.exit(code)

@@ -20,6 +20,9 @@ import fstrace
 from conftest import ROOT
 from trainjob import cli
 
+# The traced processes import this checkout and tests/fstrace.py, whatever the caller's PYTHONPATH.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
 Point = tuple[str, str]
 
 
@@ -80,8 +83,30 @@ def test_under_torchrun_rank_0_makes_the_documented_points_and_every_other_rank_
                            "--monitor-interval", "0.1", str(ROOT / "tests/fstrace.py"), str(out), "run", "--pvc",
                            str(tmp_path / "pvc"), "--steps", "3", "--ckpt-every", "1", "--keep", "1"],
                           capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")})
+                          env=ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     rank0, rank1 = ([tuple(p) for p in json.loads(Path(f"{out}-rank{r}.json").read_text())] for r in (0, 1))
     assert checkpoints(rank0)[-1] == documented()
     assert rank1 == [("fsync", "checkpoints/.tmp-step-N-aN-wN.gN/shard-N-of-N.safetensors")] * 3
+
+
+@pytest.mark.process
+@pytest.mark.torchrun
+def test_ranks_coordinating_through_the_pvc_add_one_unsynced_rename_per_checkpoint_on_the_others(tmp_path):
+    """Ranks started on their own (no launcher's store) hand rank 0 their receipts as files: rank
+    0's checkpoint is still the table's, and rank 1 adds one rename, its receipt's, with no fsync
+    (the manifest that copies it is what becomes durable; a crash before that abandons it all)."""
+    out, pvc = tmp_path / "trace", tmp_path / "pvc"
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests/fstrace.py"), str(out), "run", "--pvc", str(pvc),
+                               "--steps", "3", "--ckpt-every", "1", "--keep", "1", "--world-size", "2",
+                               "--rank", str(r)], stderr=subprocess.PIPE, text=True,
+                              env=ENV)
+             for r in (0, 1)]
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
+        p.stderr.close()
+    rank0, rank1 = ([tuple(p) for p in json.loads(Path(f"{out}-rank{r}.json").read_text())] for r in (0, 1))
+    assert checkpoints(rank0)[-1] == documented()
+    staged = "checkpoints/.tmp-step-N-aN-wN.gN/shard-N-of-N.safetensors"
+    receipt = ("rename", f"{staged}.receipt.json.tmp.N -> {staged}.receipt.json")
+    assert rank1[rank1.index(("fsync", staged)):] == [("fsync", staged), receipt] * 3

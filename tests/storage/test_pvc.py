@@ -338,3 +338,34 @@ def test_a_lock_kept_by_a_child_forked_outside_python_names_the_holder_that_is_g
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+def test_rotation_hides_a_checkpoint_at_once_and_deletes_it_on_the_helper_thread(tmp_path, monkeypatch):
+    """``delete_tree(wait=False)``: the name is gone when the call returns (a relaunch never sees a
+    half-deleted checkpoint), the bytes go on the helper thread, and a free-space check waits for
+    them, so the space a rotation frees counts before the next checkpoint is refused for room."""
+    import threading
+
+    backend = pvc.LocalBackend(tmp_path)
+    (tmp_path / "checkpoints" / "step-1").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step-1" / "shard").write_bytes(b"x" * 4096)
+    release, started = threading.Event(), threading.Event()
+    real = pvc._rmtree
+
+    def held(trash):
+        started.set()
+        assert release.wait(10)
+        return real(trash)
+
+    monkeypatch.setattr(pvc, "_rmtree", held)
+    assert backend.delete_tree("checkpoints/step-1", wait=False)
+    assert started.wait(10)  # the deletion runs while the caller has already returned
+    assert backend.list("checkpoints") == [".trash-step-1"]
+    freed = threading.Thread(target=backend.free_space)
+    freed.start()
+    freed.join(0.2)
+    assert freed.is_alive()  # free_space waits for the pending deletion
+    release.set()
+    freed.join(10)
+    pvc.settle_deletions()
+    assert backend.list("checkpoints") == []

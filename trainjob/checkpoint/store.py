@@ -345,8 +345,12 @@ class ShardWriter(CheckpointStore):
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
-        """(ranks >= 1) Tell rank 0 this rank's shard is written, with its size and sha256."""
-        self.backend.write(self.rel(staging / (entry.file + RECEIPT)), (dumps(entry) + "\n").encode())
+        """(ranks >= 1) Tell rank 0 this rank's shard is written, with its size and sha256.
+
+        Not fsynced: rank 0 reads it in this launch and copies it into the manifest, whose commit
+        makes it durable; a crash before that commit abandons the whole staging directory."""
+        self.backend.write(self.rel(staging / (entry.file + RECEIPT)), (dumps(entry) + "\n").encode(),
+                           durable=False)
 
 
 class Committer(ShardWriter):

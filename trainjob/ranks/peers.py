@@ -44,7 +44,8 @@ from ..exits import exit_code_for_state
 from .coordination import Follower
 
 T = TypeVar("T")
-POLL = 0.01  # first poll interval; doubles up to POLL_MAX
+POLL = 0.001  # first poll interval, grows by half each time up to POLL_MAX: a small checkpoint's
+# receipts arrive within milliseconds, and a wait overshoots by at most half of what it waited
 POLL_MAX = 0.1
 
 
@@ -67,7 +68,7 @@ def wait_for(check: Callable[[], T | None], timeout: float, what: Callable[[], s
             raise RankTimeout(f"waited {timeout:g}s for {what()}; relaunch all ranks together "
                               "(or raise --rank-timeout)")
         time.sleep(delay)
-        delay = min(delay * 2, POLL_MAX)
+        delay = min(delay * 1.5, POLL_MAX)
 
 
 # --- joining, either transport (store.py's follower joins by the same rules) -----------------------

@@ -95,9 +95,11 @@ class Backend(Protocol):
     def read(self, key: str, limit: int) -> bytes | None:
         """(any process) The bytes, None when absent; InputError when not a readable object."""
 
-    def write(self, key: str, data: Data) -> Written:
+    def write(self, key: str, data: Data, durable: bool = True) -> Written:
         """Replace (or create) ``key``: a reader sees the old bytes or the new, never a mixture.
-        Two writers cannot both win: the loser gets PvcBusy (on a PVC the lock rules it out)."""
+        Two writers cannot both win: the loser gets PvcBusy (on a PVC the lock rules it out).
+        ``durable=False``: a message the live ranks of one launch exchange (a receipt), which
+        need not survive a power loss (on a PVC: no fsync; a bucket's write is durable anyway)."""
 
     def create(self, key: str, data: bytes) -> Written | None:
         """Create ``key`` only if absent, in one step; None (nothing written) when it exists."""

@@ -80,9 +80,9 @@ _start_writeback = _writeback_starter()
 _WRITEBACK_MIN = 1 << 20  # small files are left to the one fsync
 
 
-def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
-    """Create or truncate ``path``, write ``data``, fsync; raises OSError. The bytes are hashed as
-    written, never by reading the file back (on a helper thread, overlapped with the writes and
+def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync: bool = True) -> Written:
+    """Create or truncate ``path``, write ``data``, fsync (unless ``fsync`` is False); raises OSError.
+    The bytes are hashed as written, never by reading the file back (on a helper thread, overlapped with the writes and
     the fsync: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
     in bounded memory.
 
@@ -106,26 +106,32 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Wr
                 view = view[os.write(fd, view):]
             if _start_writeback is not None and size - offset >= _WRITEBACK_MIN:
                 _start_writeback(fd, offset, size - offset)
-        os.fsync(fd)
+        if fsync:
+            os.fsync(fd)
         sha256 = digest.hexdigest()  # the hash of the last chunks, overlapped with the fsync
     finally:
         os.close(fd)
     return Written(size=size, sha256=sha256)
 
 
-def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True) -> Written:
     """Replace ``path`` with ``data`` so that a crash at any instant leaves old or new bytes.
 
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
     directory (so the rename itself survives power loss, not only a killed process).
     Storage errors become TryAgainLater: the previous file is untouched, a relaunch is safe.
+
+    ``durable=False`` skips both fsyncs and keeps the rename: for a message between the live
+    processes of one launch (a rank's receipt), which a reader must see whole but no crash ever
+    needs back, because what it announces is made durable by the commit that consumes it.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     with os_errors(path, "write failed"):
         try:
-            written = _write_fsynced(tmp, data)
+            written = _write_fsynced(tmp, data, durable)
             os.replace(tmp, path)
-            fsync_dir(path.parent)
+            if durable:
+                fsync_dir(path.parent)
         except OSError:
             _discard(tmp)
             raise
@@ -395,8 +401,8 @@ class LocalBackend:
             except FileNotFoundError:
                 return None
 
-    def write(self, key: str, data: Data) -> Written:
-        return atomic_write(self.path(key), data)
+    def write(self, key: str, data: Data, durable: bool = True) -> Written:
+        return atomic_write(self.path(key), data, durable)
 
     def create(self, key: str, data: bytes) -> Written | None:
         # A hard link is create-if-absent in one step: it fails when the name exists.
@@ -449,6 +455,7 @@ class LocalBackend:
             return False  # left for the next start's cleanup
         if wait:
             return _rmtree(trash)
+        _deleting[:] = [f for f in _deleting if not f.done()]  # bounded by what is still pending
         _deleting.append(_deleter().submit(_rmtree, trash))
         return True
 

@@ -197,7 +197,7 @@ class S3Backend:
             raise TryAgainLater(f"{self.where(key)}: not written: this run's lease could not be renewed (the store "
                                 "is unreachable or failing); relaunch when it answers") from self._lost
 
-    def write(self, key: str, data: Data) -> Written:
+    def write(self, key: str, data: Data, durable: bool = True) -> Written:
         """Replace ``key`` by If-Match on the ETag this process last saw (If-None-Match when it saw
         none): a write by anyone else in between makes this one fail (PvcBusy), not win."""
         import obstore as obs
