@@ -321,3 +321,67 @@ def test_a_run_whose_lease_was_taken_over_writes_nothing_more(s3_pvc, monkeypatc
                 write()
     assert store_of(s3_pvc).list("") == [".lease"]
     assert b"the new run" in store_of(s3_pvc).read(".lease", 1 << 16)  # not released over the new holder
+
+
+def bucket_objects(url: str) -> dict[str, bytes]:
+    """Every object under the PVC's prefix with its bytes (list is one level, so walk it)."""
+    backend, out, todo = store_of(url), {}, [""]
+    while todo:
+        prefix = todo.pop()
+        for name in backend.list(prefix):
+            key = f"{prefix}/{name}" if prefix else name
+            data = backend.read(key, 1 << 30)
+            if data is None:  # a "directory": only its children are objects
+                todo.append(key)
+            else:
+                out[key] = data
+    return out
+
+
+def test_transient_5xx_and_stalled_replies_are_retried_then_exit_75_and_nothing_counts(
+        s3_server, s3_pvc, monkeypatch, capsys):
+    """Through tests/s3faults.py's proxy in front of the real server: two 503s in a row are
+    absorbed by the client's bounded back-off (the run reaches its --die-at); a store that keeps
+    answering 503, and one whose replies stall past TRAINJOB_S3_TIMEOUT, end the launch with 75
+    and one line, within the retry budget, and leave every object as it was; healed, the
+    relaunch resumes from step 4 and completes."""
+    from s3faults import FaultyProxy
+
+    proxy = FaultyProxy(s3_server.endpoint)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        monkeypatch.setattr(s3, "LEASE_SECONDS", 1.0)
+        proxy.fail(2)
+        assert cli.main(["run", "--pvc", s3_pvc, "--die-at", "4"]) == 75
+        assert proxy.failed == 2 and proxy.forwarded > 10
+        capsys.readouterr()
+        before = bucket_objects(s3_pvc)
+        assert '"event":"killed","detail":"at_step=4' in before["log.jsonl.d/00000001.jsonl"].decode()
+        assert any(key.startswith("checkpoints/step-00000004") for key in before), sorted(before)
+
+        for fault, env in (("503", {}), ("stall", {"TRAINJOB_S3_TIMEOUT": "1"})):
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            proxy.fail(None) if fault == "503" else proxy.stall(2.5)
+            failed = proxy.failed
+            started = time.monotonic()
+            assert cli.main(["run", "--pvc", s3_pvc]) == 75, fault
+            took = time.monotonic() - started
+            err = capsys.readouterr().err.strip().splitlines()
+            assert "the store is unreachable or failing" in err[-1], (fault, err)
+            # TRAINJOB_S3_RETRY_SECONDS is 3 (tests/s3server.py): each call gives up within it.
+            assert took < 30, (fault, took)
+            if fault == "503":
+                assert proxy.failed >= failed + 3, "the first request was not retried twice"
+            proxy.heal()
+            for name in env:
+                monkeypatch.delenv(name)
+            time.sleep(1.2)  # a lease the failed launch could not release lapses
+            assert bucket_objects(s3_pvc) == before, fault
+
+        assert cli.main(["run", "--pvc", s3_pvc]) == 0
+        log = "".join(store_of(s3_pvc).read(f"log.jsonl.d/{n}", 1 << 20).decode()
+                      for n in store_of(s3_pvc).list("log.jsonl.d"))
+        assert '"event":"resumed","detail":"from_step=4"' in log, log
+    finally:
+        proxy.close()
