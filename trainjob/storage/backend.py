@@ -37,6 +37,8 @@ class Written:
 
     size: int
     sha256: str
+
+
 SCHEME = "s3://"
 
 
