@@ -167,6 +167,43 @@ def test_a_rank_that_never_votes_ends_the_round_with_rank_timeout_in_bounded_tim
     assert time.monotonic() - started < 5
 
 
+def test_a_rank_signalled_while_a_dead_peer_keeps_its_round_open_exits_75_within_the_grace(server, pvc):
+    """torchrun's agent SIGTERMs the survivors when a worker dies, then SIGKILLs them after 30 s,
+    which loses their exit code: a signalled rank stops waiting for a round no live peer would
+    leave open that long (STOP_GRACE here, its steps being instant), long before --rank-timeout."""
+    signals: dict[int, str] = {}
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0, signals=signals)
+    threading.Timer(0.3, signals.__setitem__, (1, "SIGTERM")).start()  # rank 0 died mid-step: no vote
+    started = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"SIGTERM reached rank 1 in stop round 1 .*within 3s: a peer is gone"):
+        rank1.stop_wanted()
+    assert exit_code_for(RankTimeout) == 75
+    assert 3 <= time.monotonic() - started < 10  # the grace, not the 30 s round timeout
+
+
+def test_a_signal_during_a_slow_peers_round_is_a_stop_not_a_timeout_when_the_peer_comes(server, pvc):
+    """A live peer slower than usual (within the grace) ends the round the signalled rank waits
+    in: that round's answer stands (its vote was cast), and the next round stops both ranks."""
+    signals: dict[int, str] = {}
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0, signals=signals)
+
+    def train(peers) -> list[bool]:
+        votes = []
+        for step in range(1, 5):
+            peers.step = step
+            if peers.rank == 0 and step == 3:
+                time.sleep(2.0)  # within rank 1's grace (3 s): a live peer, slower than usual
+            if peers.rank == 1 and step == 3:
+                threading.Timer(0.2, signals.__setitem__, (1, "SIGTERM")).start()
+            votes.append(peers.stop_wanted())
+            if votes[-1]:
+                break
+        return votes
+
+    results = in_threads([rank0, rank1], train)
+    assert results == [[False, False, False, True], [False, False, False, True]], results
+
+
 def test_rank_0_failing_releases_a_rank_waiting_in_a_round(server, pvc):
     rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0)
     threading.Timer(0.3, rank0.finish, ("error", "NoSpace: the PVC is full")).start()

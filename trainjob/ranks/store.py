@@ -22,8 +22,9 @@ generation there, under the job lock). Keys, for generation 3:
 Unlike the files, a stop is agreed in *rounds*: after every step every rank adds its vote to that
 step's round key and waits until all have (``stop_wanted``), so all learn in the same round that
 some rank wants to stop, at the same step: a collective, which is what ranks in lockstep (DDP)
-need, and no file-system call. Every wait is bounded by ``--rank-timeout`` (RankTimeout, exit 75);
-a store that stops answering is RankTimeout too.
+need, and no file-system call. Every wait is bounded by ``--rank-timeout`` (RankTimeout, exit 75),
+a signalled rank's wait in a round by a shorter grace (``_round_result``); a store that stops
+answering is RankTimeout too.
 
 The store lives as long as its host (torchrun's agent on rank 0's node, or rank 0's own process),
 and a rank that loses it exits 75. So rank 0, ending with any other code, waits (bounded) until
@@ -37,6 +38,7 @@ methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +56,8 @@ from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_fa
 T = TypeVar("T")
 STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals = total % STOP
 END = b"end"  # a round's result when rank 0 ended the launch instead of voting
+SIGNAL_CHECK = 0.05  # how often a rank waiting in a round looks for a signal (seconds)
+STOP_GRACE = 3.0  # the least a signalled rank waits for its round's other votes (seconds)
 
 
 @contextmanager
@@ -84,6 +88,8 @@ class StorePeers:
         self.generation = 0
         self.step = 0
         self.rounds = 0  # stop rounds this rank took part in this generation
+        self.last_vote: float | None = None  # when this rank last voted (monotonic)
+        self.longest_gap = 0.0  # the longest time between two of its votes: about a step of the slowest rank
         self.stopping = False  # a round said stop (or, before begin, this rank noted one)
         self.acked: set[str] = set()  # (ranks >= 1) the endings this rank has counted as read
 
@@ -127,6 +133,10 @@ class StorePeers:
         if self.stopping:
             return True
         self.rounds += 1
+        now = time.monotonic()
+        if self.last_vote is not None:
+            self.longest_gap = max(self.longest_gap, now - self.last_vote)
+        self.last_vote = now
         mine = bool(self.stop_signal())
         if mine:
             self._note_stop()
@@ -145,22 +155,54 @@ class StorePeers:
         return self.stopping
 
     def _round_result(self, done: str) -> int:
+        """Wait for the round's total: one blocking call, answered the moment the last rank
+        arrives (no polling per step). It runs on a helper thread because a signal's handler
+        runs only in the main thread, and not while it is inside the store's C++ wait: once this
+        rank is signalled (torchrun's agent sends SIGTERM when a peer died), a round that stays
+        open longer than a live peer needs to finish its step means a dead peer, and this rank
+        exits 75 now rather than being SIGKILLed at the end of torchrun's grace period, its exit
+        code lost. The abandoned wait ends with the process (a daemon thread)."""
         started = time.monotonic()
-        try:
-            # One blocking call, answered the moment the last rank arrives: no polling per step.
-            self.rounds_kv.wait([done], datetime.timedelta(seconds=self.timeout))
-        except RuntimeError:
+        waited: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                self.rounds_kv.wait([done], datetime.timedelta(seconds=self.timeout))
+                waited.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                waited.append(exc)
+
+        waiter = threading.Thread(target=wait, name="trainjob-round", daemon=True)
+        waiter.start()
+        signalled_at = None
+        while waiter.join(SIGNAL_CHECK) or waiter.is_alive():
+            now = time.monotonic()
+            if signalled_at is None and self.stop_signal():
+                signalled_at = now
+            if signalled_at is not None and now - signalled_at >= self._stop_grace():
+                raise RankTimeout(f"{self.stop_signal()} reached rank {self.rank} in stop round {self.rounds} "
+                                  f"(after step {self.step}) and no peer ended that round within "
+                                  f"{self._stop_grace():g}s: a peer is gone; relaunch all ranks together")
+        if isinstance(waited[0], RuntimeError):
             if time.monotonic() - started < self.timeout * 0.9:
                 with answering(f"waiting for stop round {self.rounds}"):
-                    raise
+                    raise waited[0]
             raise RankTimeout(f"waited {self.timeout:g}s for every rank to finish step {self.step} "
                               f"(stop round {self.rounds}); relaunch all ranks together (or raise "
                               "--rank-timeout)") from None
+        if waited[0] is not None:
+            raise waited[0]
         with answering(f"reading stop round {self.rounds}"):
             value = bytes(self.rounds_kv.get(done))
         if value == END:
             self._rank_0_ended()
         return int(value)
+
+    def _stop_grace(self) -> float:
+        """How long a signalled rank waits for a round: a live peer reaches it within about one
+        step of this rank (the longest gap between this rank's votes), so twice that, at least
+        STOP_GRACE."""
+        return min(self.timeout, max(STOP_GRACE, 2 * self.longest_gap))
 
     def _rank_0_ended(self) -> None:
         raise PeerFailed(f"rank 0 ended generation {self.generation} while rank {self.rank} trained")
