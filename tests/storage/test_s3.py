@@ -15,6 +15,7 @@ import pytest
 
 from conftest import trainjob
 from trainjob import cli
+from trainjob.errors import TryAgainLater
 from trainjob.storage import s3
 from trainjob.storage.backend import location
 from trainjob.storage.pvc import Pvc
@@ -385,3 +386,36 @@ def test_transient_5xx_and_stalled_replies_are_retried_then_exit_75_and_nothing_
         assert '"event":"resumed","detail":"from_step=4"' in log, log
     finally:
         proxy.close()
+
+
+def test_a_shard_streamed_from_the_bucket_is_verified_part_by_part(s3_pvc, monkeypatch):
+    """The shard reader takes a bucket's object as ranged GETs a window ahead (no local copy);
+    small parts here so one object spans several windows: the right bytes pass, one flipped
+    byte in the last window and an absent object are named, and a GET failing mid-stream is the
+    store's failure (75), not a verdict on the shard (which would reject a good checkpoint)."""
+    import obstore as obs
+
+    from trainjob.checkpoint import shards
+
+    backend = store_of(s3_pvc)
+    body = random.Random(7).randbytes(1000 * s3.WINDOW * 3 + 123)
+    good = hashlib.sha256(body).hexdigest()
+    backend.write_part("objects/good.bin", [body])
+    backend.write_part("objects/bad.bin", [body[:-5] + bytes([body[-5] ^ 1]) + body[-4:]])
+    monkeypatch.setattr(s3, "PART", 1000)  # for the reads only: an upload's parts have a 5 MiB floor
+    with backend.reading("objects/good.bin") as source:
+        assert shards.hash_file(source, len(body), good) is None
+    with backend.reading("objects/bad.bin") as source:
+        assert shards.hash_file(source, len(body), good).startswith("bad.bin: sha256 ")
+    with backend.reading("objects/absent.bin") as source:
+        assert shards.hash_file(source, len(body), good) == "absent.bin: missing"
+
+    def refused(*args, **kwargs):
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(obs, "get_ranges", refused)
+    for read in (lambda source: shards.hash_file(source, len(body), good),
+                 lambda source: shards.read_verified(source, (), None, len(body), good)):
+        with pytest.raises(TryAgainLater, match="good.bin: download failed"), \
+                backend.reading("objects/good.bin") as source:
+            read(source)

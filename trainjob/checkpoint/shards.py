@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, open_regular
+from ..errors import InputError, TryAgainLater, open_regular
+from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
 from ..records import TensorSlice, TensorSpec
 from ..tensors import dtype_code, np_dtype
@@ -86,30 +87,54 @@ def _chunks(a: np.ndarray) -> Iterator[memoryview]:
         yield flat[i:i + CHUNK]
 
 
-def _open(path: Path, size: int | None) -> tuple[int, str | None]:
-    """Open ``path`` for reading if it is a regular file (never through a symlink, never blocking
-    on a FIFO: ``errors.open_regular``); (fd, None) or (-1, the reason)."""
-    try:
-        fd = open_regular(path)
-    except FileNotFoundError:
-        return -1, f"{path.name}: missing"
-    except InputError:
-        return -1, f"{path.name}: not a regular file (a symlink is never followed)"
-    except OSError as exc:
-        return -1, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
-    actual = os.fstat(fd).st_size
-    if size is not None and actual != size:
-        os.close(fd)
-        return -1, f"{path.name}: {actual} bytes, the manifest says {size}"
-    return fd, None
+class _File:
+    """A regular file's descriptor as a ``ByteSource``."""
+
+    def __init__(self, name: str, fd: int) -> None:
+        self.name, self.fd = name, fd
+        try:
+            self.size = os.fstat(fd).st_size
+        except OSError:
+            os.close(fd)
+            raise
+
+    def readinto(self, view: memoryview) -> int:
+        return os.readv(self.fd, [view])
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
-def _read_exact(fd: int, view: memoryview, digest: Sha256Pipe) -> int:
-    """Fill ``view`` from ``fd`` chunk by chunk, hashing each chunk while the next is read."""
+def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
+    """A byte source for ``path`` if it is a regular file (never through a symlink, never
+    blocking on a FIFO: ``errors.open_regular``), or ``path`` itself when it is one already
+    (a bucket's object); (source, None) or (None, the reason)."""
+    if isinstance(path, Path):
+        try:
+            src: Any = _File(path.name, open_regular(path))
+        except FileNotFoundError:
+            return None, f"{path.name}: missing"
+        except InputError:
+            return None, f"{path.name}: not a regular file (a symlink is never followed)"
+        except OSError as exc:
+            return None, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
+    else:
+        src = path
+        if src.size < 0:
+            return None, f"{src.name}: missing"
+    if size is not None and src.size != size:
+        actual = src.size
+        src.close()
+        return None, f"{src.name}: {actual} bytes, the manifest says {size}"
+    return src, None
+
+
+def _read_exact(src: Any, view: memoryview, digest: Sha256Pipe) -> int:
+    """Fill ``view`` from ``src`` chunk by chunk, hashing each chunk while the next is read."""
     done = 0
     while done < len(view):
         part = view[done:done + CHUNK]
-        n = os.readv(fd, [part])
+        n = src.readinto(part)
         if n == 0:
             break
         digest.update(part[:n])
@@ -117,14 +142,15 @@ def _read_exact(fd: int, view: memoryview, digest: Sha256Pipe) -> int:
     return done
 
 
-def hash_file(path: Path, size: int, sha256: str) -> str | None:
-    """Check the file at ``path`` is a regular file of exactly ``size`` bytes hashing to ``sha256``.
+def hash_file(path: Path | ByteSource, size: int, sha256: str) -> str | None:
+    """Check the file at ``path`` (or a bucket's object, streamed) is exactly ``size`` bytes
+    hashing to ``sha256``.
 
     Returns None when it is, else the reason. Streams in bounded memory; never follows a
     symlink (O_NOFOLLOW), so a shard name cannot lead outside the checkpoint directory.
     Runs in worker threads: ``readv`` and ``hashlib`` release the GIL.
     """
-    fd, reason = _open(path, size)
+    src, reason = _open(path, size)
     if reason:
         return reason
     try:
@@ -132,18 +158,20 @@ def hash_file(path: Path, size: int, sha256: str) -> str | None:
         seen = 0
         while True:  # two buffers in turn: one is hashed while the other is filled
             view = memoryview(bufs[seen // CHUNK % 2])
-            n = _read_exact(fd, view, digest)
+            n = _read_exact(src, view, digest)
             seen += n
             if n < len(view):
                 break
         return _size_and_hash(path, seen, size, digest, sha256)
+    except TryAgainLater:  # the store failed mid-stream: no verdict on the shard
+        raise
     except OSError as exc:
         return f"{path.name}: read failed ({exc.strerror})"
     finally:
-        os.close(fd)
+        src.close()
 
 
-def _size_and_hash(path: Path, seen: int, size: int, digest: Sha256Pipe, sha256: str) -> str | None:
+def _size_and_hash(path: Path | ByteSource, seen: int, size: int, digest: Sha256Pipe, sha256: str) -> str | None:
     if seen != size:
         return f"{path.name}: changed size while being read"
     got = digest.hexdigest()
@@ -196,7 +224,7 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
-def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
+def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
                   metadata: dict[str, str] | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
@@ -211,20 +239,20 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, A
     slices that overlap its own). The header is parsed here as data (JSON, size-capped),
     following the safetensors format; nothing in the file can run code.
     """
-    fd, reason = _open(path, size)
+    src, reason = _open(path, size)
     if reason:
         return reason
     try:
         digest = Sha256Pipe()
-        total = os.fstat(fd).st_size
+        total = src.size
         head = bytearray(8)
-        if _read_exact(fd, memoryview(head), digest) != 8:
+        if _read_exact(src, memoryview(head), digest) != 8:
             raise ValueError(f"{path.name}: not a valid safetensors file (shorter than 8 bytes)")
         n = int.from_bytes(head, "little")
         if n > min(total - 8, _MAX_HEADER):
             raise ValueError(f"{path.name}: not a valid safetensors file (header length {n})")
         text = bytearray(n)
-        if _read_exact(fd, memoryview(text), digest) != n:
+        if _read_exact(src, memoryview(text), digest) != n:
             raise ValueError(f"{path.name}: changed size while being read")
         try:
             header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -238,7 +266,7 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, A
         for h in _check_header(path.name, header, holds, total - seen):
             if dest is None:  # verify only: the same checks, the bytes through a bounded buffer
                 want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
-                got = _skim(fd, want, digest)
+                got = _skim(src, want, digest)
                 seen += got
                 if got != want:
                     break
@@ -246,7 +274,7 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, A
             out = dest.get(h.name)
             if out is None or isinstance(out, list):  # a part of it, or none: through a bounded buffer
                 want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
-                got = _skim(fd, want, digest) if out is None else _scatter(fd, h, out, digest)
+                got = _skim(src, want, digest) if out is None else _scatter(src, h, out, digest)
                 seen += got
                 if got != want:
                     break
@@ -254,23 +282,25 @@ def read_verified(path: Path, holds: Sequence[TensorSlice], dest: Mapping[str, A
             if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
                 raise ValueError(f"{path.name}: nowhere to put tensor {h.name}")  # a caller's bug
             view = byte_view(out)
-            got = _read_exact(fd, view, digest)
+            got = _read_exact(src, view, digest)
             seen += got
             if got != len(view):
                 break
-        if os.readv(fd, [bytearray(1)]):
+        if src.readinto(memoryview(bytearray(1))):
             seen += 1  # grew while being read
         return _size_and_hash(path, seen, total if size is None else size, digest,
                               sha256 if sha256 is not None else digest.hexdigest())
+    except TryAgainLater:
+        raise
     except OSError as exc:
         return f"{path.name}: read failed ({exc.strerror})"
     except ValueError as exc:
         return str(exc)
     finally:
-        os.close(fd)
+        src.close()
 
 
-def _scatter(fd: int, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+def _scatter(src: Any, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
              digest: Sha256Pipe) -> int:
     """Read and hash the slice ``h``'s bytes a block of whole rows at a time (one reused buffer
     of about ``CHUNK`` bytes), copying each piece (``(where in h, destination view)``) as its
@@ -283,7 +313,7 @@ def _scatter(fd: int, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], 
     for first in range(0, h.shape[0], step):
         rows = buf[:min(step, h.shape[0] - first)]
         view = byte_view(rows)
-        n = _read_exact(fd, view, digest)
+        n = _read_exact(src, view, digest)
         done += n
         if n < len(view):
             break
@@ -294,14 +324,14 @@ def _scatter(fd: int, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], 
     return done
 
 
-def _skim(fd: int, nbytes: int, digest: Sha256Pipe) -> int:
+def _skim(src: Any, nbytes: int, digest: Sha256Pipe) -> int:
     """Read and hash ``nbytes`` through two chunk-sized buffers in turn (one is hashed while the
     other is filled); the count actually read."""
     bufs = [bytearray(min(CHUNK, nbytes)) for _ in range(2)]
     done = 0
     while done < nbytes:
         view = memoryview(bufs[done // CHUNK % 2])[:nbytes - done]
-        n = _read_exact(fd, view, digest)
+        n = _read_exact(src, view, digest)
         done += n
         if n < len(view):
             break

@@ -31,6 +31,19 @@ from ..errors import UsageError
 Data = bytes | Iterable[bytes | memoryview]
 
 
+class ByteSource(Protocol):
+    """A stored object read once, front to back (what ``reading`` yields on a store that has no
+    local file for it): ``size`` is -1 when the object is absent."""
+
+    name: str
+    size: int
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill the start of ``view``; the count, 0 at the end."""
+
+    def close(self) -> None: ...
+
+
 @attrs.frozen
 class Written:
     """What a write put in storage: its size and sha256, computed from the bytes as written."""
@@ -137,8 +150,8 @@ class Backend(Protocol):
     def unpublished(self, prefix: str, marker: str) -> list[str]:
         """Names below ``prefix`` that killed writers left: staged, half-deleted."""
 
-    def reading(self, key: str) -> AbstractContextManager[Path]:
-        """(any process) A local file holding ``key``'s bytes, for the shard reader."""
+    def reading(self, key: str) -> AbstractContextManager[Path | ByteSource]:
+        """(any process) ``key``'s bytes for the shard reader: a local file, or a ByteSource."""
 
     def free_space(self) -> int | None:
         """Bytes free for the next checkpoint; None when the store has no such limit."""

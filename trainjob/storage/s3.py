@@ -27,25 +27,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
+import queue
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from ..errors import InputError, PvcBusy, TryAgainLater, one_line
-from .backend import SCHEME, Data, Url, Written
+from .backend import SCHEME, ByteSource, Data, Url, Written
 from .digest import Sha256Pipe
 
 LEASE_SECONDS = float(os.environ.get("TRAINJOB_LEASE_SECONDS", "30"))  # a holder renews at a third of it
-PART = 16 << 20  # multipart part size: large parts, few requests
+PART = 16 << 20  # multipart and ranged-GET part size: large parts, few requests
+WINDOW = 4  # ranged GETs in flight while a shard is read (memory: about two windows of parts)
 CONFLICT_RETRIES = 5
 
 
@@ -87,13 +86,58 @@ def _etag(meta: Any) -> str | None:
     return meta.get("e_tag") if isinstance(meta, dict) else getattr(meta, "e_tag", None)
 
 
-def _scratch(size: int) -> str | None:
-    """Where a shard is downloaded before it is verified: memory (/dev/shm) when it has room for
-    it twice over, as the page cache would hold it on a PVC; else the default temporary directory."""
-    try:
-        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * size + (64 << 20) else None
-    except OSError:
-        return None
+class _Ranged:
+    """An object as a ``ByteSource``: a helper thread fetches the next ``WINDOW`` parts by
+    parallel ranged GETs while the reader copies out the current ones, so the network, the copy
+    and the caller's hashing overlap; at most two windows are held."""
+
+    def __init__(self, backend: S3Backend, key: str) -> None:
+        self.name = key.rsplit("/", 1)[-1]
+        self.where = backend.where(key)
+        with _errors(self.where, "download failed"):
+            size = backend.size(key)
+        self.size = -1 if size is None else size
+        self._parts: queue.Queue[Any] = queue.Queue(maxsize=WINDOW)  # a window queued, the next in flight
+        self._view, self._at, self._closed = memoryview(b""), 0, threading.Event()
+        if self.size > 0:
+            threading.Thread(target=self._fetch, args=(backend, key), name="trainjob-s3-get", daemon=True).start()
+
+    def _fetch(self, backend: S3Backend, key: str) -> None:
+        import obstore as obs
+
+        try:
+            for batch in range(0, self.size, PART * WINDOW):
+                starts = list(range(batch, min(self.size, batch + PART * WINDOW), PART))
+                ends = [min(self.size, start + PART) for start in starts]
+                with _errors(self.where, "download failed"):
+                    chunks = obs.get_ranges(backend.store, key, starts=starts, ends=ends, coalesce=0)
+                for chunk in chunks:
+                    while not self._closed.is_set():
+                        try:
+                            self._parts.put(chunk, timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
+                    if self._closed.is_set():
+                        return
+        except BaseException as exc:  # noqa: BLE001 - raised in the reader's thread
+            self._parts.put(exc)
+
+    def readinto(self, view: memoryview) -> int:
+        if not self._view:
+            if self._at >= self.size:
+                return 0
+            got = self._parts.get()
+            if isinstance(got, BaseException):
+                raise got
+            self._view = memoryview(got)
+        n = min(len(view), len(self._view))
+        view[:n] = self._view[:n]
+        self._view, self._at = self._view[n:], self._at + n
+        return n
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 class S3Backend:
@@ -344,31 +388,14 @@ class S3Backend:
         return [n for n in names if n not in marked and not n.startswith("rejected-")]
 
     @contextmanager
-    def reading(self, key: str) -> Iterator[Path]:
-        """Download to a private temporary file, which the shard reader then verifies."""
-        import obstore as obs
-
-        size = self.size(key) or 0
-        with tempfile.TemporaryDirectory(prefix="trainjob-s3-", dir=_scratch(size)) as tmp:
-            path = Path(tmp) / key.rsplit("/", 1)[-1]
-            with _errors(self.where(key), "download failed"):
-                if not size and self._head(key) is None:
-                    yield path  # absent: the reader says "missing"
-                    return
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:  # parallel ranged GETs, a batch at a time (bounded memory), each written in place
-                    for batch in range(0, size, PART * 8):
-                        starts = list(range(batch, min(size, batch + PART * 8), PART))
-                        ends = [min(size, start + PART) for start in starts]
-                        for start, chunk in zip(starts, obs.get_ranges(self.store, key, starts=starts, ends=ends,
-                                                                        coalesce=0)):
-                            view, at = memoryview(chunk), start
-                            while view:
-                                n = os.pwrite(fd, view, at)
-                                view, at = view[n:], at + n
-                finally:
-                    os.close(fd)
-            yield path
+    def reading(self, key: str) -> Iterator[ByteSource]:
+        """The object, streamed: parallel ranged GETs a window ahead of the reader, each part
+        copied once, straight into the reader's arrays (no local copy)."""
+        source = _Ranged(self, key)
+        try:
+            yield source
+        finally:
+            source.close()
 
     def free_space(self) -> int | None:
         return None
