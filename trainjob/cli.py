@@ -265,6 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = _run_config(args, spec.world_size)
     cfg.check()
     if spec.rank is None:
+        from .ranks.connect import check_pvc
+        check_pvc(args.pvc, spec.world_size, os.environ)  # once, here, rather than once per rank
         return launch(spec.world_size, args.argv)
     stop = StopFlag()
     stop.install()  # before the trainer is built: a SIGTERM while it loads still ends in a checkpoint and 75

@@ -368,6 +368,13 @@ def test_a_bucket_pvc_renders_a_job_without_a_claim_its_credentials_from_a_named
     assert container["args"][:3] == ["run", "--pvc", "s3://jobs/exp-7"]
     assert manifests("--pvc", "s3://jobs/x")[0]["spec"]["template"]["spec"]["containers"][0]["envFrom"] == \
         [{"secretRef": {"name": "trainjob-s3"}}]
-    for bad in (["--pvc", "/var/data"], ["--pvc", "s3://jobs/x", "--world-size", "2"],
-                ["--pvc", "s3://jobs/x", "--s3-secret", "Bad_Name"]):
+    for bad in (["--pvc", "/var/data"], ["--pvc", "s3://jobs/x", "--s3-secret", "Bad_Name"]):
         assert render(*bad)[0] == 2
+    # W > 1 on a bucket: the ranks meet through the Service and torchrun's store, and share only
+    # the bucket, so there is no claim and no ReadWriteMany to find.
+    service, job = manifests("--pvc", "s3://jobs/x", "--world-size", "3")
+    assert (service["kind"], job["kind"], job["spec"]["completions"]) == ("Service", "Job", 3)
+    pod = job["spec"]["template"]["spec"]
+    assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
+    assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "trainjob-s3"}}]
+    assert pod["containers"][0]["command"][:2] == ["trainjob", "torchrun"]

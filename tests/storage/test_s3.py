@@ -419,3 +419,47 @@ def test_a_shard_streamed_from_the_bucket_is_verified_part_by_part(s3_pvc, monke
         with pytest.raises(TryAgainLater, match="good.bin: download failed"), \
                 backend.reading("objects/good.bin") as source:
             read(source)
+
+
+@pytest.mark.torchrun
+def test_two_ranks_under_torchrun_share_only_the_bucket_and_survive_a_sigkill_of_the_launch(s3_pvc, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """W = 2 on a bucket: torchrun's store carries the ranks' agreement, the bucket everything
+    durable, so no shared volume (ReadWriteMany) is needed. The launch is SIGKILLed at a random
+    instant after its first commit; the relaunch resumes and ends with the uninterrupted W = 1
+    directory run's bytes (every rank computes the same step). The local launcher's ranks, which
+    agree through files, are refused on a bucket: exit 2, one line."""
+    flags = ["--steps", "200", "--ckpt-every", "2"]  # a few seconds: the kill lands mid-run
+    local = tmp_path / "pvc"
+    assert trainjob("run", "--pvc", local, *flags).returncode == 0
+    assert cli.main(["run", "--pvc", s3_pvc, "--world-size", "2"]) == 2
+    assert "runs W > 1 ranks under torchrun" in capsys.readouterr().err
+    env = {**os.environ, "TRAINJOB_LEASE_SECONDS": "0.6", "OMP_NUM_THREADS": "1"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--monitor-interval", "0.1", "-m", "trainjob", "run", "--pvc", s3_pvc, *flags, "--rank-timeout", "5",
+            "--idempotent"]
+    backend = store_of(s3_pvc)
+    launch = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    deadline = time.monotonic() + 90
+    while launch.poll() is None and not backend.published("checkpoints", "manifest.json") \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(random.Random(2).uniform(0.0, 1.0))
+    killed = launch.poll() is None
+    if killed:
+        os.killpg(launch.pid, signal.SIGKILL)
+    err = launch.communicate()[1].decode()
+
+    def log() -> str:
+        return "".join(backend.read(f"log.jsonl.d/{n}", 1 << 20).decode() for n in backend.list("log.jsonl.d"))
+
+    assert killed and '"event":"completed"' not in log(), f"the launch ended before the kill: {err[-2000:]}"
+    time.sleep(0.7)  # the killed ranks' leases lapse
+    relaunch = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert relaunch.returncode == 0, relaunch.stderr[-3000:]
+    events = log()
+    assert "transport=store world_size=2" in events and '"event":"resumed"' in events, events[-3000:]
+    assert backend.read("artifacts/model-v1.json", 1 << 20) == (local / "artifacts/model-v1.json").read_bytes()
+    verify = trainjob("verify", "--pvc", s3_pvc)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

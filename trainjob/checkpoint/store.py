@@ -304,7 +304,11 @@ class CheckpointStore:
         return Loaded(ref, manifest, sha, dest, metadata)
 
     def staging(self, ref: Ref, generation: int) -> Path:
-        """Where launch ``generation`` builds checkpoint ``ref`` before rank 0 commits it."""
+        """Where launch ``generation`` builds checkpoint ``ref`` before rank 0 commits it: on a
+        directory a tmp directory of its own, renamed into place by the commit; on a bucket (no
+        rename) the checkpoint's own key, which counts once the manifest's create succeeds."""
+        if not self.pvc.local:
+            return self.path(ref)
         return self.root / f"{TMP}{ref.name}.g{generation:08d}"
 
     def receipt_path(self, staging: Path, rank: int, world_size: int) -> Path:

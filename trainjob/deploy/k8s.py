@@ -77,9 +77,6 @@ class Target:
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
         if self.deadline < 1:
             raise UsageError(f"--deadline must be at least 1 second, got {self.deadline}")
-        if self.bucket and self.world_size > 1:  # every pod would exit 2: say so now
-            raise UsageError(f"--pvc {self.bucket}: a bucket PVC runs one rank for now; drop --world-size "
-                             "or use a ReadWriteMany claim")
         if self.secret and not _DNS_LABEL.fullmatch(self.secret):
             raise UsageError(f"--s3-secret must be a Secret name (a DNS-1123 label), got {self.secret!r}")
 
@@ -219,10 +216,9 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
     }
     job = {"apiVersion": "batch/v1", "kind": "Job",
            "metadata": {"name": target.name, "labels": labels()}, "spec": job_spec}
-    if target.bucket:
-        return [job]
+    volume = [] if target.bucket else [claim]  # a bucket needs no claim, so W > 1 needs no ReadWriteMany
     if not indexed:
-        return [claim, job]
+        return [*volume, job]
     # The documented pattern for pod-to-pod communication in an Indexed Job: a headless Service
     # whose name is the pods' subdomain. Not-ready addresses are published so index 0's name
     # resolves while the pods are starting, which is when the rendezvous happens.
@@ -233,7 +229,7 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(),
                  "ports": [{"name": "c10d", "port": RDZV_PORT, "targetPort": RDZV_PORT}]},
     }
-    return [claim, service, job]
+    return [*volume, service, job]
 
 
 def render(docs: Sequence[dict[str, Any]]) -> str:

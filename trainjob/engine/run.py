@@ -191,9 +191,7 @@ class Run:
         cfg.check(lr_required=self.lr_given)
         if self.artifact_format not in ARTIFACT_FORMATS:
             raise UsageError(f"artifact_format is {self.artifact_format!r}; use one of {', '.join(ARTIFACT_FORMATS)}")
-        if isinstance(self.pvc_path, Url) and self.world_size > 1:
-            raise UsageError(f"{self.pvc_path}: a bucket PVC runs one rank for now (W > 1 coordinates through "
-                             "files on a directory PVC)")
+        connect.check_pvc(self.pvc_path, self.world_size, os.environ)
         check_path(self.pvc_path)
         if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
             check_path(self.log_path)

@@ -21,9 +21,11 @@ import datetime
 import os
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
+from ..storage.backend import Url
 from ..storage.pvc import Pvc
 from .coordination import Coordinator, Follower
 from .peers import PvcCoordinator, PvcFollower
@@ -55,6 +57,14 @@ def transport(world_size: int, env: Mapping[str, str]) -> str:
                              "torch.distributed before trainjob runs")
         return forced
     return "store" if _agent_store(env) or _group_initialized() else "files"
+
+
+def check_pvc(pvc: Path | Url, world_size: int, env: Mapping[str, str]) -> None:
+    """Refuse a bucket PVC to ranks that would coordinate through files: a bucket has no
+    directory to hold them (the store transport needs none)."""
+    if isinstance(pvc, Url) and world_size > 1 and transport(world_size, env) == "files":
+        raise UsageError(f"{pvc}: a bucket PVC runs W > 1 ranks under torchrun (they agree through its store); "
+                         "the local launcher's ranks coordinate through files on a directory")
 
 
 def open_store(env: Mapping[str, str], timeout: float) -> Any:

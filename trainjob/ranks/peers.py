@@ -201,6 +201,9 @@ class PvcCoordinator(PvcPeers):
         self.generation = (last.generation if last else 0) + 1
         session = session_for(self.generation)
         self.step = session.from_step
+        if not self.pvc.local:  # a bucket: only the store transport runs there, and it needs the number alone
+            self.pvc.write_record(self.session_path, session)
+            return session
         with os_errors(self.gen_dir(), "cannot create", InputError):
             make_dir(self.gen_dir())
         self._write(self.session_path, session)

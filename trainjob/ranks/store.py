@@ -215,8 +215,9 @@ class StorePeers:
 
 class StoreCoordinator(StorePeers):
     """(rank 0) Leads each launch through the store: ``Coordinator`` on a store. The generation
-    is still allocated on the PVC (``ranks/session.json``, under the job lock), so it grows
-    across launches whatever store each launch had."""
+    is still allocated on the PVC (``ranks/session.json``, under the job lock or the bucket's
+    lease), so it grows across launches whatever store each launch had. Nothing else here
+    touches the PVC: this transport runs on a bucket too."""
 
     def __init__(self, kv: Any, pvc: Pvc, world_size: int, timeout: float,
                  stop_signal: Callable[[], str | None]) -> None:
