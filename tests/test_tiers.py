@@ -1,0 +1,52 @@
+"""The fast tier's guard in tests/conftest.py, run on a tiny suite of its own (pytester): a test
+is failed only when both its CPU time and its wall time are over the limit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest_plugins = ["pytester"]
+CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+
+
+@pytest.mark.process  # a second pytest session in this one, about a second of busy CPU: slow tier
+def test_a_fast_tier_test_fails_only_when_both_its_cpu_and_its_wall_time_are_over(pytester):
+    assert "FAST_TEST_SECONDS = 2.0\n" in CONFTEST
+    pytester.makeconftest(CONFTEST.replace("FAST_TEST_SECONDS = 2.0\n", "FAST_TEST_SECONDS = 0.5\n"))
+    pytester.makepyfile(test_inner='''
+        import hashlib, threading, time
+        import pytest
+
+        def busy(seconds):
+            end = time.process_time() + seconds
+            while time.process_time() < end:
+                pass
+
+        def test_busy():
+            busy(0.8)
+
+        def test_asleep():  # wall time only: a loaded machine
+            time.sleep(0.8)
+
+        def hash_for(seconds):  # hashlib lets go of the GIL: threads add up to more than one core
+            data, end = bytes(1 << 20), time.monotonic() + seconds
+            while time.monotonic() < end:
+                hashlib.sha256(data)
+
+        def test_leaves_two_hashing_threads_behind():
+            for _ in range(2):
+                threading.Thread(target=hash_for, args=(1.5,), daemon=True).start()
+
+        def test_short_beside_them():  # up to twice its wall time in process CPU, all of it theirs
+            time.sleep(0.3)
+
+        @pytest.mark.process
+        def test_busy_in_the_slow_tier():
+            busy(0.8)
+    ''')
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly")
+    result.assert_outcomes(passed=4, failed=1)
+    result.stdout.fnmatch_lines(["*::test_busy used * s of CPU in * s: a fast-tier test takes under 0.5 s*"])
+    assert "test_short_beside_them used" not in result.stdout.str()
