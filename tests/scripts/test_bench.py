@@ -47,6 +47,7 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench.py"), "--size", "16MiB", "--world-size", "1,2",
          "--repeat", "1", "--steps", "3", "--engine-mib", "4", "--no-torch", "--log-lines", "2000", "--startup-repeat", "1",
+         "--s3-mib", "16",
          "--dir", str(tmp_path), "--json", str(out), "--plot", str(tmp_path / "bench.png")],
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -74,6 +75,9 @@ def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     assert {"trainjob --help", "trainjob status (one line)", "python -c 'import trainjob'"} <= set(startup)
     assert all(c[k]["median"] > 0 for c in startup.values() for k in ("seconds", "x_python", "x_numpy"))
     assert sum(name.startswith("start-up:") for name in result["targets"]) == 3
+    assert result["s3"]["mib"] == 16 and len(result["s3"]["targets"]) == 2  # the test extra has the server
+    assert all(result["s3"][k]["median"] > 0 for k in ("save_ratio", "load_ratio"))
+    assert all(v["median"] > 0 for v in result["s3"]["seconds"].values())
 
 
 @pytest.mark.process
