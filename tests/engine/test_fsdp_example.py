@@ -69,7 +69,8 @@ def tree(pvc: Path) -> dict[str, str]:
 
 def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_bytes(tmp_path):
     """The killed run and its relaunch checkpoint asynchronously (the writer thread's snapshot of
-    each rank's shards), the reference synchronously: the bytes must not differ either way."""
+    each rank's shards), the reference synchronously: the bytes must not differ either way.
+    Slower than 20 s under load: three torchrun launches of two FSDP workers."""
     code, err = run(tmp_path / "ref")
     assert code == 0, err[-2000:]
     expected = (tmp_path / "ref/artifacts/model-v1.safetensors").read_bytes()
@@ -88,6 +89,10 @@ def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_byt
 
 
 def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_is_refused(tmp_path):
+    """A W = 2 checkpoint is refused to another model and to W = 1 (nothing written); resharded
+    to 4 ranks it resumes and is cut short again, resharded to 1 it resumes and completes, each
+    change of world size logged. Slower than 20 s: seven launches that import torch (three under
+    torchrun at 2 and 4 ranks, the refusals, the reshards, the last run)."""
     pvc = tmp_path / "pvc"
     cut_short(pvc, random.Random(SEED))  # (a SIGKILL of one rank alone: its peer waits ~30 s for gloo; not here)
     before = tree(pvc)

@@ -112,7 +112,8 @@ def test_the_readme_shows_the_example_file_itself_in_30_to_60_lines():
 def test_torchrun_sigterm_to_either_rank_saves_one_agreed_step_and_every_rank_exits_75(tmp_path):
     """Under torchrun the ranks agree through its store, once per step (a round every rank takes
     part in), so a rank that wants to stop never waits while its peer waits in the next step's
-    allreduce: both save the same step."""
+    allreduce: both save the same step. Slower than 20 s under load: two torchrun launches of two
+    torch workers, each trained to a checkpoint, then one rank SIGTERMed."""
     pvc = tmp_path / "pvc"
     for victim in (1, 0):
         err = interrupt(pvc, victim, signal.SIGTERM, newest_step(pvc), W2)
