@@ -178,3 +178,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         report.longrepr = (f"{item.nodeid} used {cpu:.1f} s of CPU in {wall:.1f} s: a fast-tier test takes under "
                            f"{FAST_TEST_SECONDS:g} s (make it cheaper, or mark it process and say why)")
     return report
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slowest kinds first (torchrun, then the other process tests), each in collection order:
+    under ``--dist worksteal`` a long test then starts while every worker still has short ones to
+    spread around it, instead of starting last and leaving the others idle at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("torchrun") is None,
+                                 item.get_closest_marker("process") is None))
