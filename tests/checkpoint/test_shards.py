@@ -117,6 +117,22 @@ def test_a_load_reads_straight_into_the_state_and_checks_the_bytes_it_kept(shard
     assert "sha256" in shards.read_verified(path, holds, dest, w.size, w.sha256)
 
 
+@pytest.mark.parametrize("chunk", [64, 96, 1 << 20])  # 2 rows a block, 3, and the whole slice at once
+def test_a_load_by_offsets_copies_each_piece_as_its_rows_go_by_block_after_block(tmp_path, monkeypatch, chunk):
+    """The reshard path: only the parts of a saved slice that overlap this rank's are copied,
+    read through one reused block of whole rows; every block after the first reads from the same
+    shard (a regression: the pieces' loop once rebound the source it reads from)."""
+    whole = np.arange(50 * 4, dtype=np.float64).reshape(50, 4)
+    path = tmp_path / "s.safetensors"
+    written = atomic_write(path, shards.encode({"w": whole}, {}))
+    monkeypatch.setattr(shards, "CHUNK", chunk)
+    holds = [TensorSlice(name="w", dtype="F64", shape=(50, 4), start=0)]
+    middle, tail = np.full((38, 2), -1.0), np.full((5, 4), -1.0)
+    pieces = {"w": [((slice(3, 41), slice(1, 3)), middle), ((slice(45, 50), slice(0, 4)), tail)]}
+    assert shards.read_verified(path, holds, pieces, written.size, written.sha256) is None
+    assert np.array_equal(middle, whole[3:41, 1:3]) and np.array_equal(tail, whole[45:50])
+
+
 @pytest.mark.parametrize("edit, reason", [
     (lambda t: t.replace("[0,32]", "[8,40]"), "gap or overlap"),
     (lambda t: t.replace("[0,32]", "[0,24]"), "offsets"),

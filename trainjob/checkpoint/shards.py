@@ -129,7 +129,7 @@ def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
     return src, None
 
 
-def _read_exact(src: Any, view: memoryview, digest: Sha256Pipe) -> int:
+def _read_exact(src: ByteSource, view: memoryview, digest: Sha256Pipe) -> int:
     """Fill ``view`` from ``src`` chunk by chunk, hashing each chunk while the next is read."""
     done = 0
     while done < len(view):
@@ -300,7 +300,7 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
         src.close()
 
 
-def _scatter(src: Any, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
+def _scatter(src: ByteSource, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...], np.ndarray]],
              digest: Sha256Pipe) -> int:
     """Read and hash the slice ``h``'s bytes a block of whole rows at a time (one reused buffer
     of about ``CHUNK`` bytes), copying each piece (``(where in h, destination view)``) as its
@@ -317,14 +317,14 @@ def _scatter(src: Any, h: TensorSlice, pieces: Sequence[tuple[tuple[slice, ...],
         done += n
         if n < len(view):
             break
-        for src, out in pieces:
-            lo, hi = max(src[0].start, first), min(src[0].stop, first + len(rows))
+        for where, out in pieces:
+            lo, hi = max(where[0].start, first), min(where[0].stop, first + len(rows))
             if lo < hi:
-                out[lo - src[0].start:hi - src[0].start] = rows[(slice(lo - first, hi - first), *src[1:])]
+                out[lo - where[0].start:hi - where[0].start] = rows[(slice(lo - first, hi - first), *where[1:])]
     return done
 
 
-def _skim(src: Any, nbytes: int, digest: Sha256Pipe) -> int:
+def _skim(src: ByteSource, nbytes: int, digest: Sha256Pipe) -> int:
     """Read and hash ``nbytes`` through two chunk-sized buffers in turn (one is hashed while the
     other is filled); the count actually read."""
     bufs = [bytearray(min(CHUNK, nbytes)) for _ in range(2)]
