@@ -112,16 +112,20 @@ class _Ranged:
                 with _errors(self.where, "download failed"):
                     chunks = obs.get_ranges(backend.store, key, starts=starts, ends=ends, coalesce=0)
                 for chunk in chunks:
-                    while not self._closed.is_set():
-                        try:
-                            self._parts.put(chunk, timeout=0.1)
-                            break
-                        except queue.Full:
-                            pass
-                    if self._closed.is_set():
+                    if not self._offer(chunk):
                         return
         except BaseException as exc:  # noqa: BLE001 - raised in the reader's thread
-            self._parts.put(exc)
+            self._offer(exc)
+
+    def _offer(self, item: Any) -> bool:
+        """Queue ``item`` for the reader; False once it has closed (never blocks past that)."""
+        while not self._closed.is_set():
+            try:
+                self._parts.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
 
     def readinto(self, view: memoryview) -> int:
         if not self._view:
