@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 import subprocess
 import sys
 
@@ -201,6 +202,45 @@ def test_a_value_that_is_not_plain_is_refused_naming_its_key(value, says):
     assert says in str(info.value) and "\n" not in str(info.value)
 
 
-def test_a_loader_that_cannot_say_where_it_is_is_refused():
-    with pytest.raises(UsageError, match="use torchdata.stateful_dataloader.StatefulDataLoader"):
-        TrainingState(model=torch.nn.Linear(1, 1), loader=torch.utils.data.DataLoader([1, 2]))
+REFUSED_MEMBERS = {
+    "loader": (lambda m: dict(loader=torch.utils.data.DataLoader([1, 2])),
+               "use torchdata.stateful_dataloader.StatefulDataLoader"),
+    "model": (lambda m: dict(model=m.state_dict()), "model= must be a torch.nn.Module, got OrderedDict"),
+    "scheduler": (lambda m: dict(scheduler=object()), "scheduler is a object, which has no state_dict()"),
+    "optimizer": (lambda m: dict(optimizer=torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)),
+                  "parameter(s) that are not the model's"),
+}
+
+
+@pytest.mark.parametrize("member", REFUSED_MEMBERS)
+def test_what_a_state_cannot_hold_is_refused_when_the_state_is_first_asked_for(member):
+    """Not at construction: raised there, before the Run exists, the refusal would end the
+    script in Python's exit 1 (test below)."""
+    model = torch.nn.Linear(1, 1)
+    given, says = REFUSED_MEMBERS[member]
+    state = TrainingState(**{"model": model, **given(model)})
+    for call in (state.state_dict, lambda: state.load_state_dict({})):
+        with pytest.raises(UsageError, match=re.escape(says)) as info:
+            call()
+        assert str(info.value).startswith("TrainingState: ") and "\n" not in str(info.value)
+
+
+@pytest.mark.process
+def test_a_script_with_a_plain_dataloader_exits_2_in_one_line_and_writes_nothing(tmp_path):
+    """The mistake a typical script makes first (docs/trainers.md), as the operating system sees it."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import sys, torch, trainjob\nfrom trainjob.torch import TrainingState\n"
+        "net = torch.nn.Linear(2, 2)\n"
+        "state = TrainingState(model=net, optimizer=torch.optim.AdamW(net.parameters()),\n"
+        "                      loader=torch.utils.data.DataLoader(torch.zeros(8, 2), shuffle=True))\n"
+        "with trainjob.Run(sys.argv[1], state=state, steps=4, ckpt_every=2) as run:\n"
+        "    for step in run:\n"
+        "        run.report(0.5)\n"
+        "sys.exit(run.exit_code)\n")
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "pvc")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "StatefulDataLoader" in done.stderr, done.stderr
+    assert [p.name for p in (tmp_path / "pvc").iterdir()] == [".lock"]
+

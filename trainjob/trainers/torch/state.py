@@ -49,27 +49,35 @@ class TrainingState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: Any = None, loader: Any = None, scaler: Any = None,
                  extra: Mapping[str, Any] | None = None, rng: bool = True) -> None:
-        if not isinstance(model, torch.nn.Module):
-            raise UsageError(f"TrainingState(model=...) must be a torch.nn.Module, got {type(model).__name__}")
-        for name, member in (("scheduler", scheduler), ("scaler", scaler), *(extra or {}).items()):
-            if member is not None and not _is_stateful(member) and not streams.is_generator(member):
-                raise UsageError(f"TrainingState: {name} is a {type(member).__name__}, which has no "
-                                 "state_dict()/load_state_dict()")
-        if loader is not None:
-            try:
-                loader_state.check(loader)
-            except TypeError as exc:
-                raise UsageError(f"TrainingState: {exc}") from None
-        self.model, self.optimizer, self.scheduler, self.loader, self.scaler = model, optimizer, scheduler, loader, scaler
-        self.extra, self.rng = dict(extra or {}), rng
+        """Checks what it is given, but refuses it only when the state is first asked for (at
+        the ``with trainjob.Run``): raised here, before the Run exists, a refusal would end the
+        script in Python's exit 1, which trainjob's table keeps for an honest failure."""
+        self.model, self.optimizer, self.scheduler, self.loader = model, optimizer, scheduler, loader
+        self.scaler, self.extra, self.rng = scaler, dict(extra or {}), rng
         self._layout: optim.Layout | None = None
-        if optimizer is not None:
-            try:
-                self._layout = optim.Layout(model, optimizer)
-            except ValueError as exc:
-                raise UsageError(f"TrainingState: {exc}") from None
+        self._refusal: str | None = None
+        try:
+            self._check()
+        except (TypeError, ValueError) as exc:
+            self._refusal = f"TrainingState: {exc}"
+
+    def _check(self) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise TypeError(f"model= must be a torch.nn.Module, got {type(self.model).__name__}")
+        for name, member in (("scheduler", self.scheduler), ("scaler", self.scaler), *self.extra.items()):
+            if member is not None and not _is_stateful(member) and not streams.is_generator(member):
+                raise TypeError(f"{name} is a {type(member).__name__}, which has no state_dict()/load_state_dict()")
+        if self.loader is not None:
+            loader_state.check(self.loader)
+        if self.optimizer is not None:
+            self._layout = optim.Layout(self.model, self.optimizer)
+
+    def _refuse(self) -> None:
+        if self._refusal is not None:
+            raise UsageError(self._refusal)
 
     def state_dict(self) -> dict[str, Any]:
+        self._refuse()
         out: dict[str, Any] = {"model": {k: _axis(v) for k, v in get_model_state_dict(self.model).items()}}
         if self.optimizer is not None:
             assert self._layout is not None
@@ -97,6 +105,7 @@ class TrainingState:
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._refuse()
         live = get_model_state_dict(self.model)
         set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in state["model"].items()})
         if self.optimizer is not None:
