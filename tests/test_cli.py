@@ -119,6 +119,17 @@ def test_bad_flags_exit_2_with_one_line(pvc, flags, message):
     assert not pvc.exists()  # nothing written for a run that could never work
 
 
+@pytest.mark.parametrize("command", [["run", "--pvc", ""], ["run", "--pvc", "p", "--log", ""], ["verify", "--pvc", ""],
+                                     ["status", "--pvc", ""]])
+def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, monkeypatch, capsys, command):
+    """pathlib reads "" as "."; before, `run --pvc ""` wrote `tate.json` and `ttempts` here."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(command)
+    assert exited.value.code == 2 and "an empty path is no storage location" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.process
 def test_status_of_missing_log_is_exit_2_not_1(tmp_path):
     result = trainjob("status", tmp_path / "nope.jsonl")

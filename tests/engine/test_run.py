@@ -231,6 +231,49 @@ def test_bad_settings_and_a_busy_pvc_end_in_exit_codes_not_exceptions(pvc, capsy
     assert holder.exit_code == 0
 
 
+@pytest.mark.parametrize("settings, says", [
+    (dict(steps="4"), "steps= must be an integer, got '4'"),
+    (dict(steps=4.0), "steps= must be an integer, got 4.0"),
+    (dict(steps=True), "steps= must be an integer, got True"),
+    (dict(keep=None), "keep= must be an integer, got None"),
+    (dict(rank_timeout="60"), "rank_timeout= must be a number, got '60'"),
+    (dict(world_size="1"), "world_size= must be an integer, got '1'"),
+    (dict(rank=1.0, world_size=2), "rank= must be an integer, got 1.0"),
+])
+def test_a_setting_of_the_wrong_type_is_exit_2_naming_it(pvc, capsys, settings, says):
+    """Not 70: without the check, a str failed a comparison and a numpy scalar the JSON of a record."""
+    run, _ = own(pvc, good, **settings)
+    assert run.exit_code == 2 and str(run.error) == says, run.error
+    assert not pvc.exists()
+
+
+def test_numpy_scalars_are_settings_like_the_numbers_they_hold(pvc):
+    run, _ = own(pvc, good, steps=np.int64(4), keep=np.int32(1), rank_timeout=np.float32(30), lr=np.float64(0.1))
+    assert run.exit_code == 0, run.error
+    assert events(pvc / "log.jsonl")[0] == ("job_started", "steps=4 attempt=1")
+
+
+@pytest.mark.parametrize("location, says", [(None, "pvc= must be a directory's path or an s3:// URL, got None"),
+                                            (b"pvc", "pvc= must be a directory's path or an s3:// URL, got b'pvc'"),
+                                            ("", "an empty path is no storage location")])
+def test_a_pvc_that_is_no_location_is_exit_2_and_nothing_is_written(tmp_path, monkeypatch, capsys, location, says):
+    monkeypatch.chdir(tmp_path)  # "" would have been the current directory
+    run, _ = own(location, good)
+    assert run.exit_code == 2 and str(run.error).startswith(says), run.error
+    assert list(tmp_path.iterdir()) == []
+    run, _ = own(tmp_path / "pvc", good, log=123)
+    assert run.exit_code == 2 and str(run.error) == "log= must be a directory's path or an s3:// URL, got 123"
+
+
+def test_the_current_directory_is_a_pvc_like_any_other(tmp_path, monkeypatch):
+    """A root of "." vanishes from the paths joined to it: the keys once lost their first letter."""
+    monkeypatch.chdir(tmp_path)
+    assert own(".", good)[0].exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "artifacts", "attempts", "checkpoint.json",
+                                                          "checkpoints", "log.jsonl", "state.json"]
+    assert cli.main(["verify", "--pvc", "."]) == 0
+
+
 def test_an_idempotent_start_after_completion_is_0_and_trains_nothing(pvc, capsys):
     assert own(pvc, good)[0].exit_code == 0
     log = (pvc / "log.jsonl").read_bytes()

@@ -7,6 +7,9 @@ Must not import anything heavier than attrs.
 
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 import attrs
 
 from ..defaults import BACKOFF_LIMIT
@@ -54,3 +57,28 @@ class RunConfig:
         """What every rank of one launch must agree on to compute the same updates."""
         return (f"steps={self.steps} ckpt_every={self.ckpt_every} lr={self.lr!r} die_at={self.die_at} "
                 f"data={data_sha256[:16]} trainer={self.trainer}")
+
+
+# The settings a Python caller may pass (``trainjob.Run``), by the kind of number each is. The
+# command line's parser already makes these types; a script may hand over a numpy scalar or a str.
+PYTHON_SETTINGS = {"steps": int, "ckpt_every": int, "lr": float, "max_drop": int, "backoff_limit": int,
+                   "die_at": int, "keep": int, "world_size": int, "rank_timeout": float}
+
+
+def as_setting(name: str, value: object, kind: type[int] | type[float]) -> int | float:
+    """``value`` as the plain int or float setting ``name`` is (a numpy scalar passes); UsageError
+    naming it for a bool, a str, or a float where an integer belongs. Without this a wrong type
+    failed a comparison, or the JSON of a record, as an internal error (exit 70)."""
+    if not isinstance(value, bool | str | bytes):
+        try:
+            return operator.index(value) if kind is int else float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass
+    raise UsageError(f"{name}= must be {'an integer' if kind is int else 'a number'}, got {value!r:.60}")
+
+
+def from_python(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with every setting a Python caller gave as a plain int or float (``as_setting``)."""
+    plain: dict[str, Any] = {name: as_setting(name, getattr(cfg, name), kind) for name, kind in PYTHON_SETTINGS.items()
+                             if name != "die_at" or cfg.die_at is not None}  # the one that may be None
+    return attrs.evolve(cfg, **plain)

@@ -72,7 +72,7 @@ import attrs
 
 from . import decisions, machine
 from .completion import Completion, completed_job
-from .config import DEFAULT_LOG, RunConfig
+from .config import DEFAULT_LOG, RunConfig, as_setting, from_python
 from .job import ARTIFACT_FORMATS, Job, StopFlag
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
@@ -133,8 +133,7 @@ class Run:
         """Nothing is checked or touched here: entering the ``with`` does it, so that every error
         ends in ``exit_code``. ``stop``: a StopFlag already installed (the CLI installs it before
         it builds the trainer); by default the run installs its own while it is entered."""
-        self.pvc_path = as_location(pvc)  # a directory, or an s3:// bucket prefix
-        self.log_path = as_location(log) if log is not None else self.pvc_path / DEFAULT_LOG
+        self._pvc_given, self._log_given = pvc, log  # checked on entering, as locations: a directory or an s3:// prefix
         self.stateful, self.data_sha256 = state, data_sha256 or NO_DATA_SHA256
         self.lr_given = lr is not None
         self.cfg = RunConfig(steps=steps, ckpt_every=ckpt_every, lr=lr if lr is not None else 0.0, max_drop=max_drop,
@@ -182,7 +181,12 @@ class Run:
                                  "there (Python's rule for signals) to checkpoint before a stop")
             self.stop = StopFlag()
             self._stack.callback(_after_the_run, self.stop.install())
-        spec = resolve_rank(self.rank, self.world_size, os.environ)
+        self.cfg = from_python(self.cfg)
+        self.pvc_path = as_location(self._pvc_given, "pvc")
+        self.log_path = (as_location(self._log_given, "log") if self._log_given is not None
+                         else self.pvc_path / DEFAULT_LOG)
+        spec = resolve_rank(*(None if v is None else as_setting(n, v, int)
+                              for n, v in (("rank", self.rank), ("world_size", self.world_size))), os.environ)
         if spec.rank is None:
             raise UsageError(f"world size {spec.world_size} needs one process per rank: launch the script "
                              "with torchrun (it sets RANK and WORLD_SIZE), or pass rank=")

@@ -75,6 +75,8 @@ class Url(str):
 def location(text: str) -> Path | Url:
     """A ``--pvc`` (or ``--log``) argument: ``s3://BUCKET[/PREFIX]`` or a local path. A malformed
     URL is a UsageError naming what is wrong (exit 2)."""
+    if not text:  # pathlib reads "" as ".", the current directory: never what was meant
+        raise UsageError("an empty path is no storage location; name a directory (. for the current one)")
     if not text.startswith(SCHEME):
         if "://" in text:
             raise UsageError(f"{text}: only s3:// URLs and local paths are storage locations")
@@ -88,11 +90,15 @@ def location(text: str) -> Path | Url:
     return Url(SCHEME + "/".join([bucket, *parts]))
 
 
-def as_location(value: str | os.PathLike[str]) -> Path | Url:
-    """What ``trainjob.Run(pvc=...)`` accepts: a Url, an ``s3://`` string, or a path."""
+def as_location(value: object, name: str) -> Path | Url:
+    """What ``trainjob.Run(pvc=...)`` (``name``) accepts: a Url, an ``s3://`` string, or a path;
+    anything else is a UsageError naming it."""
     if isinstance(value, Url):
         return value
-    return location(value) if isinstance(value, str) else Path(value)
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise UsageError(f"{name}= must be a directory's path or an s3:// URL, got {value!r:.60}")
+    return location(text)
 
 
 def _bucket_name_ok(name: str) -> bool:

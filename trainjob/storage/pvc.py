@@ -529,6 +529,8 @@ class Pvc:
 
     def key(self, path: Path | str) -> str:
         """``path`` (under ``root``) as the backend's key."""
+        if self.local:  # not by slicing: a root of "." vanishes from the paths joined to it
+            return Path(path).relative_to(self.root).as_posix()
         return str(path)[len(str(self.root)):].lstrip("/")
 
     def create(self) -> None:
