@@ -120,7 +120,7 @@ def test_bad_flags_exit_2_with_one_line(pvc, flags, message):
 
 
 @pytest.mark.parametrize("command", [["run", "--pvc", ""], ["run", "--pvc", "p", "--log", ""], ["verify", "--pvc", ""],
-                                     ["status", "--pvc", ""]])
+                                     ["status", ""]])
 def test_an_empty_path_is_a_usage_error_not_the_current_directory(tmp_path, monkeypatch, capsys, command):
     """pathlib reads "" as "."; before, `run --pvc ""` wrote `tate.json` and `ttempts` here."""
     monkeypatch.chdir(tmp_path)
