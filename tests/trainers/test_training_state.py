@@ -244,3 +244,39 @@ def test_a_script_with_a_plain_dataloader_exits_2_in_one_line_and_writes_nothing
     assert done.stderr.count("\n") == 1 and "StatefulDataLoader" in done.stderr, done.stderr
     assert [p.name for p in (tmp_path / "pvc").iterdir()] == [".lock"]
 
+
+
+@pytest.mark.parametrize("own_generator", [False, True], ids=["global-stream", "own-generator"])
+def test_a_loader_resumed_mid_epoch_yields_the_same_batches_and_leaves_the_global_stream_as_it_was(own_generator):
+    """Without a generator of its own a loader draws a seed from torch's global stream for every
+    iterator it builds, the resumed one too; every dropout mask after the resume moved (found by
+    ``trainjob prove`` on a script passing no ``generator=``). A draw after each batch stands for
+    the step's dropout; the run crosses two epoch boundaries after the resume."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def run(resume_at: int | None) -> list:
+        torch.manual_seed(0)
+        make = lambda: StatefulDataLoader(list(range(12)), batch_size=4, shuffle=True,  # noqa: E731
+                                          generator=torch.Generator().manual_seed(1) if own_generator else None)
+        loader = make()
+        state = TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
+        state.state_dict()  # as the Run's start takes it
+        seen, batches = [], iter(loader)
+        for step in range(1, 9):
+            if step - 1 == resume_at:  # a relaunch: a new loader, the checkpoint loaded into it
+                saved = state.state_dict()
+                loader = make()
+                state = TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
+                state.load_state_dict(saved)
+                batches = iter(loader)
+            try:
+                batch = next(batches)
+            except StopIteration:
+                batches = iter(loader)
+                batch = next(batches)
+            seen.append((batch.tolist(), torch.rand(1).item()))
+        return seen
+
+    reference = run(resume_at=None)
+    for at in (2, 3, 4):  # 3 batches an epoch: mid-epoch, at the boundary, just after it
+        assert run(resume_at=at) == reference, at

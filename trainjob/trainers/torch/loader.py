@@ -10,7 +10,11 @@ A trap, measured with torchdata 0.11: resumed mid-epoch, the loader rebuilds the
 permutation from its generator's state at the epoch's start, but draws from that generator more
 times than an uninterrupted loader did, so every *later* epoch is shuffled differently. So the
 generators a loader shuffles with are saved as they are now, and a load builds the resumed
-iterator at once (the loader's next ``iter()`` returns it) and then puts them back.
+iterator at once (the loader's next ``iter()`` returns it) and then puts them back. Without a
+generator of its own, a loader draws a seed from torch's *global* stream for every iterator it
+builds, the resumed one included, where the uninterrupted run drew none: every dropout mask after
+the resume would differ (``trainjob prove`` found it in a script passing no ``generator=``). So
+that stream is put back too.
 """
 
 from __future__ import annotations
@@ -74,6 +78,8 @@ def load_state_dict(loader: Any, text: str) -> None:
     if len(generators) != len(state["generators"]):
         raise ValueError(f"the loader shuffles with {len(generators)} generator(s), the checkpoint's with "
                          f"{len(state['generators'])}")
+    drawn_from = torch.get_rng_state()  # torch's global stream, as the rest of the load restored it
     loader.state_dict()  # builds the resumed iterator now, drawing what it draws; next iter() returns it
+    torch.set_rng_state(drawn_from)
     for g, saved in zip(generators, state["generators"]):
         g.set_state(saved)
