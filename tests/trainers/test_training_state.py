@@ -181,6 +181,36 @@ def test_the_scaler_the_global_streams_and_named_generators_come_back():
     assert got[4] == expect[4]
 
 
+def test_an_ema_copy_in_extra_is_checkpointed_and_comes_back_with_its_count():
+    """torch's own EMA (AveragedModel) holds a 0-d ``n_averaged``: refused as any 0-d tensor until
+    extra's modules were given an axis as the model's are."""
+    def ema_setup():
+        setup = Setup()
+        setup.ema = torch.optim.swa_utils.AveragedModel(
+            setup.model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+        setup.state = TrainingState(model=setup.model, optimizer=setup.opt, scheduler=setup.sched,
+                                    extra={"ema": setup.ema})
+        return setup
+
+    def train(setup, n):
+        for _ in range(n):
+            setup.step()
+            setup.ema.update_parameters(setup.model)
+
+    straight = ema_setup()  # each Setup seeds the global stream its steps draw from
+    train(straight, 5)
+    first = ema_setup()
+    train(first, 3)
+    saved = checkpoint(first.state)
+    torch.manual_seed(123)
+    again = ema_setup()
+    resume(again, saved)
+    assert int(again.ema.n_averaged) == 3
+    train(again, 2)
+    assert equal([p.detach() for p in straight.ema.parameters()], [p.detach() for p in again.ema.parameters()])
+    assert int(again.ema.n_averaged) == 5
+
+
 class Counter:
     def __init__(self, value):
         self.value = value

@@ -12,7 +12,7 @@
                 groups (lr as the scheduler left it, betas, weight decay, initial_lr) as plain values
     scheduler   any torch.optim.lr_scheduler's state_dict(): plain values
     scaler      a torch.amp.GradScaler's state_dict(): plain values
-    extra       each named member's state_dict() (an object with state_dict/load_state_dict)
+    extra       each named member's state_dict() (a module's as the model's: 0-d tensors given an axis)
     rank        RankLocal: this rank's RNG streams (``rng.py``; ``rng=False`` leaves them out), the
                 loader's position (``loader.py``), the named torch/numpy Generators in ``extra``
 
@@ -87,7 +87,8 @@ class TrainingState:
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         local: dict[str, Any] = {}
-        shared = {k: m.state_dict() for k, m in self.extra.items() if not streams.is_generator(m)}
+        shared = {k: _module_state(m) if isinstance(m, torch.nn.Module) else m.state_dict()
+                  for k, m in self.extra.items() if not streams.is_generator(m)}
         if shared:
             out["extra"] = shared
         generators = {k: streams.generator_state(m) for k, m in self.extra.items() if streams.is_generator(m)}
@@ -116,7 +117,11 @@ class TrainingState:
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
         for k, m in self.extra.items():
-            if not streams.is_generator(m):
+            if isinstance(m, torch.nn.Module):  # an EMA copy (AveragedModel), a teacher: as the model is
+                live = m.state_dict()
+                m.load_state_dict({n: _unaxis(v, live[n].shape) if n in live else v
+                                   for n, v in state["extra"][k].items()})
+            elif not streams.is_generator(m):
                 m.load_state_dict(state["extra"][k])
         local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
         if local is None:
@@ -132,6 +137,12 @@ class TrainingState:
 
 def _is_stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _module_state(module: torch.nn.Module) -> dict[str, Any]:
+    """An ``extra`` module's tensors, a 0-d one (AveragedModel's ``n_averaged``) given an axis as
+    the model's are."""
+    return {k: _axis(v) if isinstance(v, torch.Tensor) else v for k, v in module.state_dict().items()}
 
 
 def _axis(t: torch.Tensor) -> torch.Tensor:
