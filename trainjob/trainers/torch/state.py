@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from . import loader as loader_state, optim, rng as streams
+from . import loader as loader_state, optim, rng as streams, workers
 from ...plain import PlainError
 from ...state_tree import RankLocal
 from ...errors import UsageError
@@ -40,9 +40,11 @@ class TrainingState:
 
     ``model``: the module (DDP- or torch.compile-wrapped, or not). ``optimizer`` any torch.optim
     optimizer over the model's parameters; ``scheduler`` any LR scheduler; ``loader`` a
-    torchdata ``StatefulDataLoader``; ``scaler`` a ``torch.amp.GradScaler``; ``extra``: more
-    members by name, each an object with ``state_dict()``/``load_state_dict()`` (same on every
-    rank) or a ``torch.Generator``/``numpy.random.Generator`` (per rank). ``rng=False``: leave
+    torchdata ``StatefulDataLoader``. If it has worker processes, its ``worker_init_fn`` is
+    wrapped so that the workers ignore a SIGTERM or SIGINT sent to the whole process group
+    (``workers.py``); build the state before the loader's first ``iter()``. ``scaler`` a
+    ``torch.amp.GradScaler``; ``extra``: more members by name, each an object with
+    ``state_dict()``/``load_state_dict()`` (same on every rank) or a ``torch.Generator``/``numpy.random.Generator`` (per rank). ``rng=False``: leave
     the global RNG streams out (a script that draws nothing random after its start).
     """
 
@@ -60,6 +62,10 @@ class TrainingState:
             self._check()
         except (TypeError, ValueError) as exc:
             self._refusal = f"TrainingState: {exc}"
+        else:
+            # Now, before the Run's first state_dict() starts the workers: a signal to the whole
+            # process group must not kill them in the middle of the stop checkpoint (workers.py).
+            workers.guard(self.loader)
 
     def _check(self) -> None:
         if not isinstance(self.model, torch.nn.Module):

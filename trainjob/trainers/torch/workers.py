@@ -1,0 +1,117 @@
+"""A data worker stops when the process that started it says so, not when its process group is signalled.
+
+Slurm's ``scancel``, systemd and ``kill -TERM -PGID`` signal a whole process group, and Ctrl-C
+sends SIGINT to the terminal's foreground group: a DataLoader's worker processes get the same
+signal as the training process. torch's SIGTERM handler in a worker lets it live only when its parent
+sent the signal. So the worker dies, the training process's SIGCHLD handler raises "DataLoader worker
+... is killed by signal" in the middle of a step or of the stop checkpoint, and the run ends in
+exit 70 with no checkpoint, though trainjob promises that a stop finishes its step, saves a
+checkpoint and exits 75. (Kubernetes signals PID 1 only, so it does not hit this.)
+
+``guard(loader)``, which ``TrainingState`` calls, wraps the loader's ``worker_init_fn`` in
+``StopOnOwner``. In each worker, before the user's own ``worker_init_fn`` runs, SIGTERM and
+SIGINT are blocked in its main thread (every thread started later inherits the mask) and a daemon
+thread takes them with ``sigwaitinfo``, which says who sent each one. What the worker does with a
+signal depends on who sent it (``verdict``):
+
+- the process that started the worker (torch's ``_shutdown_workers`` and multiprocessing's exit
+  handler both ``terminate()`` workers): the worker exits 0 at once, as torch's own handler does
+  when the signal comes from its parent;
+- any other sender, while that process lives: the signal is ignored. The process that started the
+  worker is stopping too: it saves its checkpoint, then shuts its workers down itself;
+- any sender, once that process is gone: the signal acts as it would without this module.
+
+``StopOnOwner`` can be pickled, and it records which process pickled it, so the guard works with
+the fork and spawn start methods. Under forkserver, a group SIGTERM also kills the fork server,
+which is the workers' parent, and torch's workers leave once their parent is gone. That case is
+not covered. SIGINT is covered, because the fork server ignores it. A signal that arrives before
+the guard is in place, between a worker's start and its ``worker_init_fn``, still acts as it did
+before.
+
+Owns: how the workers of a loader given to ``TrainingState`` take SIGTERM and SIGINT. Must not:
+change the training process's own signal handling (``engine/job.py``'s ``StopFlag``), or
+anything else in a worker. Cannot reach workers started before ``guard`` (their
+``worker_init_fn`` has already run), so build the ``TrainingState`` before the loader's first
+``iter()``. A process that a worker starts (a dataset's subprocess) inherits the blocked mask.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
+END, IGNORE, AS_WITHOUT = "end", "ignore", "as without"
+
+
+def guard(loader: Any) -> None:
+    """Make ``loader``'s future worker processes end only when the process that started them tells them to.
+    Does nothing when the loader has no workers, or if it is already guarded."""
+    workers = getattr(loader, "num_workers", 0)
+    if (isinstance(workers, int) and workers > 0 and hasattr(loader, "worker_init_fn")
+            and not isinstance(loader.worker_init_fn, StopOnOwner)):
+        loader.worker_init_fn = StopOnOwner(loader.worker_init_fn)
+
+
+def verdict(sender: int, owner: int, owner_alive: bool) -> str:
+    """What a worker does with a SIGTERM or SIGINT sent by ``sender`` (0: the kernel, such as a
+    terminal's Ctrl-C), ``owner`` being the process that started the worker."""
+    if sender == owner:
+        return END
+    return IGNORE if owner_alive else AS_WITHOUT
+
+
+class StopOnOwner:
+    """A loader's ``worker_init_fn``: the signal guard (module docstring), then the user's own
+    function (``inner``) if there is one. It is a module-level class, not a closure, so that spawn and
+    forkserver can pickle it."""
+
+    def __init__(self, inner: Callable[[int], Any] | None) -> None:
+        self.inner = inner
+        self.owner: int | None = None  # set in the copy a spawned worker unpickles
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled by the process starting the worker, which is the worker's parent under spawn but
+        # not under forkserver (there the fork server is the parent, and it is in the signalled group too).
+        return {"inner": self.inner, "owner": os.getpid()}
+
+    def __call__(self, worker_id: int) -> None:
+        parent = os.getppid()
+        owner = parent if self.owner is None else self.owner  # fork: nothing was pickled
+        # Blocked before any thread starts, so every thread has them blocked and only sigwaitinfo
+        # takes them. Otherwise torch's handler (which kills the worker) could run on a thread that
+        # had not blocked them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        threading.Thread(target=_take_stops, args=(owner, parent), name="trainjob-worker-stops",
+                         daemon=True).start()
+        if self.inner is not None:
+            self.inner(worker_id)
+
+
+def _owner_alive(owner: int, parent: int) -> bool:
+    if owner == parent:
+        return os.getppid() == owner  # exact: an orphan is re-parented, and a pid may be reused
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _take_stops(owner: int, parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo(STOPS)
+        what = verdict(info.si_pid, owner, _owner_alive(owner, parent))
+        if what == END:
+            # Exit 0 as torch's handler does for its parent. Death by the signal would make the
+            # training process's SIGCHLD handler report a killed worker while Python exits.
+            os._exit(0)
+        if what == AS_WITHOUT:  # raised again on this thread alone, to whatever handler the worker has
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {info.si_signo})
+            signal.pthread_kill(threading.get_ident(), info.si_signo)
+            signal.pthread_sigmask(signal.SIG_BLOCK, {info.si_signo})
