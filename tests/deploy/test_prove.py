@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -162,15 +163,18 @@ def test_twice_names_a_command_that_differs_from_itself(tmp_path, capsys):
 @pytest.mark.process
 @pytest.mark.killpoint
 @pytest.mark.torchrun
-def test_prove_kills_a_torchrun_launch_whole_and_passes_the_own_loop_at_two_ranks(capsys):
+def test_prove_kills_a_torchrun_launch_whole_and_passes_the_own_loop_at_two_ranks(capsys, tmp_path, monkeypatch):
     """Slower than 20 s: three launches of two torch workers each (the reference, one trial of two)."""
+    # prove's PVCs under this test's own folder, so the check below sees only this test's workers
+    # (another test may run examples/own_loop.py under prove at the same time).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     code = cli.main(["prove", "--kills", "1", "--", PYTHON, "-m", "trainjob", "torchrun", "--standalone",
                      "--nproc-per-node", "2", "--monitor-interval", "0.1", str(ROOT / "examples/own_loop.py"),
                      "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "5"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verdict: PROVEN" in out and "-9 0" in out  # killed once (the whole launch), relaunched once
-    left = subprocess.run(["pgrep", "-f", "examples/own_loop.py --pvc /tmp/trainjob-prove-"], capture_output=True)
+    left = subprocess.run(["pgrep", "-f", f"examples/own_loop.py --pvc {tmp_path}/trainjob-prove-"], capture_output=True)
     assert left.stdout == b"", "a worker outlived its killed launch"
 
 
