@@ -6,7 +6,10 @@
 The model: ``Linear(1024, 1024)`` blocks, each ``fully_shard``-ed, the whole too, with AdamW state
 created by one step; MIB (the state: weights plus two moments, float32) decides how many blocks.
 METHOD ``dcp``: ``torch.distributed.checkpoint.save`` / ``load`` of ``get_state_dict`` (what
-torchtitan does), then ``set_state_dict``; no hash is checked. METHOD ``trainjob``: what a
+torchtitan does), then ``set_state_dict``; no hash is checked. METHOD ``dcp+sha256``: the same,
+and each rank's load then runs ``hashlib.sha256`` over every byte of its local shards: the floor
+of any load that checks each byte it uses once (DCP's work plus one hash pass, split across the
+ranks, with nothing else: no manifest, no verdict, no second buffer). METHOD ``trainjob``: what a
 checkpoint and a resume of ``trainjob.Run`` do, through the same calls: each rank snapshots its
 shards (``HostState``) and writes its shard (``ShardWriter.write_shard``, sha256 while writing),
 rank 0 commits the manifest; at the load, every rank reads its part by offsets (``load_local``,
@@ -56,8 +59,21 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+def sha256_local(sd: dict) -> None:
+    """Hash every local byte of a (nested) state dict: a DTensor's local shard, a tensor's bytes."""
+    import hashlib
+
+    from torch.distributed.tensor import DTensor
+    for v in sd.values():
+        if isinstance(v, dict):
+            sha256_local(v)
+        elif isinstance(v, torch.Tensor):
+            local = v.to_local() if isinstance(v, DTensor) else v
+            hashlib.sha256(local.detach().contiguous().reshape(-1).view(torch.uint8).numpy()).digest()
+
+
 saves, loads = [], []
-if method == "dcp":
+if method in ("dcp", "dcp+sha256"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -72,6 +88,8 @@ if method == "dcp":
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, checkpoint_id=str(where))
+            if method == "dcp+sha256":
+                sha256_local(sd)
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
         saves.append(timed(save))
