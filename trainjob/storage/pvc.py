@@ -76,16 +76,17 @@ def _syncer() -> ThreadPoolExecutor:
     return _sync_pool
 
 
-def _fsync_and_close(fd: int) -> None:
+def _fsync_and_close(fd: int, path: Path) -> None:
     try:
-        os.fsync(fd)
+        with os_errors(path, "write failed"):  # named as a synchronous write's failure would be
+            os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _fsync_soon(fd: int) -> Future[None]:
-    """Start fsyncing ``fd`` on the pool, which closes it afterwards."""
-    return _syncer().submit(_fsync_and_close, fd)
+def _fsync_soon(fd: int, path: Path) -> Future[None]:
+    """Start fsyncing ``fd`` (the file at ``path``) on the pool, which closes it afterwards."""
+    return _syncer().submit(_fsync_and_close, fd, path)
 
 
 def _settle(futures: Iterable[Future[None]]) -> None:
@@ -150,7 +151,7 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
             if _start_writeback is not None and size - offset >= _WRITEBACK_MIN:
                 _start_writeback(fd, offset, size - offset)
         if later is not None:
-            later.append(_fsync_soon(fd))
+            later.append(_fsync_soon(fd, path))
             fd = -1  # the pool's now: it closes the descriptor after the fsync
         elif fsync:
             os.fsync(fd)
