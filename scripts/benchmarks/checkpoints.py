@@ -6,7 +6,9 @@ peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same
 ``trainjob run`` makes (``Committer.create_staging/write_slices/write_receipt/commit`` for a
 save, ``CheckpointStore.load`` for a resume). A save is timed after one untimed save by the same
 process, as a run's checkpoints after its first are. Within each repeat every contender runs between two
-runs of its reference (``common.bracketed``).
+runs of its reference (``common.bracketed``). ``raw+sha256`` is no contender but a floor: the raw
+write+fsync with a sha256 of the same bytes on a second thread, so its ratio says how close to the
+raw limit any save that hashes every byte can come on this machine at that W.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,10 +37,12 @@ TENSORS = 8  # matrices in the state (a model's layers, say)
 CHUNK = 8 << 20
 POLL = 0.001
 
-SAVES = ("raw", "trainjob", "trainjob-step", "safetensors", "numpy", "torch", "gather")
+SAVES = ("raw", "raw+sha256", "trainjob", "trainjob-step", "safetensors", "numpy", "torch", "gather")
 LOADS = ("limit", "trainjob", "trainjob-new", "safetensors", "numpy", "torch")
 LABEL = {
-    "save": {"raw": "raw write+fsync (limit)", "trainjob": "trainjob (shards + commit)",
+    "save": {"raw": "raw write+fsync (limit)",
+             "raw+sha256": "raw write+fsync, sha256 of every byte beside it (floor of a hashing save)",
+             "trainjob": "trainjob (shards + commit)",
              "trainjob-step": "trainjob, a whole checkpoint (+ pointer, rotation, log line)",
              "safetensors": "safetensors save_file+fsync",
              "numpy": "numpy.save+fsync", "torch": "torch.save+fsync",
@@ -90,7 +95,7 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
         store.create_staging(ref, 1)
     while not staging.is_dir():
         time.sleep(POLL)
-    entry = store.write_slices(staging, rank, world, step, holds, mine)
+    entry = store.write_slices(staging, rank, world, step, holds, mine, committing=rank == 0)
     if rank:
         store.write_receipt(staging, entry)
         return
@@ -101,24 +106,48 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
         entries.append(store.read_receipt(staging, r, world))
     manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
                         tensors=spec, shards=entries)
-    sha = store.commit(staging, ref, manifest)
+    store.commit(staging, ref, manifest, point=whole)
     if whole:
-        store.pvc.write_checkpoint(store.pointer(manifest, ref, sha))
         store.rotate(1, world, protect=ref)
         EventLog(root / "log.jsonl").append("checkpointed", f"step={step}")
+        store.start_deletions()  # as Job.announce: the old checkpoint's delete follows the line
+
+
+def write_fsync(path: Path, mine: dict[str, np.ndarray]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for view in byte_views(mine):
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_fsync_hashed(path: Path, mine: dict[str, np.ndarray]) -> str:
+    """The floor of any save that hashes every byte: the raw write+fsync on this thread and the
+    sha256 of the same bytes on another, started together (hashlib releases the GIL), so the two
+    overlap as well as the cores allow and the save takes the longer of them, nothing more."""
+    digest = hashlib.sha256()
+
+    def hash_all() -> None:
+        for view in byte_views(mine):
+            digest.update(view)
+
+    hasher = threading.Thread(target=hash_all)
+    hasher.start()
+    write_fsync(path, mine)
+    hasher.join()
+    return digest.hexdigest()
 
 
 def save_peer(kind: str, root: Path, rank: int, mine: dict[str, np.ndarray]) -> None:
     path = root / f"{kind}-{rank:05d}"
     if kind == "raw":
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            for view in byte_views(mine):
-                while view:
-                    view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_fsync(path, mine)
+        return
+    if kind == "raw+sha256":
+        write_fsync_hashed(path, mine)
         return
     if kind == "safetensors":
         from safetensors.numpy import save_file
@@ -251,9 +280,9 @@ def run_section(ctx, work: Path, worlds: list[int], repeat: int, size: int, torc
             root = work / f"w{w}"
 
             def save(kind: str) -> dict:
-                if kind == "raw":  # new files every time, like every contender's
-                    shutil.rmtree(root / "raw", ignore_errors=True)
-                target = root / kind if kind in ("trainjob", "trainjob-step", "gather", "raw") else root
+                if kind.startswith("raw"):  # new files every time, like every contender's
+                    shutil.rmtree(root / kind, ignore_errors=True)
+                target = root / kind if kind in ("trainjob", "trainjob-step", "gather", "raw", "raw+sha256") else root
                 target.mkdir(parents=True, exist_ok=True)
                 return run_workers(ctx, "save", kind, target, w, size, rep + 1)
 

@@ -19,20 +19,36 @@ import pytest
 import fstrace
 from conftest import ROOT
 from trainjob import cli
+from trainjob.storage import pvc as pvc_module
 
 # The traced processes import this checkout and tests/fstrace.py, whatever the caller's PYTHONPATH.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
 
 Point = tuple[str, str]
+Round = list[Point]  # points that run at the same time: sorted, their order is free
 
 
-def documented() -> list[Point]:
-    """The (call, on) columns of the table under "Durability points of one checkpoint (W=1)"."""
+def documented() -> list[Round]:
+    """The table under "Durability points of one checkpoint (W=1)", as its rounds in order: the
+    (call, on) columns of the rows of each round, sorted."""
     text = (ROOT / "docs/checkpoints.md").read_text()
     section = text.split("### Durability points of one checkpoint (W=1)", 1)[1].split("\n#", 1)[0]
-    rows = re.findall(r"^\| \d+ \| (fsync|rename) \| `([^`]+)` \|", section, re.M)
+    rows = re.findall(r"^\| \d+ \| (\d+) \| (fsync|rename) \| `([^`]+)` \|", section, re.M)
     assert len(rows) >= 5, "the table is gone"
-    return rows
+    rounds: dict[int, Round] = {}
+    for number, call, on in rows:
+        rounds.setdefault(int(number), []).append((call, on))
+    return [sorted(rounds[n]) for n in sorted(rounds)]
+
+
+def as_rounds(points: list[Point], like: list[Round]) -> list[Round]:
+    """``points`` (a trace, in the order the calls began) cut into rounds of ``like``'s sizes,
+    each sorted; the points left over, if any, as one more round."""
+    out, at = [], 0
+    for r in like:
+        out.append(sorted(points[at:at + len(r)]))
+        at += len(r)
+    return out + ([points[at:]] if points[at:] else [])
 
 
 def traced(monkeypatch: pytest.MonkeyPatch, pvc: Path, *flags: str) -> list[Point]:
@@ -45,11 +61,11 @@ def traced(monkeypatch: pytest.MonkeyPatch, pvc: Path, *flags: str) -> list[Poin
 
 
 def checkpoints(points: list[Point]) -> list[list[Point]]:
-    """The run's points cut into one list per checkpoint: from a shard's fsync to the log line
-    that announces it."""
+    """The run's points cut into one list per checkpoint: from the first fsync in its staging
+    directory (whichever of round 1's began first) to the log line that announces it."""
     found, current = [], None
     for point in points:
-        if point[0] == "fsync" and "/shard-" in point[1] and point[1].startswith("checkpoints/.tmp-"):
+        if current is None and point[0] == "fsync" and point[1].startswith("checkpoints/.tmp-"):
             current = []
             found.append(current)
         if current is not None:
@@ -63,14 +79,90 @@ def test_a_steady_checkpoint_makes_exactly_the_documented_fsyncs_and_renames(tmp
     points = traced(monkeypatch, tmp_path / "pvc", "--steps", "3", "--ckpt-every", "1", "--keep", "1")
     made = checkpoints(points)
     assert len(made) == 3
-    assert made[-1] == documented()  # the third: the state is already `checkpointed`, one to rotate
+    table = documented()
+    assert as_rounds(made[-1], table) == table  # the third: the state is already `checkpointed`, one to rotate
 
 
 def test_the_first_checkpoint_adds_only_the_state_record_before_its_log_line(tmp_path, monkeypatch):
     first = checkpoints(traced(monkeypatch, tmp_path / "pvc", "--steps", "3", "--ckpt-every", "1", "--keep", "1"))[0]
-    state = [("fsync", "state.json.tmp.N"), ("rename", "state.json.tmp.N -> state.json"), ("fsync", ".")]
-    no_rotation = [p for p in documented() if ".trash-" not in p[1]]
-    assert first == no_rotation[:-1] + state + no_rotation[-1:]
+    state = [[("fsync", "state.json.tmp.N")], [("rename", "state.json.tmp.N -> state.json")], [("fsync", ".")]]
+    no_rotation = [r for r in documented() if not any(".trash-" in on for _, on in r)]
+    expected = no_rotation[:-1] + state + no_rotation[-1:]
+    assert as_rounds(first, expected) == expected
+
+
+def timeline(monkeypatch: pytest.MonkeyPatch, pvc: Path, slow: str) -> list[tuple[str, str]]:
+    """A synchronous run's fsyncs (their start and their return), renames and rotation's deletes
+    (their start), from any thread, in order; each fsync of a path ``slow`` (a regex) finds first
+    sleeps 0.1 s, so an order that is not enforced shows (a race lost by luck would not)."""
+    import threading
+    import time
+
+    events: list[tuple[str, str]] = []
+    lock = threading.Lock()
+    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, pvc_module._rmtree
+
+    def note(kind: str, on: str) -> None:
+        with lock:
+            events.append((kind, re.sub(r"\d+", "N", os.path.relpath(on, pvc))))
+
+    def fsync(fd: int) -> None:
+        on = os.readlink(f"/proc/self/fd/{fd}")
+        note("fsync", on)
+        if re.search(slow, on):
+            time.sleep(0.1)
+        real_fsync(fd)
+        note("fsynced", on)
+
+    def renamer(real):
+        def rename(src, dst, **kwargs):
+            note("rename", os.fspath(src))
+            real(src, dst, **kwargs)
+        return rename
+
+    def rmtree(trash):
+        note("delete", os.fspath(trash))
+        return real_rmtree(trash)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", renamer(real_rename))
+    monkeypatch.setattr(os, "replace", renamer(real_replace))
+    monkeypatch.setattr(pvc_module, "_rmtree", rmtree)
+    assert cli.main(["run", "--pvc", str(pvc), "--steps", "3", "--ckpt-every", "1", "--keep", "1"]) == 0
+    pvc_module.settle_deletions()
+    monkeypatch.undo()
+    return events
+
+
+def test_no_rename_happens_while_an_fsync_begun_before_it_is_still_running(tmp_path, monkeypatch):
+    """The rounds of the table: a rename waits for every fsync of the round before it, those
+    run at the same time on the fsync pool (the shard's, the manifest's, the staging directory's
+    before the commit's rename; `checkpoints/`'s and the pointer file's before the pointer's)."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"\.safetensors$|/checkpoints$")
+    running: list[str] = []
+    for kind, on in events:
+        if kind == "fsync":
+            running.append(on)
+        elif kind == "fsynced":
+            running.remove(on)
+        elif kind == "rename":
+            assert running == [], f"{on} renamed while {running} were still being fsynced"
+    # And they do run at once: the manifest's fsync begins while the (slowed) shard's runs.
+    for i, (kind, on) in enumerate(events):
+        if kind == "fsync" and on.endswith("/manifest.json"):
+            assert ("fsynced", on.replace("manifest.json", "shard-N-of-N.safetensors")) in events[i:]
+
+
+def test_a_rotated_checkpoint_is_deleted_only_once_the_checkpointed_line_is_durable(tmp_path, monkeypatch):
+    """Rotation hides an old checkpoint by a rename; its delete (journal work that would land in
+    the line's fsync) starts only after the `checkpointed` line's fsync has returned."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"/log\.jsonl$")
+    deletes = [i for i, (kind, _) in enumerate(events) if kind == "delete"]
+    assert len(deletes) == 2  # steps 1 and 2, rotated away by steps 2 and 3 (--keep 1)
+    for i in deletes:
+        hidden = max(j for j, (kind, on) in enumerate(events[:i]) if kind == "rename" and "/step-" in on
+                     and events[i][1].endswith(on.rsplit("/", 1)[1]))
+        assert ("fsynced", "log.jsonl") in events[hidden:i], events[hidden:i + 1]
 
 
 @pytest.mark.process
@@ -86,7 +178,8 @@ def test_under_torchrun_rank_0_makes_the_documented_points_and_every_other_rank_
                           env=ENV)
     assert done.returncode == 0, done.stderr[-2000:]
     rank0, rank1 = ([tuple(p) for p in json.loads(Path(f"{out}-rank{r}.json").read_text())] for r in (0, 1))
-    assert checkpoints(rank0)[-1] == documented()
+    table = documented()
+    assert as_rounds(checkpoints(rank0)[-1], table) == table
     assert rank1 == [("fsync", "checkpoints/.tmp-step-N-aN-wN.gN/shard-N-of-N.safetensors")] * 3
 
 
@@ -106,7 +199,8 @@ def test_ranks_coordinating_through_the_pvc_add_one_unsynced_rename_per_checkpoi
         assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
         p.stderr.close()
     rank0, rank1 = ([tuple(p) for p in json.loads(Path(f"{out}-rank{r}.json").read_text())] for r in (0, 1))
-    assert checkpoints(rank0)[-1] == documented()
+    table = documented()
+    assert as_rounds(checkpoints(rank0)[-1], table) == table
     staged = "checkpoints/.tmp-step-N-aN-wN.gN/shard-N-of-N.safetensors"
     receipt = ("rename", f"{staged}.receipt.json.tmp.N -> {staged}.receipt.json")
     assert rank1[rank1.index(("fsync", staged)):] == [("fsync", staged), receipt] * 3

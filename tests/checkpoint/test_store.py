@@ -30,10 +30,10 @@ def test_rotation_never_exceeds_k_plus_one_and_never_loses_the_newest(tmp_path, 
     pvc, seen = tmp_path / "pvc", []
     real_commit = pvc_module.commit_dir
 
-    def observed(staging, final):  # at every commit: K committed at most, plus this one in flight
+    def observed(staging, final, *args):  # at every commit: K committed at most, plus this one in flight
         on_disk = [p.name for p in (pvc / "checkpoints").iterdir()]
         seen.append(len([n for n in on_disk if Ref.parse(n) or n.startswith(".tmp-")]))
-        real_commit(staging, final)
+        real_commit(staging, final, *args)
         assert final.name == committed(pvc)[-1]  # the newest is the one just committed
 
     monkeypatch.setattr(pvc_module, "commit_dir", observed)

@@ -340,10 +340,12 @@ def test_a_lock_kept_by_a_child_forked_outside_python_names_the_holder_that_is_g
             os.kill(child, signal.SIGKILL)
 
 
-def test_rotation_hides_a_checkpoint_at_once_and_deletes_it_on_the_helper_thread(tmp_path, monkeypatch):
+def test_rotation_hides_a_checkpoint_at_once_and_deletes_it_on_the_helper_thread_once_started(tmp_path, monkeypatch):
     """``delete_tree(wait=False)``: the name is gone when the call returns (a relaunch never sees a
-    half-deleted checkpoint), the bytes go on the helper thread, and a free-space check waits for
-    them, so the space a rotation frees counts before the next checkpoint is refused for room."""
+    half-deleted checkpoint); the bytes are not touched until ``start_deletions`` (the engine calls
+    it once the checkpoint's log line is durable), then go on the helper thread; a free-space check
+    starts and waits for them, so the space a rotation frees counts before the next checkpoint is
+    refused for room."""
     import threading
 
     backend = pvc.LocalBackend(tmp_path)
@@ -359,8 +361,10 @@ def test_rotation_hides_a_checkpoint_at_once_and_deletes_it_on_the_helper_thread
 
     monkeypatch.setattr(pvc, "_rmtree", held)
     assert backend.delete_tree("checkpoints/step-1", wait=False)
-    assert started.wait(10)  # the deletion runs while the caller has already returned
     assert backend.list("checkpoints") == [".trash-step-1"]
+    assert not started.wait(0.2)  # hidden, not being deleted: nothing started it
+    backend.start_deletions()
+    assert started.wait(10)  # the deletion runs while the caller has already returned
     freed = threading.Thread(target=backend.free_space)
     freed.start()
     freed.join(0.2)

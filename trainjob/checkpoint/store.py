@@ -43,7 +43,7 @@ from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
 from ..errors import InputError, NoSpace, StateMismatch
 from .plan import MANIFEST, Ref
-from ..storage.pvc import TMP, Pvc
+from ..storage.pvc import TMP, Pvc, record_bytes
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 from ..tensors import np_dtype, tensor_specs
 
@@ -330,22 +330,29 @@ class ShardWriter(CheckpointStore):
     """
 
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
-                    tensors: Mapping[str, np.ndarray]) -> ShardEntry:
-        """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``."""
+                    tensors: Mapping[str, np.ndarray], committing: bool = False) -> ShardEntry:
+        """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``.
+        ``committing``: this process commits ``staging`` itself (rank 0), see ``write_slices``."""
         host = tensors if isinstance(tensors, HostArrays) else HostArrays(tensors)
         specs = host.specs or tensor_specs(tensors)
         holds = plan.rank_holds(specs, world_size, rank, host.boxes)
-        return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank))
+        return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank),
+                                 committing)
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray],
-                     documents: Mapping[str, str] | None = None) -> ShardEntry:
+                     documents: Mapping[str, str] | None = None, committing: bool = False) -> ShardEntry:
         """(all ranks; reshard writes every rank's) Write rank ``rank``'s shard holding ``mine``
         (described by ``holds``) and ``documents`` (its plain values, ``HostArrays.metadata``)
-        into ``staging``."""
+        into ``staging``.
+
+        ``committing``: this process's ``Committer.commit`` publishes ``staging`` (rank 0's own
+        shard), so the shard's fsync runs on while the receipts and the manifest are gathered,
+        and the commit waits for it before the rename. A rank that reports its shard to another
+        process (a receipt) must leave it False: what it announces must already be durable."""
         name = plan.shard_file(rank, world_size)
         meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
-        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta))
+        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta), sync=not committing)
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
@@ -384,14 +391,18 @@ class Committer(ShardWriter):
             raise InputError(f"{path}: missing or not rank {rank}'s receipt")
         return entry
 
-    def commit(self, staging: Path, ref: Ref, manifest: Manifest) -> str:
+    def commit(self, staging: Path, ref: Ref, manifest: Manifest, point: bool = False) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
-        place; return the manifest's sha256."""
+        place; return the manifest's sha256. ``point``: then replace ``checkpoint.json`` with a
+        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``)."""
         if self.pvc.local:  # receipts were for rank 0 only; the manifest now says it all
             for shard in manifest.shards:
                 (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
-        written = self.backend.publish(self.rel(staging), self.rel(self.path(ref)), MANIFEST,
-                                       (dumps(manifest) + "\n").encode())
+        data, then = record_bytes(manifest), None
+        if point:  # the manifest's sha256 is known before it is written: the pointer can be written beside it
+            pointer = self.pointer(manifest, ref, hashlib.sha256(data).hexdigest())
+            then = (self.pvc.key(self.pvc.checkpoint_path), record_bytes(pointer))
+        written = self.backend.publish(self.rel(staging), self.rel(self.path(ref)), MANIFEST, data, then)
         return written.sha256
 
     def _remove(self, path: Path, wait: bool = True) -> bool:
@@ -399,12 +410,18 @@ class Committer(ShardWriter):
         return self.backend.delete_tree(self.rel(path), wait=wait)
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
-        """(rank 0, after the commit and the pointer) Delete the oldest so that ``keep`` remain."""
+        """(rank 0, after the commit and the pointer) Hide the oldest so that ``keep`` remain;
+        ``start_deletions`` deletes them in the background."""
         removed = []
         for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
-            if self._remove(self.path(ref), wait=False):  # hidden now, its blocks freed in the background
+            if self._remove(self.path(ref), wait=False):  # hidden now, its blocks freed later
                 removed.append(ref.name)
         return removed
+
+    def start_deletions(self) -> None:
+        """(rank 0, once the checkpoint that rotated is announced durably) Free what ``rotate``
+        hid, in the background: its journal work then never lands in that announcement's fsync."""
+        self.backend.start_deletions()
 
     def set_aside(self, ref: Ref) -> str:
         """(rank 0, at a resume) Move a checkpoint that failed verification out of the way of new commits."""

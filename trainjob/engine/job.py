@@ -302,14 +302,16 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def write_checkpoint(self, step: int, loss_milli: int, tensors: dict[str, np.ndarray], specs: Any,
                          last_size: int) -> int:
-        """Write rank 0's shard, gather the others' receipts, commit, point, rotate (in that order);
-        return the checkpoint's size. No machine, no log: the async writer thread runs it too."""
+        """Write rank 0's shard, gather the others' receipts, commit and point, rotate (in that
+        order; the shard's fsync runs on into the commit, the pointer's beside the commit's last:
+        docs/checkpoints.md); return the checkpoint's size. No machine, no log: the async writer
+        thread runs it too. What rotation hides is deleted once ``announce`` logged the checkpoint."""
         world = self.cfg.world_size
         ref = Ref(attempt=self.attempt, step=step, world_size=world)
         self.store.check_space(last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
         self.peers.staged(ref.step)
-        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors)]
+        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, committing=True)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
@@ -317,8 +319,7 @@ class Job(MachineModel, AsyncCheckpoints):
         if problems := plan.coverage_problems(manifest.tensors, manifest.shards):  # DTensors not spanning every rank
             raise UsageError(f"step {step}: the ranks' shards do not make up the state ({'; '.join(problems)}); "
                              "every DTensor must be on a mesh of all the run's ranks (nothing was committed)")
-        sha = self.store.commit(staging, ref, manifest)
-        self.pvc.write_checkpoint(self.store.pointer(manifest, ref, sha))
+        self.store.commit(staging, ref, manifest, point=True)
         self.store.rotate(self.cfg.keep, world, protect=ref)
         return sum(e.size for e in entries)
 
@@ -370,3 +371,7 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def announce(self, ev: EventData) -> None:
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
+        if self.state == JobState.checkpointed:
+            # Only now, the line durable: the delete's journal work would otherwise land in its
+            # fsync (docs/checkpoints.md). A kill before this leaves `.trash-` for cleanup.
+            self.store.start_deletions()

@@ -134,7 +134,11 @@ class Backend(Protocol):
     def delete_tree(self, prefix: str, wait: bool = True) -> bool:
         """Delete ``prefix`` and all below it so that it never looks whole while half-deleted;
         False when it could not (the next start's cleanup tries again). ``wait=False``: once it
-        no longer looks whole, the rest may finish in the background."""
+        no longer looks whole, the rest may be left for ``start_deletions`` (then in the background)."""
+
+    def start_deletions(self) -> None:
+        """Start what ``delete_tree(wait=False)`` left to delete (rotation's, once the checkpoint
+        that caused it is announced durably); a no-op where nothing was left."""
 
     def move(self, src: str, dest: str) -> bool:
         """Move a tree aside (``rejected-...``), keeping its bytes; False when ``src`` is absent."""
@@ -142,12 +146,16 @@ class Backend(Protocol):
     def stage(self, final: str, staging: str) -> str:
         """The prefix a new tree's parts are written under, before ``publish`` makes ``final`` visible."""
 
-    def write_part(self, key: str, data: Data) -> Written:
-        """Write one part of a staged tree (no atomic step of its own: ``publish`` is that step)."""
+    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+        """Write one part of a staged tree (no atomic step of its own: ``publish`` is that step).
+        ``sync=False``: this process publishes the tree itself, so the part need not be durable
+        until ``publish`` (which then waits for it, beside its own durability points)."""
 
-    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
+    def publish(self, staged: str, final: str, marker: str, data: bytes,
+                then: tuple[str, bytes] | None = None) -> Written:
         """Write ``marker`` (the manifest) last and make ``final`` visible in one step; never over a
-        published ``final`` (InputError)."""
+        published ``final`` (InputError). ``then``: a record ``(key, bytes)`` replaced as ``write``
+        would, visible only once the publication is durable (the pointer naming it)."""
 
     def published(self, prefix: str, marker: str) -> list[str]:
         """(any process) The names below ``prefix`` that a ``publish`` made visible (or that sit

@@ -63,6 +63,45 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+# Independent fsyncs run at once on this pool (``_settle``): each durability point still
+# happens, but ext4 commits concurrent ones in one journal transaction, where one after the
+# other each paid a commit of its own (docs/checkpoints.md, "Durability points").
+_sync_pool: ThreadPoolExecutor | None = None
+
+
+def _syncer() -> ThreadPoolExecutor:
+    global _sync_pool
+    if _sync_pool is None:
+        _sync_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsync")
+    return _sync_pool
+
+
+def _fsync_and_close(fd: int, path: Path) -> None:
+    try:
+        with os_errors(path, "write failed"):  # named as a synchronous write's failure would be
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_soon(fd: int, path: Path) -> Future[None]:
+    """Start fsyncing ``fd`` (the file at ``path``) on the pool, which closes it afterwards."""
+    return _syncer().submit(_fsync_and_close, fd, path)
+
+
+def _settle(futures: Iterable[Future[None]]) -> None:
+    """Wait for every one of ``futures`` (fsyncs on the pool), then raise the first error, if
+    any: nothing that depends on them may start before all have returned, failed or not."""
+    errors = []
+    for future in futures:
+        try:
+            future.result()
+        except OSError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def _writeback_starter() -> Callable[[int, int, int], object] | None:
     """Linux's sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE), or None without it.
 
@@ -80,7 +119,8 @@ _start_writeback = _writeback_starter()
 _WRITEBACK_MIN = 1 << 20  # small files are left to the one fsync
 
 
-def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync: bool = True) -> Written:
+def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync: bool = True,
+                   later: list[Future[None]] | None = None) -> Written:
     """Create or truncate ``path``, write ``data``, fsync (unless ``fsync`` is False); raises OSError.
     The bytes are hashed as written, never by reading the file back (on a helper thread, overlapped with the writes and
     the fsync: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
@@ -91,6 +131,10 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
     do (docs/benchmarks.md: without this, a save was the hash's time plus the disk's, in series).
     Starting writeback is only a hint; the fsync is what makes the bytes durable and reports
     errors, so a failed hint is ignored.
+
+    With ``later`` (a list), the fsync is started on the fsync pool as soon as the last byte is
+    written and its future appended, instead of waited for here: whoever publishes the file
+    (``commit_dir``) waits for it, beside the fsyncs it does not depend on.
     """
     # Every chunk is a view of bytes nobody changes until this returns (a trainer's arrays during
     # a save, async's staging copy, a record's bytes), so the writer never waits for the hash: it
@@ -106,15 +150,20 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
                 view = view[os.write(fd, view):]
             if _start_writeback is not None and size - offset >= _WRITEBACK_MIN:
                 _start_writeback(fd, offset, size - offset)
-        if fsync:
+        if later is not None:
+            later.append(_fsync_soon(fd, path))
+            fd = -1  # the pool's now: it closes the descriptor after the fsync
+        elif fsync:
             os.fsync(fd)
         sha256 = digest.hexdigest()  # the hash of the last chunks, overlapped with the fsync
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     return Written(size=size, sha256=sha256)
 
 
-def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True) -> Written:
+def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True,
+                 ready: Callable[[], object] | None = None) -> Written:
     """Replace ``path`` with ``data`` so that a crash at any instant leaves old or new bytes.
 
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
@@ -124,11 +173,17 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable
     ``durable=False`` skips both fsyncs and keeps the rename: for a message between the live
     processes of one launch (a rank's receipt), which a reader must see whole but no crash ever
     needs back, because what it announces is made durable by the commit that consumes it.
+
+    ``ready``: called between the tmp file's fsync and its rename, to wait for a durability point
+    the new bytes must not be visible before (the commit of the checkpoint a pointer names), so
+    that point's fsync and this file's run at the same time instead of one after the other.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     with os_errors(path, "write failed"):
         try:
             written = _write_fsynced(tmp, data, durable)
+            if ready is not None:
+                ready()
             os.replace(tmp, path)
             if durable:
                 fsync_dir(path.parent)
@@ -145,37 +200,54 @@ def _discard(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview]) -> Written:
+def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview],
+                 later: list[Future[None]] | None = None) -> Written:
     """Write a file inside a staging directory that ``commit_dir`` will publish: write -> fsync.
 
     No tmp name and no rename of its own: the staging directory is the tmp, and its rename in
     ``commit_dir`` (after fsyncing the directory) is the atomic step for every file in it. A
     crash mid-write leaves a partial file in a directory nobody reads and cleanup deletes.
     This halves the fsyncs and renames of a checkpoint (docs/benchmarks.md).
+
+    ``later``: leave the fsync running on the pool and append its future, for the process that
+    commits this directory to pass to ``commit_dir`` (which waits for it before the rename).
     """
     with os_errors(path, "write failed"):
         try:
-            return _write_fsynced(path, data)
+            return _write_fsynced(path, data, later=later)
         except OSError:
             _discard(path)
             raise
 
 
-def commit_dir(staging: Path, final: Path) -> None:
+def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = (),
+               then: Callable[[Callable[[], object]], object] | None = None) -> None:
     """Publish the fully written directory ``staging`` as ``final``, all or nothing.
 
-    Every file in ``staging`` was written with ``write_staged`` or ``atomic_write`` (so it is
-    fsynced); this fsyncs the directory itself, renames it into place and fsyncs the parent, so after a crash at any
-    instant ``final`` either does not exist or is complete. Never replaces an existing ``final``
-    (``rename`` would silently replace an empty directory): callers hold the PVC lock, so the
-    check cannot race another trainjob writer.
+    Every file in ``staging`` was written with ``write_staged`` or ``atomic_write``: fsynced, or
+    its fsync still running, its future in ``unsynced``. This fsyncs the directory itself beside
+    those, waits for all of them, renames it into place and fsyncs the parent, so after a crash
+    at any instant ``final`` either does not exist or is complete. Never replaces an existing
+    ``final`` (``rename`` would silently replace an empty directory): callers hold the PVC lock,
+    so the check cannot race another trainjob writer.
+
+    ``then(ready)``: more work that needs the publication durable (the pointer's
+    ``atomic_write``), run while the parent's fsync runs; ``ready`` waits for that fsync, and
+    ``then`` calls it before anything of its own becomes visible.
     """
     if os.path.lexists(final):
         raise InputError(f"{final}: already exists; trainjob never overwrites a committed checkpoint")
     with os_errors(final, "commit failed"):
-        fsync_dir(staging)
+        # The files' and the directory's fsyncs guard one thing, the rename below: none needs
+        # another before it, so they run at once and ext4 commits them in one journal transaction.
+        _settle([*unsynced, _syncer().submit(fsync_dir, staging)])
         os.rename(staging, final)
-        fsync_dir(final.parent)
+        parent = _syncer().submit(fsync_dir, final.parent)
+        try:
+            if then is not None:
+                then(parent.result)
+        finally:
+            _settle([parent])
 
 
 def make_dir(path: Path) -> None:
@@ -357,8 +429,12 @@ def _rmtree(trash: Path) -> bool:
 
 # Rotation's deletions, one at a time in order, on a thread of their own. It is not a daemon:
 # the interpreter finishes them before the process exits (a SIGKILL leaves the rest to cleanup).
+# A deletion hidden by rotation waits in ``_hidden`` until ``start_deletions``: the engine starts
+# them once the checkpoint's ``checkpointed`` line is durable, so that freeing the old blocks
+# (journal work of its own) never lands in that line's fsync (docs/checkpoints.md).
 _pool: ThreadPoolExecutor | None = None
 _deleting: list[Future[bool]] = []
+_hidden: list[Path] = []
 
 
 def _deleter() -> ThreadPoolExecutor:
@@ -368,19 +444,28 @@ def _deleter() -> ThreadPoolExecutor:
     return _pool
 
 
+def start_deletions() -> None:
+    """Start deleting, on the helper thread, every tree ``delete_tree(wait=False)`` hid."""
+    _deleting[:] = [f for f in _deleting if not f.done()]  # bounded by what is still pending
+    while _hidden:
+        _deleting.append(_deleter().submit(_rmtree, _hidden.pop(0)))
+
+
 def settle_deletions() -> None:
-    """Wait for every deletion handed to the helper thread (``delete_tree(wait=False)``)."""
+    """Start every hidden deletion and wait for all of them (``delete_tree(wait=False)``)."""
+    start_deletions()
     while _deleting:
         _deleting.pop(0).result()
 
 
-def _forget_deleter_in_child() -> None:
-    global _pool
-    _pool = None  # the thread does not exist in a forked child; its deletions are the parent's
+def _forget_helpers_in_child() -> None:
+    global _pool, _sync_pool
+    _pool = _sync_pool = None  # the threads do not exist in a forked child; their work is the parent's
     _deleting.clear()
+    _hidden.clear()
 
 
-os.register_at_fork(after_in_child=_forget_deleter_in_child)
+os.register_at_fork(after_in_child=_forget_helpers_in_child)
 
 
 class LocalBackend:
@@ -389,6 +474,7 @@ class LocalBackend:
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        self._unsynced: dict[str, list[Future[None]]] = {}  # staged key -> its parts' running fsyncs
 
     def path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -437,10 +523,12 @@ class LocalBackend:
 
     def delete_tree(self, prefix: str, wait: bool = True) -> bool:
         """Rename to .trash-* first (atomic: a half-deleted checkpoint never looks committed), then
-        delete. ``wait=False`` (rotation) deletes on a helper thread once the rename is done:
-        freeing a large file's blocks costs more than writing a small checkpoint (docs/benchmarks.md),
-        and nothing waits for it but the next free-space check. A kill mid-delete leaves a
-        ``.trash-`` directory for the next start's cleanup, as a kill mid-rmtree always did."""
+        delete. ``wait=False`` (rotation) only hides it: the delete runs on a helper thread once
+        ``start_deletions`` is called (the engine calls it once the ``checkpointed`` line is
+        durable): freeing a large file's blocks costs more than writing a small checkpoint
+        (docs/benchmarks.md), and nothing waits for it but the next free-space check. A kill
+        before or mid-delete leaves a ``.trash-`` directory for the next start's cleanup, as a
+        kill mid-rmtree always did."""
         path = self.path(prefix)
         trash = path if path.name.startswith(TRASH) else path.with_name(f"{TRASH}{path.name.removeprefix(TMP)}")
         try:
@@ -455,9 +543,11 @@ class LocalBackend:
             return False  # left for the next start's cleanup
         if wait:
             return _rmtree(trash)
-        _deleting[:] = [f for f in _deleting if not f.done()]  # bounded by what is still pending
-        _deleting.append(_deleter().submit(_rmtree, trash))
+        _hidden.append(trash)
         return True
+
+    def start_deletions(self) -> None:
+        start_deletions()
 
     def move(self, src: str, dest: str) -> bool:
         path = self.path(src)
@@ -476,12 +566,16 @@ class LocalBackend:
             make_dir(self.path(staging))
         return staging
 
-    def write_part(self, key: str, data: Data) -> Written:
-        return write_staged(self.path(key), data)
+    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+        later = None if sync else self._unsynced.setdefault(key.rpartition("/")[0], [])
+        return write_staged(self.path(key), data, later)
 
-    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
-        written = write_staged(self.path(f"{staged}/{marker}"), data)
-        commit_dir(self.path(staged), self.path(final))
+    def publish(self, staged: str, final: str, marker: str, data: bytes,
+                then: tuple[str, bytes] | None = None) -> Written:
+        unsynced = self._unsynced.pop(staged, [])  # parts written with sync=False: fsyncs still running
+        written = write_staged(self.path(f"{staged}/{marker}"), data, unsynced)
+        point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready)
+        commit_dir(self.path(staged), self.path(final), unsynced, point)
         return written
 
     def published(self, prefix: str, marker: str) -> list[str]:
@@ -512,6 +606,11 @@ def open_backend(root: Path | Url) -> Backend:
         from .s3 import S3Backend  # only here: a local run never imports an object-store client
         return S3Backend(root)
     return LocalBackend(Path(root))
+
+
+def record_bytes(record: object) -> bytes:
+    """A record (state, pointer, manifest) as its file holds it: one line of JSON."""
+    return (dumps(record) + "\n").encode()
 
 
 class Pvc:
@@ -607,7 +706,7 @@ class Pvc:
     # --- writers -------------------------------------------------------------------------------
 
     def write_record(self, path: Path, record: object) -> None:
-        self.backend.write(self.key(path), (dumps(record) + "\n").encode())
+        self.backend.write(self.key(path), record_bytes(record))
 
     def write_state(self, state: RunState) -> None:
         self.write_record(self.state_path, state)

@@ -327,6 +327,9 @@ class S3Backend:
             return False  # left for the next start's cleanup
         return True
 
+    def start_deletions(self) -> None:
+        """Nothing to start: ``delete_tree`` deletes before it returns on a bucket."""
+
     def move(self, src: str, dest: str) -> bool:
         """Copy ``src``'s keys under ``dest`` (the manifest last), then delete ``src``."""
         import obstore as obs
@@ -346,8 +349,9 @@ class S3Backend:
         # manifest: ``unpublished`` names it and the next start deletes it.
         return final
 
-    def write_part(self, key: str, data: Data) -> Written:
-        """Upload in parallel parts, hashing each chunk as it goes (never by reading back)."""
+    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+        """Upload in parallel parts, hashing each chunk as it goes (never by reading back). Every
+        completed upload is durable: ``sync`` changes nothing here."""
         import obstore as obs
 
         self._holding(key)
@@ -366,11 +370,14 @@ class S3Backend:
             obs.put(self.store, key, hashed(), use_multipart=True, chunk_size=PART, max_concurrency=8)
         return Written(size=size, sha256=digest.hexdigest())
 
-    def publish(self, staged: str, final: str, marker: str, data: bytes) -> Written:
+    def publish(self, staged: str, final: str, marker: str, data: bytes,
+                then: tuple[str, bytes] | None = None) -> Written:
         written = self.create(f"{final}/{marker}", data)
         if written is None:
             raise InputError(f"{self.where(final)}: already committed; trainjob never overwrites a committed "
                              "checkpoint")
+        if then is not None:
+            self.write(*then)  # a completed PUT is durable: the pointer follows the manifest's create
         return written
 
     def _markers(self, prefix: str, marker: str) -> tuple[list[str], set[str]]:
