@@ -44,8 +44,9 @@ class TrainingState:
     wrapped so that the workers ignore a SIGTERM or SIGINT sent to the whole process group
     (``workers.py``); build the state before the loader's first ``iter()``. ``scaler`` a
     ``torch.amp.GradScaler``; ``extra``: more members by name, each an object with
-    ``state_dict()``/``load_state_dict()`` (same on every rank) or a ``torch.Generator``/``numpy.random.Generator`` (per rank). ``rng=False``: leave
-    the global RNG streams out (a script that draws nothing random after its start).
+    ``state_dict()``/``load_state_dict()`` (same on every rank) or a ``torch.Generator``/
+    ``numpy.random.Generator`` (per rank). ``rng=False``: leave the global RNG streams out (a
+    script that draws nothing random after its start).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
