@@ -66,8 +66,8 @@ def verdict(sender: int, owner: int, owner_alive: bool) -> str:
 
 class StopOnOwner:
     """A loader's ``worker_init_fn``: the signal guard (module docstring), then the user's own
-    function (``inner``) if there is one. It is a module-level class, not a closure, so that spawn and
-    forkserver can pickle it."""
+    function (``inner``) if there is one. A module-level class, not a closure: spawn and
+    forkserver send it to each worker by value, and only a named class survives that trip."""
 
     def __init__(self, inner: Callable[[int], Any] | None) -> None:
         self.inner = inner
