@@ -96,7 +96,7 @@ def _settle(futures: Iterable[Future[None]]) -> None:
     for future in futures:
         try:
             future.result()
-        except OSError as exc:
+        except Exception as exc:  # not only OSError: even a bug's error waits for the others
             errors.append(exc)
     if errors:
         raise errors[0]
