@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +47,39 @@ def io_calls(*args: str | Path) -> int:
 
 def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory ``build`` fills once per pytest run, however many xdist workers and modules ask.
+
+    An expensive reference (an uninterrupted torchrun launch, the digits data) is the same for
+    every test that compares against it. A module fixture is built once per worker, and again
+    each time worksteal brings the worker back to the module; here the first caller builds under
+    a lock in the run's temp directory (shared by its workers) and the others wait and reuse it.
+    A build that fails leaves no ``.built`` mark, so the next caller tries again from scratch
+    (and fails its own tests the same way). Callers must only read what is inside.
+    """
+    base = factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory = shared / f"built-once-{name}"
+    with FileLock(f"{directory}.lock"):
+        if not (directory / ".built").exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir()
+            build(directory)
+            (directory / ".built").touch()
+    return directory
+
+
+@pytest.fixture(scope="session")
+def digits_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The digits data set (``trainjob gen --dataset digits``), made once per run."""
+
+    def gen(directory: Path) -> None:
+        result = trainjob("gen", "--dataset", "digits", directory / "data")
+        assert result.returncode == 0, result.stderr
+
+    return built_once(tmp_path_factory, "digits", gen) / "data"
 
 
 @pytest.fixture

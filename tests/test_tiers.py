@@ -50,3 +50,25 @@ def test_a_fast_tier_test_fails_only_when_both_its_cpu_and_its_wall_time_are_ove
     result.assert_outcomes(passed=4, failed=1)
     result.stdout.fnmatch_lines(["*::test_busy used * s of CPU in * s: a fast-tier test takes under 0.5 s*"])
     assert "test_short_beside_them used" not in result.stdout.str()
+
+
+def test_built_once_builds_once_and_a_failed_build_is_tried_again_from_scratch(tmp_path_factory):
+    from conftest import built_once
+
+    calls: list[Path] = []
+
+    def build(directory: Path) -> None:
+        calls.append(directory)
+        (directory / "made").write_text(str(len(calls)))
+
+    def broken(directory: Path) -> None:
+        (directory / "half").write_text("left by a build that failed")
+        raise AssertionError("the build failed")
+
+    first = built_once(tmp_path_factory, "tiers-ok", build)
+    assert built_once(tmp_path_factory, "tiers-ok", build) == first and len(calls) == 1
+    assert (first / "made").read_text() == "1"
+    with pytest.raises(AssertionError, match="the build failed"):
+        built_once(tmp_path_factory, "tiers-retried", broken)
+    again = built_once(tmp_path_factory, "tiers-retried", build)
+    assert not (again / "half").exists() and (again / "made").read_text() == "2"

@@ -11,12 +11,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, trainjob
+from conftest import ROOT
 from trainjob import cli
 from trainjob.deploy import divergence, prove
 
@@ -112,20 +111,13 @@ def test_a_batch_generator_living_across_steps_is_caught_at_the_first_step_after
     assert "model.0.weight: max abs diff" in out and "hint: RNG or data loader position" in out
 
 
-@pytest.fixture(scope="module")
-def digits(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("digits") / "data"
-    assert trainjob("gen", "--dataset", "digits", directory).returncode == 0
-    return directory
-
-
 @pytest.mark.process
 @pytest.mark.killpoint
-def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries_named(digits, monkeypatch,
+def test_a_trainer_whose_momentum_lives_on_the_object_is_caught_with_its_entries_named(digits_data, monkeypatch,
                                                                                       capsys):
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests/helpers"))
     code = cli.main(["prove", *BETWEEN_AND_DURING, "--", PYTHON, "-m", "trainjob", "run", "--pvc", "{pvc}",
-                     "--data", str(digits), "--trainer", "user_trainers:forgetful", "--steps", "8",
+                     "--data", str(digits_data), "--trainer", "user_trainers:forgetful", "--steps", "8",
                      "--ckpt-every", "2", "--keep", "10", "--idempotent"])
     out = capsys.readouterr().out
     assert code == 1, out

@@ -10,6 +10,7 @@ Slow (about a minute under load): each case runs the script two or three times."
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, built_once
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
@@ -69,10 +70,16 @@ def artifact(pvc: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[bytes, dict[int, str]]:
-    pvc = tmp_path_factory.mktemp("reference") / "pvc"
-    lines = finish(EXAMPLE, pvc)
-    assert len(lines) == 45 and "completed" in (pvc / "log.jsonl").read_text()
-    return artifact(pvc), lines
+    """The uninterrupted run's artifact and loss lines (one run per test run: built_once)."""
+
+    def run(directory: Path) -> None:
+        lines = finish(EXAMPLE, directory / "pvc")
+        assert len(lines) == 45 and "completed" in (directory / "pvc/log.jsonl").read_text()
+        (directory / "losses.json").write_text(json.dumps(lines))
+
+    directory = built_once(tmp_path_factory, "finetune-reference", run)
+    lines = {int(step): loss for step, loss in json.loads((directory / "losses.json").read_text()).items()}
+    return artifact(directory / "pvc"), lines
 
 
 def resumed_matches(reference, pvc: Path, script: Path = EXAMPLE, *flags: str) -> bool:

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,11 +25,8 @@ HELPERS = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("digits") / "data"
-    result = trainjob("gen", "--dataset", "digits", directory)
-    assert result.returncode == 0, result.stderr
-    return directory
+def data(digits_data: Path) -> Path:
+    return digits_data
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, snapshot, trainjob
+from conftest import ROOT, built_once, snapshot
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
 pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
@@ -85,16 +85,17 @@ def arrays(pvc: Path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> tuple[Path, bytes]:
-    """The digits data, and the artifact an uninterrupted W=2 torchrun run ends with."""
-    tmp = tmp_path_factory.mktemp("torchrun")
-    data = tmp / "data"
-    assert trainjob("gen", "--dataset", "digits", data).returncode == 0
-    # Alone, not alongside the victim's launches: on two cores a second job's load can push a
-    # rank past --rank-timeout, which ends a launch (honestly, 75) before the test can kill it.
-    launcher = torchrun(tmp / "ref", data)
-    assert launcher.wait(120) == 0, launcher.stderr.read()[-2000:]
-    return data, arrays(tmp / "ref")
+def reference(tmp_path_factory, digits_data) -> tuple[Path, bytes]:
+    """The digits data, and the artifact an uninterrupted W=2 torchrun run ends with (one launch
+    per test run, shared by the workers: built_once)."""
+
+    def launch(directory: Path) -> None:
+        # Alone, not alongside the victim's launches: on two cores a second job's load can push a
+        # rank past --rank-timeout, which ends a launch (honestly, 75) before the test can kill it.
+        launcher = torchrun(directory / "ref", digits_data)
+        assert launcher.wait(120) == 0, launcher.stderr.read()[-2000:]
+
+    return digits_data, arrays(built_once(tmp_path_factory, "torchrun-reference", launch) / "ref")
 
 
 def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> list[str]:
