@@ -84,18 +84,28 @@ def arrays(pvc: Path):
     return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
+def after_each_step(out: Path) -> list[dict[str, list[str]]]:
+    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in (0, 1)]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, digits_data) -> tuple[Path, bytes]:
-    """The digits data, and the artifact an uninterrupted W=2 torchrun run ends with (one launch
-    per test run, shared by the workers: built_once)."""
+def reference(tmp_path_factory, digits_data) -> tuple[Path, bytes, list[dict[str, list[str]]]]:
+    """The digits data, the artifact an uninterrupted W=2 torchrun run ends with, and that run's
+    file-system calls after each step (tests/fscount.py, through torchrun's store). One launch
+    per test run, shared by the workers (built_once). It checkpoints every 4 steps where the
+    launches compared with it checkpoint at every step: how often a run saves must not change
+    what it trains."""
 
     def launch(directory: Path) -> None:
         # Alone, not alongside the victim's launches: on two cores a second job's load can push a
         # rank past --rank-timeout, which ends a launch (honestly, 75) before the test can kill it.
-        launcher = torchrun(directory / "ref", digits_data)
+        launcher = torchrun(directory / "ref", digits_data, "--ckpt-every", "4",
+                            script=(str(ROOT / "tests/fscount.py"), str(directory / "calls")),
+                            env={**ENV, "TRAINJOB_COORDINATION": "store"})
         assert launcher.wait(120) == 0, launcher.stderr.read()[-2000:]
 
-    return digits_data, arrays(built_once(tmp_path_factory, "torchrun-reference", launch) / "ref")
+    directory = built_once(tmp_path_factory, "torchrun-reference", launch)
+    return digits_data, arrays(directory / "ref"), after_each_step(directory / "calls")
 
 
 def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> list[str]:
@@ -122,7 +132,7 @@ def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> l
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path, reference):
     """Slower than 20 s under load: three launches of two torch workers (rank 1 killed, rank 0
     killed, the relaunch), checked against the module's one reference launch."""
-    data, expected = reference
+    data, expected, _ = reference
     pvc = tmp_path / "pvc"
     interrupt_twice_then_finish(pvc, data, signal.SIGKILL)
     log = (pvc / "log.jsonl").read_text()
@@ -137,7 +147,7 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp
 def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoint_and_resumes(tmp_path,
                                                                                              reference):
     """Slower than 20 s under load: three launches of two torch workers, as the SIGKILL test above."""
-    data, expected = reference
+    data, expected, _ = reference
     pvc = tmp_path / "pvc"
     said = interrupt_twice_then_finish(pvc, data, signal.SIGTERM)
     for launch in said:  # torchrun names each failed worker with its exit code: both relaunchable
@@ -151,28 +161,23 @@ def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoin
     assert arrays(pvc) == expected
 
 
-def after_each_step(out: Path) -> list[dict[str, list[str]]]:
-    return [json.loads(Path(f"{out}-rank{r}.json").read_text()) for r in (0, 1)]
-
-
 @pytest.mark.torchrun
 def test_torchrun_ranks_make_no_file_system_call_on_a_step_without_a_checkpoint(tmp_path, reference):
     """tests/fscount.py counts trainjob's own file-system calls after each step, at each rank. Through
-    torchrun's store: none but at checkpoints (4, 8). Through the PVC's files: a directory listing
-    after every step, which a network file system serves late and at a cost (docs/checkpoints.md)."""
-    data, _ = reference
-    for transport in ("store", "files"):
-        out = tmp_path / transport
-        launcher = torchrun(tmp_path / f"pvc-{transport}", data, "--ckpt-every", "4",
-                            script=(str(ROOT / "tests/fscount.py"), str(out)),
-                            env={**ENV, "TRAINJOB_COORDINATION": transport})
-        assert launcher.wait(120) == 0, launcher.stderr.read().decode()[-3000:]
-        for calls in after_each_step(out):
-            quiet = {step: names for step, names in calls.items() if step not in ("4", "8")}
-            if transport == "store":
-                assert quiet == {} and calls["4"] and calls["8"], calls  # the counter sees checkpoints
-            else:
-                assert sorted(quiet) == ["1", "2", "3", "5", "6", "7"], calls
+    torchrun's store (the reference launch): none but at checkpoints (4, 8). Through the PVC's
+    files: a directory listing after every step, which a network file system serves late and at a
+    cost (docs/checkpoints.md)."""
+    data, expected, through_store = reference
+    for calls in through_store:
+        quiet = {step: names for step, names in calls.items() if step not in ("4", "8")}
+        assert quiet == {} and calls["4"] and calls["8"], calls  # the counter sees checkpoints
+    out = tmp_path / "files"
+    launcher = torchrun(tmp_path / "pvc", data, "--ckpt-every", "4", script=(str(ROOT / "tests/fscount.py"), str(out)),
+                        env={**ENV, "TRAINJOB_COORDINATION": "files"})
+    assert launcher.wait(120) == 0, launcher.stderr.read().decode()[-3000:]
+    for calls in after_each_step(out):
+        assert sorted(step for step in calls if step not in ("4", "8")) == ["1", "2", "3", "5", "6", "7"], calls
+    assert arrays(tmp_path / "pvc") == expected  # either transport, the same training
 
 
 # --- a torch trainer written to the Stateful protocol: bad state is bad input (exit 2) ---------------
