@@ -14,11 +14,11 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load, load_file
 
-from conftest import ROOT, events, io_calls, killpoint, trainjob
+from conftest import ROOT, events, io_calls, killpoint, skip_without, trainjob
 from trainjob import cli
 from trainjob.trainers.digits import DigitsTrainer
 
-pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
+skip_without("sklearn", "scikit-learn (the digits extra) is not installed")
 
 SHORT = ("--trainer", "digits", "--steps", "4", "--ckpt-every", "1", "--keep", "2")
 HELPERS = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, snapshot
+from conftest import ROOT, built_once, skip_without, snapshot
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
-pytest.importorskip("sklearn", reason="scikit-learn (the digits extra) is not installed")
+skip_without("sklearn", "scikit-learn (the digits extra) is not installed")
 
 from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict  # noqa: E402
 
