@@ -17,12 +17,15 @@ from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# One BLAS thread in every process the tests start, as OMP_NUM_THREADS=1 does for torch's. The suite
-# starts about a thousand small processes on two cores; at import numpy's OpenBLAS starts a pool of
-# threads that spin for nothing (about 80 ms of CPU a process here: a `trainjob run` of the lab's
-# model takes 0.23 s of CPU with the pool, 0.15 s without). No test's outcome depends on it: the
-# lab's model is four numbers, and a resume is compared with a run made under the same setting.
+# One BLAS thread and one torch thread in every process the tests start (and in the workers). The
+# suite starts about a thousand small processes on two cores; at import numpy's OpenBLAS starts a
+# pool of threads that spin for nothing (about 80 ms of CPU a process here: a `trainjob run` of the
+# lab's model takes 0.23 s of CPU with the pool, 0.15 s without), and torch's intra-op pool spins
+# the same way between its tiny ops (a launch of examples/own_loop.py: 2.2-2.6 s of CPU with it,
+# 2.1 s without). No test's outcome depends on it: a resume is compared with a run made under the
+# same setting. Tests that build a subprocess's environment from scratch pass both themselves.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def trainjob(*args: str | Path, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
