@@ -137,6 +137,22 @@ def test_a_rank_that_read_a_session_a_new_rank_0_then_removed_joins_the_new_one(
     assert (pvc.root / "ranks/g00000002/join-00001.json").exists()
 
 
+def test_a_peer_s_stop_note_counts_only_once_it_is_whole(tmp_path):
+    """A peer's stop note is written to a tmp file, then renamed. Counted while still a tmp file,
+    rank 0 stopped without the note's signal to read, and logged `killed at_step=0` without
+    `signal=SIGTERM@rank1` (seen once in a loaded suite run)."""
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    rank0 = PvcCoordinator(pvc, 2, 5.0, lambda: None)
+    rank0.publish(session)
+    (rank0.gen_dir() / "stop-00001.json.tmp.4242").write_text("")  # rank 1 mid-write
+    assert not rank0.stop_wanted()
+    rank1 = PvcFollower(pvc, 1, 2, 5.0, lambda: "SIGTERM")
+    rank1.generation = rank0.generation
+    rank1.poll()  # notes its stop, whole
+    assert rank0.stop_wanted() and rank0.peer_signal() == "SIGTERM@rank1"
+
+
 @pytest.mark.parametrize("begun", [False, True])
 def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one(tmp_path, begun):
     """The relaunch races the other way round: rank 1 reads the killed launch's session (generation

@@ -154,7 +154,10 @@ class PvcPeers:
             self._note_stop()
 
     def _peer_stopping(self) -> bool:
-        return not self.solo and any(p.name.startswith("stop-") for p in self._listdir())
+        # A note counts once renamed into place: its tmp file (stop-00001.json.tmp.PID) seen here
+        # had rank 0 stop before the note's signal could be read, and log a kill without it.
+        return not self.solo and any(p.name.startswith("stop-") and p.name.endswith(".json")
+                                     for p in self._listdir())
 
     def _listdir(self) -> list[Path]:
         try:
