@@ -122,9 +122,9 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
     ``Job.write_checkpoint`` does (free-space check, staging, its shard, the others' receipts
     through ``peers``, the commit), the others what ``Run._write_shard`` does (wait for the
     staging through ``peers``, the shard, the receipt). With ``whole``, rank 0 also does what the
-    rest of the ``checkpoint`` transition does (``Job.write_checkpoint``'s pointer and rotation
-    with ``--keep 1``, ``Job.announce``'s ``checkpointed`` line and the start of rotation's
-    delete): every durability point of docs/checkpoints.md's table. ``phase(name, fn)`` runs each
+    rest of the ``checkpoint`` transition does (the pointer, ``Job.announce``'s ``checkpointed``
+    line, rotation with ``--keep 1`` and the start of its delete): every durability point of
+    docs/checkpoints.md's table. ``phase(name, fn)`` runs each
     step (the probe, scripts/checkpoint_phases.py, times them)."""
     store = Committer(Pvc(root))  # rank 0's role; the other ranks use only ShardWriter's methods
     ref = Ref(attempt=1, step=step, world_size=world)
@@ -147,10 +147,16 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
     manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
                         tensors=spec, shards=entries)
     phase("commit", lambda: store.commit(staging, ref, manifest, point=whole))
-    if whole:
+    if not whole:
+        return
+    log = lambda: EventLog(root / "log.jsonl").append("checkpointed", f"step={step} loss_milli=0")  # noqa: E731
+    if hasattr(store.backend, "settle"):  # as Job.announce: the line, then rotation (after the pointer's durability)
+        phase("log", log)
         phase("rotate", lambda: store.rotate(1, world, protect=ref))
-        phase("log", lambda: EventLog(root / "log.jsonl").append("checkpointed", f"step={step} loss_milli=0"))
-        phase("release", store.start_deletions)  # as Job.announce: the old checkpoint's delete follows the line
+    else:  # before issue 30's second round (an A/B run against an older tree): rotation, then the line
+        phase("rotate", lambda: store.rotate(1, world, protect=ref))
+        phase("log", log)
+    phase("release", store.start_deletions)  # the old checkpoint's delete follows the line
 
 
 def write_fsync(path: Path, mine: dict[str, np.ndarray]) -> None:

@@ -394,7 +394,9 @@ class Committer(ShardWriter):
     def commit(self, staging: Path, ref: Ref, manifest: Manifest, point: bool = False) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
         place; return the manifest's sha256. ``point``: then replace ``checkpoint.json`` with a
-        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``)."""
+        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``), and leave the
+        fsync that makes its rename durable running: ``rotate`` waits for it, so the
+        ``checkpointed`` line's fsync can run beside it (docs/checkpoints.md)."""
         if self.pvc.local:  # receipts were for rank 0 only; the manifest now says it all
             for shard in manifest.shards:
                 (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
@@ -411,7 +413,10 @@ class Committer(ShardWriter):
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
         """(rank 0, after the commit and the pointer) Hide the oldest so that ``keep`` remain;
-        ``start_deletions`` deletes them in the background."""
+        ``start_deletions`` deletes them in the background. First waits until the pointer's
+        rename is durable: a power loss must never leave the old pointer naming a checkpoint
+        already on its way out."""
+        self.backend.settle()
         removed = []
         for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
             if self._remove(self.path(ref), wait=False):  # hidden now, its blocks freed later

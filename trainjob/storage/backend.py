@@ -155,7 +155,12 @@ class Backend(Protocol):
                 then: tuple[str, bytes] | None = None) -> Written:
         """Write ``marker`` (the manifest) last and make ``final`` visible in one step; never over a
         published ``final`` (InputError). ``then``: a record ``(key, bytes)`` replaced as ``write``
-        would, visible only once the publication is durable (the pointer naming it)."""
+        would, visible only once the publication is durable (the pointer naming it); the last
+        durability point of its replacement may still be running when this returns (``settle``)."""
+
+    def settle(self) -> None:
+        """Wait for what ``publish`` left running (on a PVC, the fsync that makes its ``then``
+        record's rename durable) and raise the first error; a no-op where nothing was left."""
 
     def published(self, prefix: str, marker: str) -> list[str]:
         """(any process) The names below ``prefix`` that a ``publish`` made visible (or that sit

@@ -84,6 +84,12 @@ def _fsync_and_close(fd: int, path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_parent(path: Path) -> None:
+    """fsync the directory holding ``path`` (on the pool), failing as ``atomic_write`` would."""
+    with os_errors(path, "write failed"):
+        fsync_dir(path.parent)
+
+
 def _fsync_soon(fd: int, path: Path) -> Future[None]:
     """Start fsyncing ``fd`` (the file at ``path``) on the pool, which closes it afterwards."""
     return _syncer().submit(_fsync_and_close, fd, path)
@@ -163,7 +169,7 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
 
 
 def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True,
-                 ready: Callable[[], object] | None = None) -> Written:
+                 ready: Callable[[], object] | None = None, later: list[Future[None]] | None = None) -> Written:
     """Replace ``path`` with ``data`` so that a crash at any instant leaves old or new bytes.
 
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
@@ -177,6 +183,11 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable
     ``ready``: called between the tmp file's fsync and its rename, to wait for a durability point
     the new bytes must not be visible before (the commit of the checkpoint a pointer names), so
     that point's fsync and this file's run at the same time instead of one after the other.
+
+    ``later`` (a list): the directory's fsync after the rename is started on the fsync pool and
+    its future appended, not waited for: whoever must not go on before the rename is durable
+    waits for it (the pointer's: rotation's rename, ``LocalBackend.settle``), and the fsyncs
+    that need not wait for it (the ``checkpointed`` line's) run beside it.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     with os_errors(path, "write failed"):
@@ -185,7 +196,9 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable
             if ready is not None:
                 ready()
             os.replace(tmp, path)
-            if durable:
+            if durable and later is not None:
+                later.append(_syncer().submit(_fsync_parent, path))
+            elif durable:
                 fsync_dir(path.parent)
         except OSError:
             _discard(tmp)
@@ -475,6 +488,7 @@ class LocalBackend:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._unsynced: dict[str, list[Future[None]]] = {}  # staged key -> its parts' running fsyncs
+        self._pending: list[Future[None]] = []  # what ``publish`` left running for ``settle``
 
     def path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -574,9 +588,14 @@ class LocalBackend:
                 then: tuple[str, bytes] | None = None) -> Written:
         unsynced = self._unsynced.pop(staged, [])  # parts written with sync=False: fsyncs still running
         written = write_staged(self.path(f"{staged}/{marker}"), data, unsynced)
-        point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready)
+        point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready,
+                                                                     later=self._pending)
         commit_dir(self.path(staged), self.path(final), unsynced, point)
         return written
+
+    def settle(self) -> None:
+        pending, self._pending = self._pending, []
+        _settle(pending)
 
     def published(self, prefix: str, marker: str) -> list[str]:
         # On a PVC only commit_dir's rename puts a checkpoint's name in place: every name there was

@@ -330,6 +330,9 @@ class S3Backend:
     def start_deletions(self) -> None:
         """Nothing to start: ``delete_tree`` deletes before it returns on a bucket."""
 
+    def settle(self) -> None:
+        """Nothing to wait for: ``publish`` returns with every PUT durable."""
+
     def move(self, src: str, dest: str) -> bool:
         """Copy ``src``'s keys under ``dest`` (the manifest last), then delete ``src``."""
         import obstore as obs
