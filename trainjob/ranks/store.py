@@ -131,10 +131,11 @@ class StorePeers:
         and on a helper thread: this thread runs ``poll`` every WAIT_SLICE meanwhile (a newer
         generation, rank 0's end) and is never inside the store's C++ wait, where a signal's
         handler would not run. When ``poll`` raises, the helper is left to its wait and its
-        connection with it (a daemon thread; the next wait clones another)."""
-        poll()
+        connection with it (a daemon thread; the next wait clones another). Keys already set
+        need no poll: they are this generation's, set by ranks of this launch."""
         if self.has(*keys):
             return
+        poll()
         deadline = time.monotonic() + self.timeout
         kv, self._waits_kv = self._waits_kv, None  # held by this wait until it returns
         if kv is None:
@@ -270,6 +271,7 @@ class StoreCoordinator(StorePeers):
                  stop_signal: Callable[[], str | None]) -> None:
         super().__init__(kv, 0, world_size, timeout, stop_signal)
         self.files = PvcCoordinator(pvc, world_size, timeout, stop_signal)
+        self.spent: list[str] = []  # the last checkpoint's keys, read and not dropped yet
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, first) Allocate the generation on the PVC, then tell the
@@ -298,8 +300,13 @@ class StoreCoordinator(StorePeers):
             self.set(self.key("begin"), str(self.step))
 
     def staged(self, step: int) -> None:
-        """(rank 0, at each checkpoint, once the staging directory exists) The others may write."""
+        """(rank 0, at each checkpoint, once the staging directory exists) The others may write.
+        Then the previous checkpoint's keys go (``gather`` leaves them): the others are writing
+        by now, so these round trips delay nobody, where in ``gather`` they delayed the commit."""
         self.set(self.key(f"staged/{step}"), str(step))
+        spent, self.spent = self.spent, []
+        if spent:
+            self.drop(*spent)
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], Any], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after its own shard) Every other rank's receipt of
@@ -313,7 +320,7 @@ class StoreCoordinator(StorePeers):
         for r, entry in zip(keys, entries):
             if entry.rank != r or entry.file != shard_file(r, self.world_size):
                 raise InputError(f"rendezvous store key {keys[r]}: not rank {r}'s receipt")
-        self.drop(self.key(f"staged/{step}"), *keys.values())
+        self.spent = [self.key(f"staged/{step}"), *keys.values()]  # read: ``staged`` drops them next time
         return entries
 
     def peer_signal(self) -> str | None:
