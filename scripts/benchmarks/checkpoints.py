@@ -28,7 +28,7 @@ import numpy as np
 
 from trainjob.checkpoint import plan
 from trainjob.checkpoint.plan import Ref
-from trainjob.checkpoint.store import CheckpointStore, Committer
+from trainjob.checkpoint.store import CheckpointStore, Committer, ShardWriter
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
 from trainjob.storage.eventlog import EventLog
 from trainjob.storage.pvc import Pvc
@@ -112,6 +112,11 @@ def join(root: Path, rank: int, world: int, store: tuple[str, int, str] | None):
     return peers
 
 
+# An A/B run of this bench against a tree from before issue 30's second round (the library on
+# PYTHONPATH) re-enacts that tree's engine: its calls had other names and another order.
+BEFORE = not hasattr(ShardWriter, "settle")
+
+
 def _timed(name: str, fn):
     return fn()
 
@@ -132,28 +137,34 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
     if rank:
         staging = store.staging(ref, generation)
         phase("wait staging", lambda: peers.wait_staging(staging, step))
-        entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine))
-        phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e)))
+        if not BEFORE:
+            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine, fsync_later=True))
+            phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e), store.settle))
+        else:
+            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine))
+            phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e)))
         return
     phase("space", lambda: store.check_space(1))
     staging = phase("staging", lambda: store.create_staging(ref, generation))
     if peers is not None:
         phase("staged", lambda: peers.staged(step))
-    entries = [phase("shard", lambda: store.write_slices(staging, 0, world, step, holds, mine, committing=True))]
+    later = {"committing" if BEFORE else "fsync_later": True}
+    entries = [phase("shard", lambda: store.write_slices(staging, 0, world, step, holds, mine, **later))]
     if peers is not None:
         entries += phase("gather", lambda: peers.gather(
             lambda r: store.receipt_path(staging, r, world).exists(),
             lambda r: store.read_receipt(staging, r, world), step))
     manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
                         tensors=spec, shards=entries)
-    phase("commit", lambda: store.commit(staging, ref, manifest, point=whole))
+    others = {} if BEFORE or peers is None else {"others": lambda: peers.durable(step)}
+    phase("commit", lambda: store.commit(staging, ref, manifest, point=whole, **others))
     if not whole:
         return
     log = lambda: EventLog(root / "log.jsonl").append("checkpointed", f"step={step} loss_milli=0")  # noqa: E731
-    if hasattr(store.backend, "settle"):  # as Job.announce: the line, then rotation (after the pointer's durability)
+    if not BEFORE:  # as Job.announce: the line, then rotation (after the pointer's durability)
         phase("log", log)
         phase("rotate", lambda: store.rotate(1, world, protect=ref))
-    else:  # before issue 30's second round (an A/B run against an older tree): rotation, then the line
+    else:  # rotation, then the line
         phase("rotate", lambda: store.rotate(1, world, protect=ref))
         phase("log", log)
     phase("release", store.start_deletions)  # the old checkpoint's delete follows the line

@@ -142,6 +142,58 @@ def test_receipts_travel_through_the_store_not_as_files(server, pvc):
     assert not rank0.has(rank0.key("receipt/4/1")) and not rank0.has(rank0.key("staged/4"))  # cleaned up
 
 
+def test_rank_0_writes_the_manifest_while_a_ranks_fsync_runs_and_renames_only_after_it(server, pvc, monkeypatch):
+    """Through the store a rank's receipt comes as soon as its shard is written, then its word
+    that the shard is durable: rank 0 (the engine's own ``Job.write_checkpoint``) writes and
+    fsyncs the manifest while rank 1's fsync (slowed) runs, and renames the staging directory
+    only once that fsync has returned. The follower's side is ``Run._write_shard``'s two calls."""
+    import numpy as np
+
+    from trainjob.checkpoint.plan import Ref
+    from trainjob.checkpoint.store import ShardWriter
+    from trainjob.engine.job import Job, RunConfig
+    from trainjob.storage.eventlog import EventLog
+    from trainjob.tensors import tensor_specs
+
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=10.0)
+    job = Job(RunConfig(world_size=2), pvc, EventLog(pvc.root / "log.jsonl"), "0" * 64, rank0)
+    state = {"w": np.arange(8, dtype=np.float64)}
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        on = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        events.append(("fsync", on))
+        if on == "shard-00001-of-00002.safetensors":
+            time.sleep(0.3)
+        real_fsync(fd)
+        events.append(("fsynced", on))
+
+    def rename(src, dst, **kwargs):
+        events.append(("rename", os.path.basename(src)))
+        real_rename(src, dst, **kwargs)
+
+    def follow() -> None:
+        writer = ShardWriter(pvc)
+        staging = writer.staging(Ref(attempt=1, step=2, world_size=2), rank1.generation)
+        rank1.wait_staging(staging, 2)
+        entry = writer.write_shard(staging, 1, 2, 2, state, fsync_later=True)
+        rank1.deliver(2, entry, lambda e: writer.write_receipt(staging, e), writer.settle)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    follower = threading.Thread(target=follow)
+    follower.start()
+    job.write_checkpoint(2, 100, state, tensor_specs(state), 0)
+    follower.join(10)
+    monkeypatch.undo()
+    shard_done = events.index(("fsynced", "shard-00001-of-00002.safetensors"))
+    assert events.index(("fsync", "manifest.json")) < shard_done  # the manifest did not wait for it
+    commit = next(i for i, (kind, on) in enumerate(events) if kind == "rename" and on.startswith(".tmp-step-"))
+    assert shard_done < commit, events
+    assert [r.step for r in job.store.committed()] == [2]
+
+
 def test_a_checkpoint_writer_thread_is_not_held_up_by_a_round_in_progress(server, pvc):
     """Async checkpoints: a rank's writer thread waits for the staging key and sends its receipt
     while the main thread waits in a stop round; one client serves one call at a time."""

@@ -313,7 +313,7 @@ class Job(MachineModel, AsyncCheckpoints):
         self.store.check_space(last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
         self.peers.staged(ref.step)
-        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, committing=True)]
+        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, fsync_later=True)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
@@ -321,7 +321,7 @@ class Job(MachineModel, AsyncCheckpoints):
         if problems := plan.coverage_problems(manifest.tensors, manifest.shards):  # DTensors not spanning every rank
             raise UsageError(f"step {step}: the ranks' shards do not make up the state ({'; '.join(problems)}); "
                              "every DTensor must be on a mesh of all the run's ranks (nothing was committed)")
-        self.store.commit(staging, ref, manifest, point=True)
+        self.store.commit(staging, ref, manifest, point=True, others=lambda: self.peers.durable(ref.step))
         self.rotate_after = ref
         return sum(e.size for e in entries)
 

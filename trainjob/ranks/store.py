@@ -14,7 +14,8 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/round/17         the 17th stop round: ranks arrived + STOP x ranks that want to stop
     g00000003/round/17/done    its total, set by the last rank to arrive (END if rank 0 finished)
     g00000003/staged/8         rank 0 created the staging directory of step 8
-    g00000003/receipt/8/1      rank 1's shard of step 8 is durable: its ShardEntry (size, sha256)
+    g00000003/receipt/8/1      rank 1's shard of step 8 is written: its ShardEntry (size, sha256)
+    g00000003/durable/8/1      rank 1's shard of step 8 is durable (fsynced): rank 0 may commit
     g00000003/outcome          Outcome: how rank 0 ended generation 3, with its exit code
     g00000003/outcome/read     how many other ranks have read it
     aborted, aborted/read      the same, when rank 0 ended on an error before publishing a session
@@ -323,6 +324,15 @@ class StoreCoordinator(StorePeers):
         self.spent = [self.key(f"staged/{step}"), *keys.values()]  # read: ``staged`` drops them next time
         return entries
 
+    def durable(self, step: int) -> None:
+        """(rank 0, after ``gather``, before the commit's rename) Every other rank's word that its
+        shard of ``step`` is durable: its receipt came as soon as the shard was written, so this
+        rank wrote the manifest and began the commit's fsyncs while the others' fsyncs ran."""
+        keys = {r: self.key(f"durable/{step}/{r}") for r in range(1, self.world_size)}
+        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
+                        f"make their shards of step {step} durable", lambda: None)
+        self.spent += keys.values()
+
     def peer_signal(self) -> str | None:
         for r in range(self.world_size):
             if self.has(self.key(f"stop/{r}")):
@@ -433,10 +443,15 @@ class StoreFollower(StorePeers):
         self.await_keys([self.key(f"staged/{step}")], lambda: f"rank 0 to start checkpoint step {step} "
                         f"({staging.name})", self.poll)
 
-    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
-        """(ranks >= 1, once this rank's shard of ``step`` is durable) Its receipt goes to rank 0
-        through the store; no receipt file (``write`` is the files' way)."""
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
+                sync: Callable[[], object] = lambda: None) -> None:
+        """(ranks >= 1, once this rank's shard of ``step`` is written) Its receipt goes to rank 0
+        through the store at once (no receipt file: ``write`` is the files' way), then ``sync``
+        makes the shard durable, then its ``durable`` key says so: rank 0 builds and writes the
+        manifest meanwhile, and renames nothing before every such key is set (``durable``)."""
         self.set(self.key(f"receipt/{step}/{self.rank}"), dumps(entry))
+        sync()
+        self.set(self.key(f"durable/{step}/{self.rank}"), "1")
 
     def wait_outcome(self) -> Outcome:
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,

@@ -234,7 +234,8 @@ def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview],
 
 
 def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = (),
-               then: Callable[[Callable[[], object]], object] | None = None) -> None:
+               then: Callable[[Callable[[], object]], object] | None = None,
+               others: Callable[[], object] | None = None) -> None:
     """Publish the fully written directory ``staging`` as ``final``, all or nothing.
 
     Every file in ``staging`` was written with ``write_staged`` or ``atomic_write``: fsynced, or
@@ -247,13 +248,22 @@ def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = ()
     ``then(ready)``: more work that needs the publication durable (the pointer's
     ``atomic_write``), run while the parent's fsync runs; ``ready`` waits for that fsync, and
     ``then`` calls it before anything of its own becomes visible.
+
+    ``others()``: waits until the files other processes wrote into ``staging`` are durable (the
+    other ranks' shards, fsynced by them), called while this process's fsyncs run: theirs are
+    part of the same round, and the rename waits for all of it.
     """
     if os.path.lexists(final):
         raise InputError(f"{final}: already exists; trainjob never overwrites a committed checkpoint")
     with os_errors(final, "commit failed"):
         # The files' and the directory's fsyncs guard one thing, the rename below: none needs
         # another before it, so they run at once and ext4 commits them in one journal transaction.
-        _settle([*unsynced, _syncer().submit(fsync_dir, staging)])
+        running = [*unsynced, _syncer().submit(fsync_dir, staging)]
+        try:
+            if others is not None:
+                others()
+        finally:
+            _settle(running)
         os.rename(staging, final)
         parent = _syncer().submit(fsync_dir, final.parent)
         try:
@@ -585,16 +595,17 @@ class LocalBackend:
         return write_staged(self.path(key), data, later)
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
-                then: tuple[str, bytes] | None = None) -> Written:
+                then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:
         unsynced = self._unsynced.pop(staged, [])  # parts written with sync=False: fsyncs still running
         written = write_staged(self.path(f"{staged}/{marker}"), data, unsynced)
         point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready,
                                                                      later=self._pending)
-        commit_dir(self.path(staged), self.path(final), unsynced, point)
+        commit_dir(self.path(staged), self.path(final), unsynced, point, others)
         return written
 
     def settle(self) -> None:
-        pending, self._pending = self._pending, []
+        pending = [*self._pending, *(f for parts in self._unsynced.values() for f in parts)]
+        self._pending, self._unsynced = [], {}
         _settle(pending)
 
     def published(self, prefix: str, marker: str) -> list[str]:
