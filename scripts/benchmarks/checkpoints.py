@@ -242,6 +242,7 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
             if kind == "trainjob-step":
                 save_trainjob(root_path, rank, world, holds, mine, spec, step, whole=True, peers=peers)
             elif kind == "trainjob":
+                (root_path / "warm-trainjob").mkdir(exist_ok=True)  # a PVC exists before its first save
                 save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step, peers=peers)
             elif kind != "gather":
                 (root_path / f"warm-{kind}").mkdir(exist_ok=True)
