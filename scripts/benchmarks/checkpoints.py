@@ -36,6 +36,7 @@ from trainjob.storage.pvc import Pvc
 from .common import MiB, bracketed, fmt, fsync_path, summary, vm_hwm
 
 COLS = 1024  # columns of each synthetic matrix; rows are what ranks split
+WARM = 1000  # the untimed save before a "trainjob" save is of this many steps later
 TENSORS = 8  # matrices in the state (a model's layers, say)
 CHUNK = 8 << 20
 
@@ -242,8 +243,9 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
             if kind == "trainjob-step":
                 save_trainjob(root_path, rank, world, holds, mine, spec, step, whole=True, peers=peers)
             elif kind == "trainjob":
+                # Another step: one launch never saves a step twice, and the ranks' keys name it.
                 (root_path / "warm-trainjob").mkdir(exist_ok=True)  # a PVC exists before its first save
-                save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step, peers=peers)
+                save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step + WARM, peers=peers)
             elif kind != "gather":
                 (root_path / f"warm-{kind}").mkdir(exist_ok=True)
                 save_peer(kind, root_path / f"warm-{kind}", rank, mine)
