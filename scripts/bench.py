@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-mib", type=int, default=64, help="engine: the large state's size in MiB")
     ap.add_argument("--log-lines", type=int, default=1_000_000, help="status: lines in the log")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch peer even when it is installed")
+    ap.add_argument("--ranks-via", choices=("store", "files"), default=None,
+                    help="checkpoints: how trainjob's ranks agree at W > 1: a TCPStore as under torchrun "
+                         "(the default when torch is installed, even with --no-torch), or files on the PVC")
     ap.add_argument("--trainer-dim", type=int, default=4096,
                     help="trainer: the Linear's width (4096: a 128 MiB state with momentum; 0 skips the section)")
     ap.add_argument("--trainer-steps", type=int, default=40, help="trainer: steps in the whole run")
@@ -86,8 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         probes = [cpu_probe()]
         if "checkpoints" in sections:
-            runs = checkpoints.run_section(ctx, work, worlds, args.repeat, size, have_torch() and not args.no_torch)
-            out.update(state_bytes=size, world_sizes=worlds, **checkpoints.figures(runs, size, worlds))
+            via = args.ranks_via or ("store" if have_torch() else "files")
+            runs = checkpoints.run_section(ctx, work, worlds, args.repeat, size, have_torch() and not args.no_torch,
+                                           via)
+            out.update(state_bytes=size, world_sizes=worlds, ranks_via=via, **checkpoints.figures(runs, size, worlds))
         if "engine" in sections:
             out["engine"] = engine.run_section(ctx, work, args.repeat, args.steps, args.engine_mib)
         if "status" in sections:

@@ -3,8 +3,10 @@
 The state is synthetic: float32 matrices split across W ranks by trainjob's own rule
 (``plan.plan_shards``). Every figure comes from fresh processes (``multiprocessing`` spawn), so
 peak RSS (``VmHWM``) is the contender's own. trainjob is driven through the same library calls
-``trainjob run`` makes (``Committer.create_staging/write_slices/write_receipt/commit`` for a
-save, ``CheckpointStore.load`` for a resume). A save is timed after one untimed save by the same
+``trainjob run`` makes (``save_trainjob``: the Committer's and ShardWriter's for a save, and at
+W > 1 the ranks' own coordination objects, through a store this process hosts as torchrun's agent
+does, or through files with ``--ranks-via files``, so the ranks wait for each other as the engine's
+do; ``CheckpointStore.load`` for a resume). A save is timed after one untimed save by the same
 process, as a run's checkpoints after its first are. Within each repeat every contender runs between two
 runs of its reference (``common.bracketed``). ``raw+sha256`` is no contender but a floor: the raw
 write+fsync with a sha256 of the same bytes on a second thread, so its ratio says how close to the
@@ -14,6 +16,7 @@ raw limit any save that hashes every byte can come on this machine at that W.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import shutil
 import sys
@@ -25,7 +28,7 @@ import numpy as np
 
 from trainjob.checkpoint import plan
 from trainjob.checkpoint.plan import Ref
-from trainjob.checkpoint.store import CheckpointStore, Committer
+from trainjob.checkpoint.store import CheckpointStore, Committer, ShardWriter
 from trainjob.records import MANIFEST_SCHEMA, Manifest, TensorSpec
 from trainjob.storage.eventlog import EventLog
 from trainjob.storage.pvc import Pvc
@@ -33,9 +36,9 @@ from trainjob.storage.pvc import Pvc
 from .common import MiB, bracketed, fmt, fsync_path, summary, vm_hwm
 
 COLS = 1024  # columns of each synthetic matrix; rows are what ranks split
+WARM = 1000  # the untimed save before a "trainjob" save is of this many steps later
 TENSORS = 8  # matrices in the state (a model's layers, say)
 CHUNK = 8 << 20
-POLL = 0.001
 
 SAVES = ("raw", "raw+sha256", "trainjob", "trainjob-step", "safetensors", "numpy", "torch", "gather")
 LOADS = ("limit", "trainjob", "trainjob-new", "safetensors", "numpy", "torch")
@@ -84,33 +87,88 @@ def byte_views(mine: dict[str, np.ndarray]):
 
 # --- the contenders, each run inside a fresh worker process ---------------------------------------
 
-def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int, whole: bool = False) -> None:
-    """What persist_checkpoint and _follow_generation do for one checkpoint: the shards and the
-    commit; with ``whole``, also rank 0's pointer, rotation (``--keep 1``) and ``checkpointed``
-    log line, every durability point of docs/checkpoints.md's table."""
+def join(root: Path, rank: int, world: int, store: tuple[str, int, str] | None):
+    """This worker's side of the ranks' agreement, joined and begun, as ``trainjob run``'s rank
+    makes it (``Run._lead``, ``Run._follow``): through a store like the one torchrun's agent hosts
+    (``store``: its host, port and a run id unique to this launch), else through files on the PVC
+    (the local launcher's way). None at W=1, where the engine agrees with nobody."""
+    if world == 1:
+        return None
+    from trainjob.ranks import connect
+    from trainjob.records import Session
+
+    env = {} if store is None else {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": store[0],
+                                    "MASTER_PORT": str(store[1]), "TORCHELASTIC_RUN_ID": store[2]}
+    env["TRAINJOB_COORDINATION"] = "files" if store is None else "store"
+    pvc, no_signal = Pvc(root), lambda: None
+    if rank:
+        peers = connect.follower(pvc, rank, world, 60.0, no_signal, env=env)
+        peers.join("bench", set())
+        return peers
+    peers = connect.coordinator(pvc, world, 60.0, no_signal, env=env)
+    peers.publish(lambda g: Session(generation=g, world_size=world, attempt=1, from_step=0, checkpoint=None,
+                                    manifest_sha256=None, settings="bench"))
+    peers.wait_joined()
+    peers.begin()
+    return peers
+
+
+# An A/B run of this bench against a tree from before issue 30's second round (the library on
+# PYTHONPATH) re-enacts that tree's engine: its calls had other names and another order.
+BEFORE = not hasattr(ShardWriter, "settle")
+
+
+def _timed(name: str, fn):
+    return fn()
+
+
+def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: int, whole: bool = False,
+                  peers=None, phase=_timed) -> None:
+    """What a rank of ``trainjob run`` does for one checkpoint, call for call: rank 0 what
+    ``Job.write_checkpoint`` does (free-space check, staging, its shard, the others' receipts
+    through ``peers``, the commit), the others what ``Run._write_shard`` does (wait for the
+    staging through ``peers``, the shard, the receipt). With ``whole``, rank 0 also does what the
+    rest of the ``checkpoint`` transition does (the pointer, ``Job.announce``'s ``checkpointed``
+    line, rotation with ``--keep 1`` and the start of its delete): every durability point of
+    docs/checkpoints.md's table. ``phase(name, fn)`` runs each
+    step (the probe, scripts/checkpoint_phases.py, times them)."""
     store = Committer(Pvc(root))  # rank 0's role; the other ranks use only ShardWriter's methods
     ref = Ref(attempt=1, step=step, world_size=world)
-    staging = store.staging(ref, 1)
-    if rank == 0:
-        store.create_staging(ref, 1)
-    while not staging.is_dir():
-        time.sleep(POLL)
-    entry = store.write_slices(staging, rank, world, step, holds, mine, committing=rank == 0)
+    generation = peers.generation if peers is not None else 1
     if rank:
-        store.write_receipt(staging, entry)
+        staging = store.staging(ref, generation)
+        phase("wait staging", lambda: peers.wait_staging(staging, step))
+        if not BEFORE:
+            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine, fsync_later=True))
+            phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e), store.settle))
+        else:
+            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine))
+            phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e)))
         return
-    entries = [entry]
-    for r in range(1, world):
-        while not store.receipt_path(staging, r, world).exists():
-            time.sleep(POLL)
-        entries.append(store.read_receipt(staging, r, world))
+    phase("space", lambda: store.check_space(1))
+    staging = phase("staging", lambda: store.create_staging(ref, generation))
+    if peers is not None:
+        phase("staged", lambda: peers.staged(step))
+    later = {"committing" if BEFORE else "fsync_later": True}
+    entries = [phase("shard", lambda: store.write_slices(staging, 0, world, step, holds, mine, **later))]
+    if peers is not None:
+        entries += phase("gather", lambda: peers.gather(
+            lambda r: store.receipt_path(staging, r, world).exists(),
+            lambda r: store.read_receipt(staging, r, world), step))
     manifest = Manifest(schema=MANIFEST_SCHEMA, step=step, attempt=1, world_size=world, loss_milli=0,
                         tensors=spec, shards=entries)
-    store.commit(staging, ref, manifest, point=whole)
-    if whole:
-        store.rotate(1, world, protect=ref)
-        EventLog(root / "log.jsonl").append("checkpointed", f"step={step}")
-        store.start_deletions()  # as Job.announce: the old checkpoint's delete follows the line
+    others = {} if BEFORE or peers is None else {"others": lambda: peers.durable(step)}
+    phase("commit", lambda: store.commit(staging, ref, manifest, point=whole, **others))
+    if not whole:
+        return
+    log = lambda: EventLog(root / "log.jsonl").append("checkpointed", f"step={step} loss_milli=0")  # noqa: E731
+    if not BEFORE:  # as Job.announce: the line, then rotation (after the pointer's durability)
+        phase("log", log)
+        phase("rotate", lambda: store.rotate(1, world, protect=ref))
+    else:  # rotation, then the line
+        phase("rotate", lambda: store.rotate(1, world, protect=ref))
+        phase("log", log)
+    phase("release", store.start_deletions)  # the old checkpoint's delete follows the line
 
 
 def write_fsync(path: Path, mine: dict[str, np.ndarray]) -> None:
@@ -163,7 +221,7 @@ def save_peer(kind: str, root: Path, rank: int, mine: dict[str, np.ndarray]) -> 
 
 
 def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step: int,
-           barrier, results, pipe) -> None:
+           barrier, results, pipe, store: tuple[str, int, str] | None = None) -> None:
     try:
         spec = specs(size)
         root_path = Path(root)
@@ -181,10 +239,13 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
             # the checkpoints of a run after its first are (thread pools, lazily built converters
             # and first-touch costs are a launch's, once). trainjob-step's also gives the timed
             # save's rotation a checkpoint to delete.
+            peers = join(root_path, rank, world, store) if kind.startswith("trainjob") else None
             if kind == "trainjob-step":
-                save_trainjob(root_path, rank, world, holds, mine, spec, step, whole=True)
+                save_trainjob(root_path, rank, world, holds, mine, spec, step, whole=True, peers=peers)
             elif kind == "trainjob":
-                save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step)
+                # Another step: one launch never saves a step twice, and the ranks' keys name it.
+                (root_path / "warm-trainjob").mkdir(exist_ok=True)  # a PVC exists before its first save
+                save_trainjob(root_path / "warm-trainjob", rank, world, holds, mine, spec, step + WARM, peers=peers)
             elif kind != "gather":
                 (root_path / f"warm-{kind}").mkdir(exist_ok=True)
                 save_peer(kind, root_path / f"warm-{kind}", rank, mine)
@@ -192,7 +253,7 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
             t0 = time.perf_counter()
             if kind.startswith("trainjob"):
                 whole = kind == "trainjob-step"
-                save_trainjob(root_path, rank, world, holds, mine, spec, step + whole, whole=whole)
+                save_trainjob(root_path, rank, world, holds, mine, spec, step + whole, whole=whole, peers=peers)
             elif kind == "gather":
                 if rank:  # ship every byte to rank 0 through a pipe
                     for view in byte_views(mine):
@@ -246,16 +307,34 @@ def worker(op: str, kind: str, root: str, rank: int, world: int, size: int, step
         raise
 
 
-def run_workers(ctx, op: str, kind: str, root: Path, world: int, size: int, step: int) -> dict:
-    """Start the W (or 1) processes of one contender, release them together, return wall time and peak RSS."""
+_launches = itertools.count(1)
+
+
+def host_store():
+    """A TCPStore in this process, as torchrun's agent hosts one for its workers (they connect as
+    clients): the ranks of a W > 1 trainjob save agree through it, as under ``trainjob torchrun``."""
+    import datetime
+
+    import torch.distributed as dist
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=60))
+
+
+def run_workers(ctx, op: str, kind: str, root: Path, world: int, size: int, step: int,
+                transport: str = "files") -> dict:
+    """Start the W (or 1) processes of one contender, release them together, return wall time and
+    peak RSS. A W > 1 trainjob save's ranks agree through ``transport``: "store" (a store this
+    process hosts, torchrun's way) or "files" (on the PVC, the local launcher's way)."""
     procs_n = world if op == "save" else 1
     barrier, results = ctx.Barrier(procs_n), ctx.Queue()
     pipes = [ctx.Pipe(duplex=False) for _ in range(1, world)] if (op, kind) == ("save", "gather") else []
+    server = host_store() if transport == "store" and op == "save" and kind.startswith("trainjob") and world > 1 else None
+    store = None if server is None else ("127.0.0.1", server.port, f"bench-{os.getpid()}-{next(_launches)}")
     procs = []
     for rank in range(procs_n):
         pipe = [r for r, _ in pipes] if rank == 0 else (pipes[rank - 1][1] if pipes else None)
         procs.append(ctx.Process(target=worker, args=(op, kind, str(root), rank, world, size, step,
-                                                      barrier, results, pipe if pipes else None)))
+                                                      barrier, results, pipe if pipes else None, store)))
     for p in procs:
         p.start()
     got = [results.get(timeout=1800) for _ in procs]
@@ -269,9 +348,10 @@ def run_workers(ctx, op: str, kind: str, root: Path, world: int, size: int, step
             "rss_rank0": next(g["hwm"] for g in got if g["rank"] == 0)}
 
 
-def run_section(ctx, work: Path, worlds: list[int], repeat: int, size: int, torch_ok: bool) -> dict:
+def run_section(ctx, work: Path, worlds: list[int], repeat: int, size: int, torch_ok: bool,
+                transport: str = "files") -> dict:
     """Every contender's save and load at every world size, ``repeat`` times, bracketed by the
-    reference; the runs by op -> W -> kind."""
+    reference; the runs by op -> W -> kind. ``transport``: how trainjob's ranks agree (``run_workers``)."""
     saves = [k for k in SAVES if k != "torch" or torch_ok]
     loads = [k for k in LOADS if k != "torch" or torch_ok]
     t: dict = {"save": {}, "load": {}}
@@ -284,7 +364,7 @@ def run_section(ctx, work: Path, worlds: list[int], repeat: int, size: int, torc
                     shutil.rmtree(root / kind, ignore_errors=True)
                 target = root / kind if kind in ("trainjob", "trainjob-step", "gather", "raw", "raw+sha256") else root
                 target.mkdir(parents=True, exist_ok=True)
-                return run_workers(ctx, "save", kind, target, w, size, rep + 1)
+                return run_workers(ctx, "save", kind, target, w, size, rep + 1, transport)
 
             def load(kind: str) -> dict:
                 target = root / "trainjob" if kind in ("trainjob", "trainjob-new", "limit") else root
@@ -319,7 +399,8 @@ def figures(t: dict, size: int, worlds: list[int]) -> dict:
 def table(out: dict) -> list[str]:
     mib = out["state_bytes"] / MiB
     lines = [f"state {mib:.0f} MiB float32, {out['repeat']} repeats; median (min..max); "
-             "ratio = mean time of the two limit runs around it / contender time (higher is faster)", ""]
+             "ratio = mean time of the two limit runs around it / contender time (higher is faster); "
+             f"trainjob's ranks agree through {out.get('ranks_via', 'files')}", ""]
     for op, head in (("save", "save (W processes in parallel, write+fsync)"),
                      ("load", "load (one process; warm page cache; only trainjob verifies)")):
         lines += [f"| {head} | W | MB/s | x limit | peak RSS / state |", "| --- | --- | --- | --- | --- |"]

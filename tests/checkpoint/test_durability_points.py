@@ -62,16 +62,19 @@ def traced(monkeypatch: pytest.MonkeyPatch, pvc: Path, *flags: str) -> list[Poin
 
 def checkpoints(points: list[Point]) -> list[list[Point]]:
     """The run's points cut into one list per checkpoint: from the first fsync in its staging
-    directory (whichever of round 1's began first) to the log line that announces it."""
-    found, current = [], None
+    directory (whichever of round 1's began first) to the log line that announces it, and what
+    comes right after that line: the fsync of `.` beside it (the pool's thread may begin it
+    later) and the renames of its rotation."""
+    found, current, announced = [], None, False
     for point in points:
+        if announced and not (point == ("fsync", ".") or point[0] == "rename" and "-> checkpoints/.trash-" in point[1]):
+            current, announced = None, False
         if current is None and point[0] == "fsync" and point[1].startswith("checkpoints/.tmp-"):
             current = []
             found.append(current)
         if current is not None:
             current.append(point)
-            if point == ("fsync", "log.jsonl"):
-                current = None
+            announced = announced or point == ("fsync", "log.jsonl")
     return found
 
 
@@ -84,85 +87,166 @@ def test_a_steady_checkpoint_makes_exactly_the_documented_fsyncs_and_renames(tmp
 
 
 def test_the_first_checkpoint_adds_only_the_state_record_before_its_log_line(tmp_path, monkeypatch):
+    """No rotation yet; the state record's tmp file is fsynced beside the pointer's fsync of `.`
+    (round 5, which then holds no log line yet), renamed, its own `.` fsynced, then the line."""
     first = checkpoints(traced(monkeypatch, tmp_path / "pvc", "--steps", "3", "--ckpt-every", "1", "--keep", "1"))[0]
-    state = [[("fsync", "state.json.tmp.N")], [("rename", "state.json.tmp.N -> state.json")], [("fsync", ".")]]
-    no_rotation = [r for r in documented() if not any(".trash-" in on for _, on in r)]
-    expected = no_rotation[:-1] + state + no_rotation[-1:]
+    table = documented()
+    assert table[4] == [("fsync", "."), ("fsync", "log.jsonl")] and ".trash-" in table[5][0][1]
+    expected = table[:4] + [[("fsync", "."), ("fsync", "state.json.tmp.N")],
+                            [("rename", "state.json.tmp.N -> state.json")], [("fsync", ".")], [("fsync", "log.jsonl")]]
     assert as_rounds(first, expected) == expected
 
 
-def timeline(monkeypatch: pytest.MonkeyPatch, pvc: Path, slow: str) -> list[tuple[str, str]]:
-    """A synchronous run's fsyncs (their start and their return), renames and rotation's deletes
-    (their start), from any thread, in order; each fsync of a path ``slow`` (a regex) finds first
-    sleeps 0.1 s, so an order that is not enforced shows (a race lost by luck would not)."""
+def timeline(monkeypatch: pytest.MonkeyPatch, pvc: Path, slow: str, slow_deletes: bool = False) -> list[tuple[str, str]]:
+    """A synchronous run's fsyncs (their start and their return), renames, log lines (their
+    detail, when the append begins and once it returned, fsynced) and rotation's deletes (their
+    start and end), from any thread, in order, paths relative to the PVC (``.`` the PVC itself);
+    each fsync of a path ``slow`` (a regex) finds first sleeps 0.1 s, and so does each delete
+    with ``slow_deletes``, so an order that is not enforced shows (a race lost by luck would not)."""
     import threading
     import time
+
+    from trainjob.storage.eventlog import EventLog
 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
     real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, pvc_module._rmtree
+    real_append = EventLog.append
 
     def note(kind: str, on: str) -> None:
         with lock:
-            events.append((kind, re.sub(r"\d+", "N", os.path.relpath(on, pvc))))
+            events.append((kind, on))
 
     def fsync(fd: int) -> None:
         on = os.readlink(f"/proc/self/fd/{fd}")
-        note("fsync", on)
+        note("fsync", os.path.relpath(on, pvc))
         if re.search(slow, on):
             time.sleep(0.1)
         real_fsync(fd)
-        note("fsynced", on)
+        note("fsynced", os.path.relpath(on, pvc))
 
     def renamer(real):
         def rename(src, dst, **kwargs):
-            note("rename", os.fspath(src))
+            note("rename", os.path.relpath(src, pvc))
             real(src, dst, **kwargs)
         return rename
 
     def rmtree(trash):
-        note("delete", os.fspath(trash))
-        return real_rmtree(trash)
+        note("delete", os.path.relpath(trash, pvc))
+        if slow_deletes:
+            time.sleep(0.1)
+        try:
+            return real_rmtree(trash)
+        finally:
+            note("deleted", os.path.relpath(trash, pvc))
+
+    def append(log, event, detail, **kwargs):
+        note("log", f"{event} {detail}")
+        out = real_append(log, event, detail, **kwargs)
+        note("logged", f"{event} {detail}")
+        return out
 
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", renamer(real_rename))
     monkeypatch.setattr(os, "replace", renamer(real_replace))
     monkeypatch.setattr(pvc_module, "_rmtree", rmtree)
+    monkeypatch.setattr(EventLog, "append", append)
     assert cli.main(["run", "--pvc", str(pvc), "--steps", "3", "--ckpt-every", "1", "--keep", "1"]) == 0
     pvc_module.settle_deletions()
     monkeypatch.undo()
     return events
 
 
-def test_no_rename_happens_while_an_fsync_begun_before_it_is_still_running(tmp_path, monkeypatch):
-    """The rounds of the table: a rename waits for every fsync of the round before it, those
-    run at the same time on the fsync pool (the shard's, the manifest's, the staging directory's
-    before the commit's rename; `checkpoints/`'s and the pointer file's before the pointer's)."""
-    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"\.safetensors$|/checkpoints$")
+def running_at(events: list[tuple[str, str]]) -> list[tuple[int, list[str]]]:
+    """Each event's index with the fsyncs running when it happened (begun, not yet returned)."""
     running: list[str] = []
-    for kind, on in events:
+    out = []
+    for i, (kind, on) in enumerate(events):
+        out.append((i, list(running)))
         if kind == "fsync":
             running.append(on)
         elif kind == "fsynced":
             running.remove(on)
-        elif kind == "rename":
-            assert running == [], f"{on} renamed while {running} were still being fsynced"
+    return out
+
+
+def committed_step(on: str) -> int:
+    """The step of a commit's rename (``checkpoints/.tmp-step-00000002-...``)."""
+    return int(re.search(r"step-(\d+)", on).group(1))
+
+
+def test_no_rename_happens_while_an_fsync_begun_before_it_is_still_running(tmp_path, monkeypatch):
+    """The rounds of the table: a rename waits for every fsync of the round before it, those
+    run at the same time on the fsync pool (the shard's, the manifest's, the staging directory's
+    before the commit's rename; `checkpoints/`'s and the pointer file's before the pointer's).
+    The one exception: `state.json`'s rename (first checkpoint) may pass the pointer's fsync of
+    `.`, which it does not depend on (docs/checkpoints.md)."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"\.safetensors$|/checkpoints$")
+    for i, running in running_at(events):
+        kind, on = events[i]
+        if kind == "rename":
+            allowed = ["."] if on.startswith("state.json.tmp.") else []
+            assert [r for r in running if r not in allowed] == [], f"{on} renamed while {running} were being fsynced"
     # And they do run at once: the manifest's fsync begins while the (slowed) shard's runs.
     for i, (kind, on) in enumerate(events):
         if kind == "fsync" and on.endswith("/manifest.json"):
-            assert ("fsynced", on.replace("manifest.json", "shard-N-of-N.safetensors")) in events[i:]
+            shard = re.sub(r"manifest\.json$", "shard-00000-of-00001.safetensors", on)
+            assert ("fsynced", shard) in events[i:]
+
+
+def test_rotation_renames_only_once_the_pointers_rename_is_durable_and_the_line_is_fsynced_beside_it(
+        tmp_path, monkeypatch):
+    """Round 5 and 6: the `checkpointed` line's fsync begins while the fsync of `.` (the
+    pointer's rename, slowed) still runs, and rotation's rename waits for that fsync: a power
+    loss must never leave the old pointer naming a checkpoint already hidden."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"/pvc$")
+    running = dict(running_at(events))
+    rotations = [i for i, (kind, on) in enumerate(events) if kind == "rename" and on.startswith("checkpoints/step-")]
+    assert len(rotations) == 2  # steps 1 and 2, rotated away by steps 2 and 3 (--keep 1)
+    for i in rotations:
+        assert "." not in running[i], f"{events[i][1]} hidden while `.` was being fsynced"
+        # The line's fsync and the pointer's `.` overlap (either may begin first: the pool's
+        # thread may start its fsync only once the line's write lets go of the GIL).
+        line = max(j for j in range(i) if events[j] == ("fsync", "log.jsonl"))
+        dot = max(j for j in range(i) if events[j] == ("fsync", "."))
+        assert "." in running[line] or "log.jsonl" in running[dot], events[line - 2:i + 1]
+
+
+def test_the_checkpointed_line_follows_the_pointers_rename_and_the_commits_fsync(tmp_path, monkeypatch):
+    """After a kill, the pointer names the logged step (the lab reads it): the line is written
+    only after the pointer's rename (its tmp file's fsync slowed: a pointer that were written
+    later, or on another thread, would show), and after the commit's rename is durable."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"checkpoint\.json\.tmp\.\d+$")
+    lines = [i for i, (kind, on) in enumerate(events) if kind == "log" and on.startswith("checkpointed ")]
+    assert len(lines) == 3
+    for i in lines:
+        commit = max(j for j in range(i) if events[j][0] == "rename" and events[j][1].startswith("checkpoints/.tmp-"))
+        assert f"step={committed_step(events[commit][1])} " in events[i][1]  # the line announces that commit
+        after = events[commit:i]
+        assert ("fsynced", "checkpoints") in after and any(
+            kind == "rename" and on.startswith("checkpoint.json.tmp.") for kind, on in after), after
 
 
 def test_a_rotated_checkpoint_is_deleted_only_once_the_checkpointed_line_is_durable(tmp_path, monkeypatch):
     """Rotation hides an old checkpoint by a rename; its delete (journal work that would land in
-    the line's fsync) starts only after the `checkpointed` line's fsync has returned."""
-    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"/log\.jsonl$")
+    a line's fsync) starts only after the line announcing the checkpoint that rotated it has
+    been fsynced (the append returned), and runs during no `checkpointed` line's append (both
+    slowed; a later event's line may overlap it, as the gate's do at the end of a run)."""
+    events = timeline(monkeypatch, tmp_path / "pvc", slow=r"/log\.jsonl$", slow_deletes=True)
     deletes = [i for i, (kind, _) in enumerate(events) if kind == "delete"]
     assert len(deletes) == 2  # steps 1 and 2, rotated away by steps 2 and 3 (--keep 1)
+    lines = [(a, events.index(("logged", on), a)) for a, (kind, on) in enumerate(events)
+             if kind == "log" and on.startswith("checkpointed ")]
     for i in deletes:
-        hidden = max(j for j, (kind, on) in enumerate(events[:i]) if kind == "rename" and "/step-" in on
-                     and events[i][1].endswith(on.rsplit("/", 1)[1]))
-        assert ("fsynced", "log.jsonl") in events[hidden:i], events[hidden:i + 1]
+        name = events[i][1].rsplit("/.trash-", 1)[1]
+        hidden = max(j for j in range(i) if events[j] == ("rename", f"checkpoints/{name}"))
+        commit = max(j for j in range(hidden) if events[j][0] == "rename"
+                     and events[j][1].startswith("checkpoints/.tmp-"))
+        step = committed_step(events[commit][1])
+        assert any(kind == "logged" and on.startswith(f"checkpointed step={step} ")
+                   for kind, on in events[commit:i]), events[commit:i + 1]
+        end = events.index(("deleted", events[i][1]), i)
+        assert not [(a, b) for a, b in lines if a < end and i < b], events[i:end + 1]
 
 
 @pytest.mark.process

@@ -25,7 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import events, io_calls, killpoint, snapshot, trainjob, untouched
+from trainjob.checkpoint.store import CheckpointStore
 from trainjob.deploy import k8s
+from trainjob.storage.pvc import Pvc
 
 pytestmark = pytest.mark.process  # every test here starts the CLI or another process
 
@@ -196,6 +198,30 @@ def test_torn_log_line_is_skipped_and_reported(pvc):
     status = trainjob("status", pvc / "log.jsonl")
     assert status.returncode == 0
     assert "last_event: completed" in status.stdout and "skipped: line 5" in status.stdout
+
+
+def test_a_pointer_lagging_the_logged_step_resumes_from_the_logged_step(tmp_path):
+    """What a power loss inside round 5 of a checkpoint can leave (docs/checkpoints.md,
+    "Durability points"): the checkpoint and its `checkpointed` line durable, the pointer's rename
+    lost, so checkpoint.json still names the checkpoint before. `verify` accepts that PVC; a
+    relaunch resumes from the logged step (a resume that followed the pointer would redo steps
+    the log says were saved) and ends with the uninterrupted run's bytes."""
+    flags = ["--steps", "6", "--ckpt-every", "2", "--keep", "2"]
+    ref, pvc = tmp_path / "ref", tmp_path / "pvc"
+    assert trainjob("run", "--pvc", ref, *flags).returncode == 0
+    assert trainjob("run", "--pvc", pvc, *flags, "--die-at", "4").returncode == 75
+    store = CheckpointStore(Pvc(pvc))
+    (step2,) = [r for r in store.committed() if r.step == 2]
+    manifest, sha = store.read_manifest(step2)
+    Pvc(pvc).write_checkpoint(store.pointer(manifest, step2, sha))  # the pointer before step 4's rename
+    assert [d for e, d in events(pvc / "log.jsonl") if e == "checkpointed"][-1].startswith("step=4 ")
+    assert trainjob("verify", "--pvc", pvc).returncode == 0
+    lines = len(events(pvc / "log.jsonl"))
+    relaunch = trainjob("run", "--pvc", pvc, *flags)
+    assert relaunch.returncode == 0, relaunch.stderr
+    assert events(pvc / "log.jsonl")[lines] == ("resumed", "from_step=4")
+    assert snapshot(ref / "artifacts") == snapshot(pvc / "artifacts")
+    assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 6
 
 
 def test_second_run_on_a_locked_pvc_exits_75_and_touches_nothing(pvc):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, trainjob
-from trainjob.errors import PeerFailed, PeerRefused, RankTimeout, TrainJobError, UsageError
+from trainjob.errors import PeerFailed, PeerRefused, RankTimeout, Superseded, TrainJobError, UsageError
 from trainjob.exits import exit_code_for
 from trainjob.ranks import connect
 from trainjob.ranks.coordination import Coordinator, Follower
@@ -138,7 +138,60 @@ def test_receipts_travel_through_the_store_not_as_files(server, pvc):
     for t in threads:
         t.join(10)
     assert got == [entries[1], entries[2]] and written == []
+    rank0.staged(6)  # the next checkpoint's word to write drops the last one's keys
     assert not rank0.has(rank0.key("receipt/4/1")) and not rank0.has(rank0.key("staged/4"))  # cleaned up
+
+
+def test_rank_0_writes_the_manifest_while_a_ranks_fsync_runs_and_renames_only_after_it(server, pvc, monkeypatch):
+    """Through the store a rank's receipt comes as soon as its shard is written, then its word
+    that the shard is durable: rank 0 (the engine's own ``Job.write_checkpoint``) writes and
+    fsyncs the manifest while rank 1's fsync (slowed) runs, and renames the staging directory
+    only once that fsync has returned. The follower's side is ``Run._write_shard``'s two calls."""
+    import numpy as np
+
+    from trainjob.checkpoint.plan import Ref
+    from trainjob.checkpoint.store import ShardWriter
+    from trainjob.engine.job import Job, RunConfig
+    from trainjob.storage.eventlog import EventLog
+    from trainjob.tensors import tensor_specs
+
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=10.0)
+    job = Job(RunConfig(world_size=2), pvc, EventLog(pvc.root / "log.jsonl"), "0" * 64, rank0)
+    state = {"w": np.arange(8, dtype=np.float64)}
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:
+        on = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        events.append(("fsync", on))
+        if on == "shard-00001-of-00002.safetensors":
+            time.sleep(0.3)
+        real_fsync(fd)
+        events.append(("fsynced", on))
+
+    def rename(src, dst, **kwargs):
+        events.append(("rename", os.path.basename(src)))
+        real_rename(src, dst, **kwargs)
+
+    def follow() -> None:
+        writer = ShardWriter(pvc)
+        staging = writer.staging(Ref(attempt=1, step=2, world_size=2), rank1.generation)
+        rank1.wait_staging(staging, 2)
+        entry = writer.write_shard(staging, 1, 2, 2, state, fsync_later=True)
+        rank1.deliver(2, entry, lambda e: writer.write_receipt(staging, e), writer.settle)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    follower = threading.Thread(target=follow)
+    follower.start()
+    job.write_checkpoint(2, 100, state, tensor_specs(state), 0)
+    follower.join(10)
+    monkeypatch.undo()
+    shard_done = events.index(("fsynced", "shard-00001-of-00002.safetensors"))
+    assert events.index(("fsync", "manifest.json")) < shard_done  # the manifest did not wait for it
+    commit = next(i for i, (kind, on) in enumerate(events) if kind == "rename" and on.startswith(".tmp-step-"))
+    assert shard_done < commit, events
+    assert [r.step for r in job.store.committed()] == [2]
 
 
 def test_a_checkpoint_writer_thread_is_not_held_up_by_a_round_in_progress(server, pvc):
@@ -157,6 +210,59 @@ def test_a_checkpoint_writer_thread_is_not_held_up_by_a_round_in_progress(server
     assert time.monotonic() - started < 2 and voted.is_alive()
     assert rank0.stop_wanted() is False
     voted.join(5)
+
+
+def test_a_rank_blocked_waiting_for_a_key_does_not_hold_up_its_other_calls(server, pvc):
+    """The checkpoint's waits block in the store on a connection of their own: an async writer
+    thread waiting for the staging key must not hold up the main thread's calls (a stop note),
+    as one client serving one call at a time would, until the wait ran out (30 s here)."""
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0)
+    waiter = threading.Thread(target=rank1.wait_staging, args=(Path("staging"), 6))
+    waiter.start()
+    time.sleep(0.3)  # blocked in the store's wait by now
+    setter = threading.Thread(target=rank1.set, args=(rank1.key("stop/1"), "noted"))
+    setter.start()
+    setter.join(5)
+    done_while_waiting = not setter.is_alive() and waiter.is_alive()
+    rank0.staged(6)
+    waiter.join(35)
+    setter.join(35)
+    assert done_while_waiting
+
+
+def test_a_wait_for_a_key_ends_as_its_poll_says_and_the_next_wait_still_works(server, pvc):
+    """A follower blocked on the staging key still runs its poll: rank 0 relaunching (a newer
+    session) supersedes the wait at once, well before --rank-timeout; the abandoned wait keeps
+    its connection, and the next wait takes another."""
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=30.0)
+    threading.Timer(0.3, lambda: rank0.set("session", rank0.get("session").replace(b'"generation":1',
+                                                                                    b'"generation":9'))).start()
+    started = time.monotonic()
+    with pytest.raises(Superseded):
+        rank1.wait_staging(Path("staging"), 4)
+    assert time.monotonic() - started < 5  # the poll's doing, not the 30 s timeout
+    rank0.set("session", rank0.get("session").replace(b'"generation":9', b'"generation":1'))
+    rank0.staged(4)
+    rank1.wait_staging(Path("staging"), 4)  # on a new connection: the old one is still in its wait
+
+
+def test_waits_for_keys_end_in_rank_timeout_naming_what_was_missing(server, pvc):
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=1.0)
+    with pytest.raises(RankTimeout, match=r"waited 1s for rank 0 to start checkpoint step 4 \(staging\)"):
+        rank1.wait_staging(Path("staging"), 4)
+    with pytest.raises(RankTimeout, match=r"waited 1s for ranks \[1\] to write their shards of step 4"):
+        rank0.gather(None, None, 4)  # type: ignore[arg-type]
+
+
+def test_a_store_that_goes_away_during_a_wait_for_a_key_is_rank_timeout(pvc):
+    host = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=20))]
+    rank0, _ = launch(host[0], pvc, 2, timeout=20.0)
+    threading.Timer(0.3, host.clear).start()  # the last reference: the agent's host is gone
+    started = time.monotonic()
+    with pytest.raises(RankTimeout, match="rendezvous store did not answer"):
+        rank0.gather(None, None, 4)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 10  # not the 20 s timeout
 
 
 def test_a_rank_that_never_votes_ends_the_round_with_rank_timeout_in_bounded_time(server, pvc):

@@ -141,8 +141,8 @@ def test_a_server_stopped_mid_run_exits_75_and_the_restarted_one_resumes(tmp_pat
         url = f"s3://{BUCKET}/stopped"
         real_publish = s3.S3Backend.publish
 
-        def publish_then_die(self, staged, final, marker, data, then=None):
-            written = real_publish(self, staged, final, marker, data, then)
+        def publish_then_die(self, staged, final, marker, data, *then_and_others):
+            written = real_publish(self, staged, final, marker, data, *then_and_others)
             if final.endswith("step-00000004-a0001-w001"):
                 server.stop()
             return written

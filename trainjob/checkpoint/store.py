@@ -30,7 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -325,35 +325,42 @@ class ShardWriter(CheckpointStore):
 
     1. (rank 0) ``Committer.create_staging``; ranks >= 1 wait for the directory to appear.
     2. (all ranks) ``write_shard``: this rank's slice of the state, into the staging directory.
-    3. (ranks >= 1) ``write_receipt``: the shard's size and sha256, for rank 0 to gather.
-    4. (rank 0) ``Committer.read_receipt`` for every other rank, then ``commit``, then ``rotate``.
+    3. (ranks >= 1) ``write_receipt`` (or the store's key): the shard's size and sha256, for rank
+       0 to gather; ``settle`` before it (files) or before saying the shard is durable (store).
+    4. (rank 0) ``Committer.read_receipt`` for every other rank, then ``commit`` (which waits for
+       the others' word that their shards are durable before its rename), then ``rotate``.
     """
 
     def write_shard(self, staging: Path, rank: int, world_size: int, step: int,
-                    tensors: Mapping[str, np.ndarray], committing: bool = False) -> ShardEntry:
-        """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``.
-        ``committing``: this process commits ``staging`` itself (rank 0), see ``write_slices``."""
+                    tensors: Mapping[str, np.ndarray], fsync_later: bool = False) -> ShardEntry:
+        """(all ranks) Write this rank's slice of ``tensors`` (the whole state) into ``staging``;
+        ``fsync_later``: see ``write_slices``."""
         host = tensors if isinstance(tensors, HostArrays) else HostArrays(tensors)
         specs = host.specs or tensor_specs(tensors)
         holds = plan.rank_holds(specs, world_size, rank, host.boxes)
         return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank),
-                                 committing)
+                                 fsync_later)
 
     def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray],
-                     documents: Mapping[str, str] | None = None, committing: bool = False) -> ShardEntry:
+                     documents: Mapping[str, str] | None = None, fsync_later: bool = False) -> ShardEntry:
         """(all ranks; reshard writes every rank's) Write rank ``rank``'s shard holding ``mine``
         (described by ``holds``) and ``documents`` (its plain values, ``HostArrays.metadata``)
         into ``staging``.
 
-        ``committing``: this process's ``Committer.commit`` publishes ``staging`` (rank 0's own
-        shard), so the shard's fsync runs on while the receipts and the manifest are gathered,
-        and the commit waits for it before the rename. A rank that reports its shard to another
-        process (a receipt) must leave it False: what it announces must already be durable."""
+        ``fsync_later``: return once the bytes are written, the shard's fsync left running. Rank 0
+        passes it for its own shard (its ``Committer.commit`` waits for it before the rename, so
+        it runs on while the receipts and the manifest are gathered); another rank passes it and
+        calls ``settle`` before it says the shard is durable (its transport's ``deliver``)."""
         name = plan.shard_file(rank, world_size)
         meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
-        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta), sync=not committing)
+        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta), sync=not fsync_later)
         return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
+
+    def settle(self) -> None:
+        """(a rank that wrote with ``fsync_later`` and commits nothing) Wait until what it wrote
+        is durable; raises the first fsync's error."""
+        self.backend.settle()
 
     def write_receipt(self, staging: Path, entry: ShardEntry) -> None:
         """(ranks >= 1) Tell rank 0 this rank's shard is written, with its size and sha256.
@@ -391,10 +398,15 @@ class Committer(ShardWriter):
             raise InputError(f"{path}: missing or not rank {rank}'s receipt")
         return entry
 
-    def commit(self, staging: Path, ref: Ref, manifest: Manifest, point: bool = False) -> str:
+    def commit(self, staging: Path, ref: Ref, manifest: Manifest, point: bool = False,
+               others: Callable[[], object] | None = None) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
         place; return the manifest's sha256. ``point``: then replace ``checkpoint.json`` with a
-        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``)."""
+        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``), and leave the
+        fsync that makes its rename durable running: ``rotate`` waits for it, so the
+        ``checkpointed`` line's fsync can run beside it (docs/checkpoints.md). ``others()``: waits
+        until the other ranks' shards are durable (``Coordinator.durable``), called while this
+        rank's fsyncs of the commit run, before the rename."""
         if self.pvc.local:  # receipts were for rank 0 only; the manifest now says it all
             for shard in manifest.shards:
                 (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
@@ -402,7 +414,7 @@ class Committer(ShardWriter):
         if point:  # the manifest's sha256 is known before it is written: the pointer can be written beside it
             pointer = self.pointer(manifest, ref, hashlib.sha256(data).hexdigest())
             then = (self.pvc.key(self.pvc.checkpoint_path), record_bytes(pointer))
-        written = self.backend.publish(self.rel(staging), self.rel(self.path(ref)), MANIFEST, data, then)
+        written = self.backend.publish(self.rel(staging), self.rel(self.path(ref)), MANIFEST, data, then, others)
         return written.sha256
 
     def _remove(self, path: Path, wait: bool = True) -> bool:
@@ -411,7 +423,10 @@ class Committer(ShardWriter):
 
     def rotate(self, keep: int, world_size: int, protect: Ref) -> list[str]:
         """(rank 0, after the commit and the pointer) Hide the oldest so that ``keep`` remain;
-        ``start_deletions`` deletes them in the background."""
+        ``start_deletions`` deletes them in the background. First waits until the pointer's
+        rename is durable: a power loss must never leave the old pointer naming a checkpoint
+        already on its way out."""
+        self.backend.settle()
         removed = []
         for ref in plan.to_rotate(self.committed(), keep, world_size, protect):
             if self._remove(self.path(ref), wait=False):  # hidden now, its blocks freed later

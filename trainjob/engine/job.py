@@ -146,6 +146,7 @@ class Job(MachineModel, AsyncCheckpoints):
         self.rejected: list[tuple[Ref, str]] = []
         self.loaded: Loaded | None = None
         self.last_size = 0
+        self.rotate_after: Ref | None = None  # the checkpoint committed, not yet announced (its rotation is due)
         if cfg.async_checkpoint:
             self.enable_async(ASYNC_WRITE_TIMEOUT)
         machine.build(self)
@@ -302,16 +303,17 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def write_checkpoint(self, step: int, loss_milli: int, tensors: dict[str, np.ndarray], specs: Any,
                          last_size: int) -> int:
-        """Write rank 0's shard, gather the others' receipts, commit and point, rotate (in that
-        order; the shard's fsync runs on into the commit, the pointer's beside the commit's last:
-        docs/checkpoints.md); return the checkpoint's size. No machine, no log: the async writer
-        thread runs it too. What rotation hides is deleted once ``announce`` logged the checkpoint."""
+        """Write rank 0's shard, gather the others' receipts, commit and point (in that order;
+        the shard's fsync runs on into the commit, the pointer's beside the commit's last, and
+        the one that makes the pointer's rename durable is left running: docs/checkpoints.md);
+        return the checkpoint's size. No machine, no log, no rotation: the async writer thread
+        runs it too. ``announce`` logs the checkpoint, then rotates (``rotate_after``)."""
         world = self.cfg.world_size
         ref = Ref(attempt=self.attempt, step=step, world_size=world)
         self.store.check_space(last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
         self.peers.staged(ref.step)
-        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, committing=True)]
+        entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, fsync_later=True)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
@@ -319,8 +321,8 @@ class Job(MachineModel, AsyncCheckpoints):
         if problems := plan.coverage_problems(manifest.tensors, manifest.shards):  # DTensors not spanning every rank
             raise UsageError(f"step {step}: the ranks' shards do not make up the state ({'; '.join(problems)}); "
                              "every DTensor must be on a mesh of all the run's ranks (nothing was committed)")
-        self.store.commit(staging, ref, manifest, point=True)
-        self.store.rotate(self.cfg.keep, world, protect=ref)
+        self.store.commit(staging, ref, manifest, point=True, others=lambda: self.peers.durable(ref.step))
+        self.rotate_after = ref
         return sum(e.size for e in entries)
 
     def recall_artifact(self, _ev: EventData) -> None:
@@ -371,7 +373,12 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def announce(self, ev: EventData) -> None:
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
-        if self.state == JobState.checkpointed:
-            # Only now, the line durable: the delete's journal work would otherwise land in its
-            # fsync (docs/checkpoints.md). A kill before this leaves `.trash-` for cleanup.
+        if self.state == JobState.checkpointed and self.rotate_after is not None:
+            # After the line: its fsync ran beside the one that makes the pointer's rename
+            # durable, which rotation waits for before its own rename. Then the delete, the line
+            # durable: its journal work would otherwise land in that fsync (docs/checkpoints.md).
+            # A kill before this leaves one checkpoint too many, which the next rotation hides,
+            # and one mid-delete a `.trash-` directory for cleanup.
+            protect, self.rotate_after = self.rotate_after, None
+            self.store.rotate(self.cfg.keep, self.cfg.world_size, protect=protect)
             self.store.start_deletions()

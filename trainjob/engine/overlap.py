@@ -5,8 +5,10 @@ loop and the writer thread part (``checkpoint`` into ``snapshotted``) and meet (
 ``AsyncCheckpoints`` is a mixin for the machine's model (``job.Job``): it owns a
 ``BackgroundSaver`` (checkpoint/background.py) when the run asked for asynchronous checkpoints,
 and none otherwise, which is what the ``async_save`` guard reads. The model provides
-``write_checkpoint`` (the whole of a synchronous save but the state.json write: shard, receipts,
-commit, pointer, rotation; no machine, no log, so a thread may run it) and ``_write_state``.
+``write_checkpoint`` (the whole of a synchronous save but the state.json write, the log line and
+the rotation that follows it: shard, receipts, commit, pointer; no machine, no log, so a thread may
+run it) and ``_write_state``; ``land``'s announcement logs the line and rotates, as a synchronous
+checkpoint's does.
 
 Every method here runs on the main thread: ``transitions`` is not thread-safe, so the writer
 thread never fires a trigger; the loop asks (``at_boundary``) and fires ``land`` itself. The

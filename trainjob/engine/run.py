@@ -383,8 +383,10 @@ class Run:
         staging = writer.staging(ref, session.generation)
         peers.wait_staging(staging, step)
         try:
-            entry = writer.write_shard(staging, self.rank, self.cfg.world_size, step, arrays)
-            peers.deliver(step, entry, lambda e: writer.write_receipt(staging, e))
+            # The fsync left running: the transport's deliver waits for it (settle) before the
+            # receipt (files) or after sending it (the store: rank 0 writes the manifest meanwhile).
+            entry = writer.write_shard(staging, self.rank, self.cfg.world_size, step, arrays, fsync_later=True)
+            peers.deliver(step, entry, lambda e: writer.write_receipt(staging, e), writer.settle)
         except TryAgainLater:
             peers.check_current()  # the staging directory went away with a stale generation
             raise

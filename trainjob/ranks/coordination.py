@@ -13,7 +13,8 @@ order a launch meets them:
     begin()
     ... every rank trains, checking stop_wanted() / agree_stop() after each step ...
     per checkpoint: staged(step), its    wait_staging(), write a shard,
-    own shard, gather(receipts)          deliver(its receipt)
+    own shard, gather(receipts),         deliver(its receipt, its fsync)
+    the manifest, durable(), commit
     finish(state)                        wait_outcome()        -> rank 0's state
 
 Must not: decide anything about training or write a checkpoint; every wait is bounded.
@@ -71,8 +72,13 @@ class Coordinator(Coordination, Protocol):
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], ShardEntry], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after writing its own shard) Every other rank's receipt of
-        ``step`` (its shard is durable), in rank order: files wait until ``ready(r)`` and return
-        ``read(r)``; a transport that carries receipts itself ignores both."""
+        ``step`` (its shard written: size and sha256), in rank order: files wait until
+        ``ready(r)`` and return ``read(r)``; a transport that carries receipts itself ignores both."""
+
+    def durable(self, step: int) -> None:
+        """(rank 0, at each checkpoint, after ``gather``, before the commit's rename) Wait until
+        every other rank's shard of ``step`` is durable. With files a receipt is only written
+        once it is (nothing to wait for); a transport that sends it earlier waits here."""
 
     def peer_signal(self) -> str | None:
         """(rank 0, when a stop ends the launch) Which rank's signal started it, for the log."""
@@ -102,10 +108,14 @@ class Follower(Coordination, Protocol):
         """(ranks >= 1, at each checkpoint, before writing a shard) Wait for rank 0's staging
         directory of ``step``."""
 
-    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
-        """(ranks >= 1, at each checkpoint, once this rank's shard is durable) Hand rank 0 its
-        receipt: files call ``write(entry)`` (a receipt file beside the shard); a transport that
-        carries receipts itself sends it instead."""
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
+                sync: Callable[[], object] = lambda: None) -> None:
+        """(ranks >= 1, at each checkpoint, once this rank's shard is written) Hand rank 0 its
+        receipt and make the shard durable (``sync``, which waits for its fsync; a no-op when
+        it already is). Files sync, then call ``write(entry)`` (a receipt file beside the shard:
+        rank 0 reads it as durable). A transport that carries receipts itself sends it before
+        ``sync`` and says when ``sync`` has returned (rank 0's ``durable``), so rank 0 writes
+        the manifest while this rank's fsync runs."""
 
     def check_current(self) -> None:
         """(ranks >= 1, when a write fails) Raise Superseded if rank 0 started a newer launch."""

@@ -242,6 +242,10 @@ class PvcCoordinator(PvcPeers):
     def staged(self, step: int) -> None:
         """(rank 0, at each checkpoint) Nothing to say: the staging directory is the others' signal."""
 
+    def durable(self, step: int) -> None:
+        """(rank 0, before the commit's rename) Nothing to wait for: a receipt file is written
+        only once its shard is durable (``PvcFollower.deliver``)."""
+
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], T], step: int) -> list[T]:
         """(rank 0, at each checkpoint, after its own shard) Wait until every other rank's shard
         of ``step`` is durable (``ready``: its receipt exists); ``read`` them."""
@@ -329,8 +333,11 @@ class PvcFollower(PvcPeers):
         wait_for(lambda: True if staging.is_dir() else None, self.timeout,
                  lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
 
-    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
-        """(ranks >= 1, once its shard is durable) The receipt file rank 0 polls for."""
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
+                sync: Callable[[], object] = lambda: None) -> None:
+        """(ranks >= 1, once its shard is written) The shard made durable, then the receipt file
+        rank 0 polls for: a file rank 0 finds says the shard is durable (no second file)."""
+        sync()
         write(entry)
 
     def wait_outcome(self) -> Outcome:

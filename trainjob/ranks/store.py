@@ -14,7 +14,8 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/round/17         the 17th stop round: ranks arrived + STOP x ranks that want to stop
     g00000003/round/17/done    its total, set by the last rank to arrive (END if rank 0 finished)
     g00000003/staged/8         rank 0 created the staging directory of step 8
-    g00000003/receipt/8/1      rank 1's shard of step 8 is durable: its ShardEntry (size, sha256)
+    g00000003/receipt/8/1      rank 1's shard of step 8 is written: its ShardEntry (size, sha256)
+    g00000003/durable/8/1      rank 1's shard of step 8 is durable (fsynced): rank 0 may commit
     g00000003/outcome          Outcome: how rank 0 ended generation 3, with its exit code
     g00000003/outcome/read     how many other ranks have read it
     aborted, aborted/read      the same, when rank 0 ended on an error before publishing a session
@@ -58,6 +59,7 @@ STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals 
 END = b"end"  # a round's result when rank 0 ended the launch instead of voting
 SIGNAL_CHECK = 0.05  # how often a rank waiting in a round looks for a signal (seconds)
 STOP_GRACE = 3.0  # the least a signalled rank waits for its round's other votes (seconds)
+WAIT_SLICE = 0.05  # how often a rank blocked in ``await_keys`` runs its poll (seconds)
 
 
 @contextmanager
@@ -92,6 +94,7 @@ class StorePeers:
         self.longest_gap = 0.0  # the longest time between two of its votes: about a step of the slowest rank
         self.stopping = False  # a round said stop (or, before begin, this rank noted one)
         self.acked: set[str] = set()  # (ranks >= 1) the endings this rank has counted as read
+        self._waits_kv: Any = None  # ``await_keys``'s connection while no wait holds it; cloned when needed
 
     @property
     def solo(self) -> bool:
@@ -117,6 +120,52 @@ class StorePeers:
         with answering(f"removing {keys[0]}"):
             for key in keys:
                 self.kv.delete_key(key)
+
+    def await_keys(self, keys: list[str], what: Callable[[], str], poll: Callable[[], None]) -> None:
+        """Wait until every one of ``keys`` is set, at most ``--rank-timeout`` (RankTimeout naming
+        ``what()``): a checkpoint's waits, for the staging key and for the receipts.
+
+        A poll wakes after the key is set, by up to half the time waited so far (its interval
+        grows), which at a small checkpoint was a third of the ranks' whole wait. So the wait is
+        the store's own, blocking, answered the moment the last key is set, on a connection of
+        its own (a client serves one call at a time: no other call of this rank waits behind it)
+        and on a helper thread: this thread runs ``poll`` every WAIT_SLICE meanwhile (a newer
+        generation, rank 0's end) and is never inside the store's C++ wait, where a signal's
+        handler would not run. When ``poll`` raises, the helper is left to its wait and its
+        connection with it (a daemon thread; the next wait clones another). Keys already set
+        need no poll: they are this generation's, set by ranks of this launch."""
+        if self.has(*keys):
+            return
+        poll()
+        deadline = time.monotonic() + self.timeout
+        kv, self._waits_kv = self._waits_kv, None  # held by this wait until it returns
+        if kv is None:
+            with answering("opening a connection for waits"):
+                kv = self.kv.clone()
+        waited: list[BaseException | None] = []
+
+        def wait() -> None:
+            try:
+                kv.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+                waited.append(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                waited.append(exc)
+
+        waiter = threading.Thread(target=wait, name="trainjob-keys", daemon=True)
+        waiter.start()
+        while waiter.join(WAIT_SLICE) or waiter.is_alive():
+            poll()
+        if waited[0] is None:
+            self._waits_kv = kv
+            return
+        # The store's wait timed out, or the store is gone (then this check says so: RankTimeout).
+        if self.has(*keys):
+            return
+        if time.monotonic() >= deadline - 0.1 * self.timeout:  # the store rounds its timeout to milliseconds
+            raise RankTimeout(f"waited {self.timeout:g}s for {what()}; relaunch all ranks together "
+                              "(or raise --rank-timeout)")
+        with answering(f"waiting for {keys[0]}"):
+            raise waited[0]
 
     def read(self, key: str, cls: type[T]) -> T:
         return load(self.get(key), cls, where=f"rendezvous store key {key}")
@@ -223,6 +272,7 @@ class StoreCoordinator(StorePeers):
                  stop_signal: Callable[[], str | None]) -> None:
         super().__init__(kv, 0, world_size, timeout, stop_signal)
         self.files = PvcCoordinator(pvc, world_size, timeout, stop_signal)
+        self.spent: list[str] = []  # the last checkpoint's keys, read and not dropped yet
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, first) Allocate the generation on the PVC, then tell the
@@ -251,24 +301,37 @@ class StoreCoordinator(StorePeers):
             self.set(self.key("begin"), str(self.step))
 
     def staged(self, step: int) -> None:
-        """(rank 0, at each checkpoint, once the staging directory exists) The others may write."""
+        """(rank 0, at each checkpoint, once the staging directory exists) The others may write.
+        Then the previous checkpoint's keys go (``gather`` leaves them): the others are writing
+        by now, so these round trips delay nobody, where in ``gather`` they delayed the commit."""
         self.set(self.key(f"staged/{step}"), str(step))
+        spent, self.spent = self.spent, []
+        if spent:
+            self.drop(*spent)
 
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], Any], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after its own shard) Every other rank's receipt of
         ``step``, from the store (``ready`` and ``read``, the files' way, are not needed)."""
         keys = {r: self.key(f"receipt/{step}/{r}") for r in range(1, self.world_size)}
-        wait_for(lambda: True if self.has(*keys.values()) else None, self.timeout,
-                 lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to write their shards "
-                 f"of step {step}", lambda: None)
+        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
+                        f"write their shards of step {step}", lambda: None)
         with answering(f"reading the receipts of step {step}"):
             values = self.kv.multi_get(list(keys.values()))
         entries = [load(bytes(v), ShardEntry, where=f"rendezvous store key {k}") for k, v in zip(keys.values(), values)]
         for r, entry in zip(keys, entries):
             if entry.rank != r or entry.file != shard_file(r, self.world_size):
                 raise InputError(f"rendezvous store key {keys[r]}: not rank {r}'s receipt")
-        self.drop(self.key(f"staged/{step}"), *keys.values())
+        self.spent = [self.key(f"staged/{step}"), *keys.values()]  # read: ``staged`` drops them next time
         return entries
+
+    def durable(self, step: int) -> None:
+        """(rank 0, after ``gather``, before the commit's rename) Every other rank's word that its
+        shard of ``step`` is durable: its receipt came as soon as the shard was written, so this
+        rank wrote the manifest and began the commit's fsyncs while the others' fsyncs ran."""
+        keys = {r: self.key(f"durable/{step}/{r}") for r in range(1, self.world_size)}
+        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
+                        f"make their shards of step {step} durable", lambda: None)
+        self.spent += keys.values()
 
     def peer_signal(self) -> str | None:
         for r in range(self.world_size):
@@ -377,13 +440,18 @@ class StoreFollower(StorePeers):
     def wait_staging(self, staging: Path, step: int) -> None:
         """(ranks >= 1, at each checkpoint) Wait for rank 0's word that ``staging`` exists, rather
         than for the directory to show up here (a network file system may show it late)."""
-        wait_for(lambda: True if self.has(self.key(f"staged/{step}")) else None, self.timeout,
-                 lambda: f"rank 0 to start checkpoint step {step} ({staging.name})", self.poll)
+        self.await_keys([self.key(f"staged/{step}")], lambda: f"rank 0 to start checkpoint step {step} "
+                        f"({staging.name})", self.poll)
 
-    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None]) -> None:
-        """(ranks >= 1, once this rank's shard of ``step`` is durable) Its receipt goes to rank 0
-        through the store; no receipt file (``write`` is the files' way)."""
+    def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
+                sync: Callable[[], object] = lambda: None) -> None:
+        """(ranks >= 1, once this rank's shard of ``step`` is written) Its receipt goes to rank 0
+        through the store at once (no receipt file: ``write`` is the files' way), then ``sync``
+        makes the shard durable, then its ``durable`` key says so: rank 0 builds and writes the
+        manifest meanwhile, and renames nothing before every such key is set (``durable``)."""
         self.set(self.key(f"receipt/{step}/{self.rank}"), dumps(entry))
+        sync()
+        self.set(self.key(f"durable/{step}/{self.rank}"), "1")
 
     def wait_outcome(self) -> Outcome:
         outcome = wait_for(lambda: self.read_outcome(), self.timeout,

@@ -19,7 +19,7 @@ Must not decide anything, and must not import an object-store client at module l
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -148,14 +148,23 @@ class Backend(Protocol):
 
     def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
         """Write one part of a staged tree (no atomic step of its own: ``publish`` is that step).
-        ``sync=False``: this process publishes the tree itself, so the part need not be durable
-        until ``publish`` (which then waits for it, beside its own durability points)."""
+        ``sync=False``: the part need not be durable when this returns: this process publishes
+        the tree itself (``publish`` waits for it, beside its own durability points), or calls
+        ``settle`` before it says the part is durable."""
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
-                then: tuple[str, bytes] | None = None) -> Written:
+                then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:
         """Write ``marker`` (the manifest) last and make ``final`` visible in one step; never over a
         published ``final`` (InputError). ``then``: a record ``(key, bytes)`` replaced as ``write``
-        would, visible only once the publication is durable (the pointer naming it)."""
+        would, visible only once the publication is durable (the pointer naming it); the last
+        durability point of its replacement may still be running when this returns (``settle``).
+        ``others()``: waits until the parts other processes wrote are durable; called before the
+        step that makes ``final`` visible."""
+
+    def settle(self) -> None:
+        """Wait for every durability point this process left running (parts written with
+        ``sync=False`` and not published; on a PVC, the fsync that makes ``publish``'s ``then``
+        record's rename durable) and raise the first error; a no-op where nothing was left."""
 
     def published(self, prefix: str, marker: str) -> list[str]:
         """(any process) The names below ``prefix`` that a ``publish`` made visible (or that sit

@@ -84,6 +84,12 @@ def _fsync_and_close(fd: int, path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_parent(path: Path) -> None:
+    """fsync the directory holding ``path`` (on the pool), failing as ``atomic_write`` would."""
+    with os_errors(path, "write failed"):
+        fsync_dir(path.parent)
+
+
 def _fsync_soon(fd: int, path: Path) -> Future[None]:
     """Start fsyncing ``fd`` (the file at ``path``) on the pool, which closes it afterwards."""
     return _syncer().submit(_fsync_and_close, fd, path)
@@ -163,7 +169,7 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
 
 
 def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True,
-                 ready: Callable[[], object] | None = None) -> Written:
+                 ready: Callable[[], object] | None = None, later: list[Future[None]] | None = None) -> Written:
     """Replace ``path`` with ``data`` so that a crash at any instant leaves old or new bytes.
 
     tmp file in the same directory -> write -> fsync -> rename over ``path`` -> fsync the
@@ -177,6 +183,11 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable
     ``ready``: called between the tmp file's fsync and its rename, to wait for a durability point
     the new bytes must not be visible before (the commit of the checkpoint a pointer names), so
     that point's fsync and this file's run at the same time instead of one after the other.
+
+    ``later`` (a list): the directory's fsync after the rename is started on the fsync pool and
+    its future appended, not waited for: whoever must not go on before the rename is durable
+    waits for it (the pointer's: rotation's rename, ``LocalBackend.settle``), and the fsyncs
+    that need not wait for it (the ``checkpointed`` line's) run beside it.
     """
     tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
     with os_errors(path, "write failed"):
@@ -185,7 +196,9 @@ def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable
             if ready is not None:
                 ready()
             os.replace(tmp, path)
-            if durable:
+            if durable and later is not None:
+                later.append(_syncer().submit(_fsync_parent, path))
+            elif durable:
                 fsync_dir(path.parent)
         except OSError:
             _discard(tmp)
@@ -221,7 +234,8 @@ def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview],
 
 
 def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = (),
-               then: Callable[[Callable[[], object]], object] | None = None) -> None:
+               then: Callable[[Callable[[], object]], object] | None = None,
+               others: Callable[[], object] | None = None) -> None:
     """Publish the fully written directory ``staging`` as ``final``, all or nothing.
 
     Every file in ``staging`` was written with ``write_staged`` or ``atomic_write``: fsynced, or
@@ -234,13 +248,22 @@ def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = ()
     ``then(ready)``: more work that needs the publication durable (the pointer's
     ``atomic_write``), run while the parent's fsync runs; ``ready`` waits for that fsync, and
     ``then`` calls it before anything of its own becomes visible.
+
+    ``others()``: waits until the files other processes wrote into ``staging`` are durable (the
+    other ranks' shards, fsynced by them), called while this process's fsyncs run: theirs are
+    part of the same round, and the rename waits for all of it.
     """
     if os.path.lexists(final):
         raise InputError(f"{final}: already exists; trainjob never overwrites a committed checkpoint")
     with os_errors(final, "commit failed"):
         # The files' and the directory's fsyncs guard one thing, the rename below: none needs
         # another before it, so they run at once and ext4 commits them in one journal transaction.
-        _settle([*unsynced, _syncer().submit(fsync_dir, staging)])
+        running = [*unsynced, _syncer().submit(fsync_dir, staging)]
+        try:
+            if others is not None:
+                others()
+        finally:
+            _settle(running)
         os.rename(staging, final)
         parent = _syncer().submit(fsync_dir, final.parent)
         try:
@@ -475,6 +498,7 @@ class LocalBackend:
     def __init__(self, root: Path) -> None:
         self.root = root
         self._unsynced: dict[str, list[Future[None]]] = {}  # staged key -> its parts' running fsyncs
+        self._pending: list[Future[None]] = []  # what ``publish`` left running for ``settle``
 
     def path(self, key: str) -> Path:
         return self.root / key if key else self.root
@@ -571,12 +595,18 @@ class LocalBackend:
         return write_staged(self.path(key), data, later)
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
-                then: tuple[str, bytes] | None = None) -> Written:
+                then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:
         unsynced = self._unsynced.pop(staged, [])  # parts written with sync=False: fsyncs still running
         written = write_staged(self.path(f"{staged}/{marker}"), data, unsynced)
-        point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready)
-        commit_dir(self.path(staged), self.path(final), unsynced, point)
+        point = None if then is None else lambda ready: atomic_write(self.path(then[0]), then[1], ready=ready,
+                                                                     later=self._pending)
+        commit_dir(self.path(staged), self.path(final), unsynced, point, others)
         return written
+
+    def settle(self) -> None:
+        pending = [*self._pending, *(f for parts in self._unsynced.values() for f in parts)]
+        self._pending, self._unsynced = [], {}
+        _settle(pending)
 
     def published(self, prefix: str, marker: str) -> list[str]:
         # On a PVC only commit_dir's rename puts a checkpoint's name in place: every name there was

@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -330,6 +330,9 @@ class S3Backend:
     def start_deletions(self) -> None:
         """Nothing to start: ``delete_tree`` deletes before it returns on a bucket."""
 
+    def settle(self) -> None:
+        """Nothing to wait for: every PUT is durable when it returns."""
+
     def move(self, src: str, dest: str) -> bool:
         """Copy ``src``'s keys under ``dest`` (the manifest last), then delete ``src``."""
         import obstore as obs
@@ -371,7 +374,9 @@ class S3Backend:
         return Written(size=size, sha256=digest.hexdigest())
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
-                then: tuple[str, bytes] | None = None) -> Written:
+                then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:
+        if others is not None:
+            others()  # the other ranks' parts: their word that their uploads completed
         written = self.create(f"{final}/{marker}", data)
         if written is None:
             raise InputError(f"{self.where(final)}: already committed; trainjob never overwrites a committed "
