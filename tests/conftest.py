@@ -236,18 +236,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The slowest kinds first (torchrun, then the other process tests, then the fast tier), each
-    in collection order, and under xdist dealt out so every worker starts with its share of them.
-
-    ``--dist worksteal`` hands each worker one contiguous slice of this order at the start, and an
-    idle worker later steals from the end of another's slice. Sorted alone, the first worker's
-    slice held every torchrun test, and the last of them still ran in the final minute while the
-    other workers stole short ones. Dealt, each slice is [its torchrun tests, its process tests,
-    its fast tests]: every long test starts early, and what is stolen at the end is short.
-    """
-    def kind(item: pytest.Item) -> int:
-        return 0 if item.get_closest_marker("torchrun") else 1 if item.get_closest_marker("process") else 2
-
-    by_kind = [[item for item in items if kind(item) == k] for k in range(3)]
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    items[:] = [item for w in range(workers) for group in by_kind for item in group[w::workers]]
+    """The slowest kinds first (torchrun, then the other process tests), each in collection order:
+    under ``--dist worksteal`` a long test then starts while every worker still has short ones to
+    spread around it, instead of starting last and leaving the others idle at the end."""
+    items.sort(key=lambda item: (item.get_closest_marker("torchrun") is None,
+                                 item.get_closest_marker("process") is None))
