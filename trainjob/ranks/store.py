@@ -57,9 +57,31 @@ from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_fa
 T = TypeVar("T")
 STOP = 1 << 20  # a round's vote to stop; more than any world size, so arrivals = total % STOP
 END = b"end"  # a round's result when rank 0 ended the launch instead of voting
-SIGNAL_CHECK = 0.05  # how often a rank waiting in a round looks for a signal (seconds)
+CHECK_EVERY = 0.05  # how often a rank blocked in a store wait checks for a signal or news (seconds)
 STOP_GRACE = 3.0  # the least a signalled rank waits for its round's other votes (seconds)
-WAIT_SLICE = 0.05  # how often a rank blocked in ``await_keys`` runs its poll (seconds)
+
+
+def wait_beside(kv: Any, keys: list[str], timeout: float, name: str, check: Callable[[], None]) -> BaseException | None:
+    """The store's blocking wait for ``keys`` (answered the moment the last is set, no polling),
+    on a daemon thread, while this thread calls ``check`` every CHECK_EVERY: a signal's handler
+    runs only in the main thread, and never while it is inside the store's C++ wait. ``check``
+    may raise, which abandons the wait (it ends with the process). Returns the wait's error, or
+    None once every key is set; ``kv`` serves nothing else meanwhile (a client serves one call
+    at a time)."""
+    waited: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            kv.wait(keys, datetime.timedelta(seconds=timeout))
+            waited.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            waited.append(exc)
+
+    waiter = threading.Thread(target=wait, name=name, daemon=True)
+    waiter.start()
+    while waiter.join(CHECK_EVERY) or waiter.is_alive():
+        check()
+    return waited[0]
 
 
 @contextmanager
@@ -129,11 +151,10 @@ class StorePeers:
         grows), which at a small checkpoint was a third of the ranks' whole wait. So the wait is
         the store's own, blocking, answered the moment the last key is set, on a connection of
         its own (a client serves one call at a time: no other call of this rank waits behind it)
-        and on a helper thread: this thread runs ``poll`` every WAIT_SLICE meanwhile (a newer
-        generation, rank 0's end) and is never inside the store's C++ wait, where a signal's
-        handler would not run. When ``poll`` raises, the helper is left to its wait and its
-        connection with it (a daemon thread; the next wait clones another). Keys already set
-        need no poll: they are this generation's, set by ranks of this launch."""
+        beside this thread (``wait_beside``), which runs ``poll`` meanwhile (a newer generation,
+        rank 0's end). When ``poll`` raises, the helper is left to its wait and its connection
+        with it (the next wait clones another). Keys already set need no poll: they are this
+        generation's, set by ranks of this launch."""
         if self.has(*keys):
             return
         poll()
@@ -142,20 +163,8 @@ class StorePeers:
         if kv is None:
             with answering("opening a connection for waits"):
                 kv = self.kv.clone()
-        waited: list[BaseException | None] = []
-
-        def wait() -> None:
-            try:
-                kv.wait(keys, datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-                waited.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                waited.append(exc)
-
-        waiter = threading.Thread(target=wait, name="trainjob-keys", daemon=True)
-        waiter.start()
-        while waiter.join(WAIT_SLICE) or waiter.is_alive():
-            poll()
-        if waited[0] is None:
+        error = wait_beside(kv, keys, max(deadline - time.monotonic(), 0.001), "trainjob-keys", poll)
+        if error is None:
             self._waits_kv = kv
             return
         # The store's wait timed out, or the store is gone (then this check says so: RankTimeout).
@@ -165,7 +174,7 @@ class StorePeers:
             raise RankTimeout(f"waited {self.timeout:g}s for {what()}; relaunch all ranks together "
                               "(or raise --rank-timeout)")
         with answering(f"waiting for {keys[0]}"):
-            raise waited[0]
+            raise error
 
     def read(self, key: str, cls: type[T]) -> T:
         return load(self.get(key), cls, where=f"rendezvous store key {key}")
@@ -205,42 +214,33 @@ class StorePeers:
 
     def _round_result(self, done: str) -> int:
         """Wait for the round's total: one blocking call, answered the moment the last rank
-        arrives (no polling per step). It runs on a helper thread because a signal's handler
-        runs only in the main thread, and not while it is inside the store's C++ wait: once this
-        rank is signalled (torchrun's agent sends SIGTERM when a peer died), a round that stays
+        arrives (no polling per step), beside this thread (``wait_beside``): once this rank is
+        signalled (torchrun's agent sends SIGTERM when a peer died), a round that stays
         open longer than a live peer needs to finish its step means a dead peer, and this rank
         exits 75 now rather than being SIGKILLed at the end of torchrun's grace period, its exit
         code lost. The abandoned wait ends with the process (a daemon thread)."""
         started = time.monotonic()
-        waited: list[BaseException | None] = []
+        signalled_at: list[float] = []
 
-        def wait() -> None:
-            try:
-                self.rounds_kv.wait([done], datetime.timedelta(seconds=self.timeout))
-                waited.append(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
-                waited.append(exc)
-
-        waiter = threading.Thread(target=wait, name="trainjob-round", daemon=True)
-        waiter.start()
-        signalled_at = None
-        while waiter.join(SIGNAL_CHECK) or waiter.is_alive():
+        def check() -> None:
             now = time.monotonic()
-            if signalled_at is None and self.stop_signal():
-                signalled_at = now
-            if signalled_at is not None and now - signalled_at >= self._stop_grace():
+            if not signalled_at and self.stop_signal():
+                signalled_at.append(now)
+            if signalled_at and now - signalled_at[0] >= self._stop_grace():
                 raise RankTimeout(f"{self.stop_signal()} reached rank {self.rank} in stop round {self.rounds} "
                                   f"(after step {self.step}) and no peer ended that round within "
                                   f"{self._stop_grace():g}s: a peer is gone; relaunch all ranks together")
-        if isinstance(waited[0], RuntimeError):
+
+        error = wait_beside(self.rounds_kv, [done], self.timeout, "trainjob-round", check)
+        if isinstance(error, RuntimeError):
             if time.monotonic() - started < self.timeout * 0.9:
                 with answering(f"waiting for stop round {self.rounds}"):
-                    raise waited[0]
+                    raise error
             raise RankTimeout(f"waited {self.timeout:g}s for every rank to finish step {self.step} "
                               f"(stop round {self.rounds}); relaunch all ranks together (or raise "
                               "--rank-timeout)") from None
-        if waited[0] is not None:
-            raise waited[0]
+        if error is not None:
+            raise error
         with answering(f"reading stop round {self.rounds}"):
             value = bytes(self.rounds_kv.get(done))
         if value == END:
