@@ -160,11 +160,19 @@ def test_rank_0_writes_the_manifest_while_a_ranks_fsync_runs_and_renames_only_af
     state = {"w": np.arange(8, dtype=np.float64)}
     events: list[tuple[str, str]] = []
     real_fsync, real_rename = os.fsync, os.rename
+    manifest_begun = threading.Event()
 
     def fsync(fd: int) -> None:
         on = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
         events.append(("fsync", on))
+        if on == "manifest.json":
+            manifest_begun.set()
         if on == "shard-00001-of-00002.safetensors":
+            # Held until rank 0 fsyncs the manifest (a rank 0 that waited for this fsync first
+            # never does: after 10 s the order check below fails), then slow, so that a rename
+            # not waiting for it would come first. A fixed 0.3 s alone failed on a loaded CI
+            # machine, where rank 0 took longer than that to reach the manifest.
+            manifest_begun.wait(10)
             time.sleep(0.3)
         real_fsync(fd)
         events.append(("fsynced", on))
