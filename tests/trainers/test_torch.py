@@ -112,20 +112,21 @@ def reference(tmp_path_factory, digits_data) -> tuple[Path, bytes, list[dict[str
 
 
 def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> list[str]:
-    """Send ``sig`` to rank 1 in one launch and to rank 0 in the next, each after a new checkpoint;
-    then a last launch finishes. What torchrun said of each interrupted launch."""
+    """Send ``sig`` to rank 1 in one launch and to rank 0 in the next, each at the launch's first
+    checkpoint (newer than all the launch before left, a SIGTERM's own checkpoint included); then
+    a last launch finishes. What torchrun said of each interrupted launch."""
     step, said = 0, []
     for victim in (1, 0):
         launcher = torchrun(pvc, data)
         deadline = time.monotonic() + 90
-        while newest_step(pvc) < step + 2 and launcher.poll() is None and time.monotonic() < deadline:
+        while newest_step(pvc) <= step and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert launcher.poll() is None, "the launch ended before the signal: " + "\n".join(
             line for line in launcher.stderr.read().decode(errors="replace").splitlines() if "trainjob" in line)
-        step = newest_step(pvc)
         os.kill(rank_pid(launcher.pid, victim), sig)
         assert launcher.wait(120) != 0
         said.append(launcher.stderr.read().decode(errors="replace"))
+        step = newest_step(pvc)
     final = torchrun(pvc, data)
     assert final.wait(120) == 0, final.stderr.read().decode()[-3000:]
     return said
