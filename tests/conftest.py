@@ -7,13 +7,13 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from prefork import Prefork
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,11 +28,17 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def trainjob(*args: str | Path, cwd: Path | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "trainjob", *map(str, args)],
-        cwd=cwd, capture_output=True, text=True, timeout=timeout,
-    )
+PREFORK = Prefork()  # this pytest process's launcher of the CLI's processes (tests/prefork.py)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    PREFORK.close()
+
+
+def trainjob(*args: str | Path, cwd: Path | None = None, timeout: float = 60,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m trainjob *args`` in a process of its own, run to its end (tests/prefork.py)."""
+    return PREFORK.run(["-m", "trainjob", *map(str, args)], cwd=cwd, env=env, timeout=timeout)
 
 
 def skip_without(module: str, reason: str) -> None:
@@ -46,8 +52,7 @@ def skip_without(module: str, reason: str) -> None:
 def killpoint(n: int, *args: str | Path) -> subprocess.CompletedProcess:
     """The CLI with ``args`` under tests/killpoint.py: SIGKILLed just before its Nth write, fsync or
     rename (0-based), or never with -1."""
-    return subprocess.run([sys.executable, ROOT / "tests/killpoint.py", str(n), *map(str, args)],
-                          capture_output=True, text=True, timeout=60)
+    return PREFORK.run([str(ROOT / "tests/killpoint.py"), str(n), *map(str, args)], timeout=60)
 
 
 def io_calls(*args: str | Path) -> int:
@@ -190,17 +195,21 @@ def _a_process_test_says_so() -> Iterator[None]:
     torchrun`` (or ``not torchrun``) really selects by what a test needs."""
     spawn = subprocess.Popen._execute_child  # type: ignore[attr-defined]
 
-    def checked(self: subprocess.Popen, argv: object, *args: object, **kwargs: object) -> None:
+    def check(argv: object) -> None:
         if _running:
             item = _running[-1]
             missing = sorted(k for k in {"process", *kinds_started(argv)} if item.get_closest_marker(k) is None)
             if missing:
                 marks = " ".join(f"@pytest.mark.{k}" for k in missing)
                 raise AssertionError(f"{item.nodeid} starts {argv!r:.120}: mark it {marks}")
+
+    def checked(self: subprocess.Popen, argv: object, *args: object, **kwargs: object) -> None:
+        check(argv)
         spawn(self, argv, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", checked)
+        patch.setattr(PREFORK, "starting", check)  # its commands are forked, not spawned
         yield
 
 

@@ -72,3 +72,33 @@ def test_built_once_builds_once_and_a_failed_build_is_tried_again_from_scratch(t
         built_once(tmp_path_factory, "tiers-retried", broken)
     again = built_once(tmp_path_factory, "tiers-retried", build)
     assert not (again / "half").exists() and (again / "made").read_text() == "2"
+
+
+@pytest.mark.process  # a second pytest session, in a process of its own (its launcher forks the CLI)
+def test_a_test_that_starts_the_cli_without_the_process_marker_fails_spawned_or_forked(pytester, monkeypatch):
+    """The guard sees every command of ``conftest.trainjob``, whether tests/prefork.py's launcher
+    forks it or, with TRAINJOB_TEST_PREFORK=0, a real interpreter is spawned."""
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(prefork=(Path(__file__).parent / "prefork.py").read_text())
+    pytester.makepyfile(test_inner='''
+        import pytest
+        from conftest import killpoint, trainjob
+
+        @pytest.mark.process
+        def test_marked():  # starts the launcher
+            assert trainjob("--help").returncode == 0
+
+        def test_unmarked():
+            trainjob("--help")
+
+        @pytest.mark.process
+        def test_a_killpoint_without_its_kind(tmp_path):
+            killpoint(-1, "run", "--pvc", tmp_path / "pvc")
+    ''')
+    for prefork in ("1", "0"):
+        monkeypatch.setenv("TRAINJOB_TEST_PREFORK", prefork)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-p", "no:randomly")
+        result.assert_outcomes(passed=1, failed=2)
+        result.stdout.fnmatch_lines(["*test_a_killpoint_without_its_kind starts *killpoint.py*: mark it "
+                                     "@pytest.mark.killpoint*",  # the process tests run first
+                                     "*test_unmarked starts *: mark it @pytest.mark.process*"])

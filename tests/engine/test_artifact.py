@@ -6,8 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 from safetensors import safe_open
@@ -19,8 +17,7 @@ EXAMPLES = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "examples"),
 
 
 def run(pvc, *flags, env=None):
-    return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *map(str, flags)],
-                          env={**EXAMPLES, **(env or {})}, capture_output=True, text=True, timeout=120)
+    return trainjob("run", "--pvc", pvc, *flags, env={**EXAMPLES, **(env or {})}, timeout=120)
 
 
 def logged(pvc) -> dict[str, str]:

@@ -120,8 +120,7 @@ def test_a_trainer_that_keeps_momentum_out_of_the_checkpoint_resumes_to_other_we
     flags = ("--data", str(data), *SHORT[2:], "--trainer", "user_trainers:forgetful")
 
     def run(pvc, *extra):
-        return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *flags, *extra],
-                              env=HELPERS, capture_output=True, text=True, timeout=60).returncode
+        return trainjob("run", "--pvc", pvc, *flags, *extra, env=HELPERS).returncode
 
     def arrays(blob):
         return load(blob)["W"].tobytes()
@@ -154,9 +153,8 @@ def test_a_checkpoint_of_other_arrays_is_refused_before_anything_is_written(tmp_
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, "--data", data, *SHORT, "--die-at", 2).returncode == 75
     before = {p: p.read_bytes() for p in pvc.rglob("*") if p.is_file()}
-    result = subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--data", str(data),
-                             *SHORT[2:], "--trainer", "user_trainers:forgetful"],
-                            env=HELPERS, capture_output=True, text=True, timeout=60)
+    result = trainjob("run", "--pvc", pvc, "--data", data, *SHORT[2:], "--trainer", "user_trainers:forgetful",
+                      env=HELPERS)
     assert result.returncode == 2 and "relaunch with the trainer that wrote it" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
     assert {p: p.read_bytes() for p in pvc.rglob("*") if p.is_file()} == before

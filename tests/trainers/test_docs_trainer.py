@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, events
+from conftest import ROOT, events, trainjob
 
 EXAMPLE = ROOT / "examples/minimal_trainer.py"
 ENV = {**os.environ, "PYTHONPATH": str(ROOT / "examples")}
 
 
 def run(pvc, *flags):
-    return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), "--trainer",
-                           "minimal_trainer:make", *map(str, flags)], env=ENV, capture_output=True, text=True,
-                          timeout=60)
+    return trainjob("run", "--pvc", pvc, "--trainer", "minimal_trainer:make", *flags, env=ENV)
 
 
 def test_the_documented_trainer_is_the_tested_file_and_under_60_lines():

@@ -17,8 +17,7 @@ HELPERS = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}
 
 
 def run_with_helpers(pvc, *flags):
-    return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *map(str, flags)],
-                          env=HELPERS, capture_output=True, text=True, timeout=60)
+    return trainjob("run", "--pvc", pvc, *flags, env=HELPERS)
 
 
 @pytest.mark.parametrize("spec, says", [

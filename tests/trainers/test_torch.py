@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, skip_without, snapshot
+from conftest import ROOT, built_once, skip_without, snapshot, trainjob
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
 skip_without("sklearn", "scikit-learn (the digits extra) is not installed")
@@ -191,8 +191,7 @@ LAB_FLAGS = ("--trainer", "torch_trainers:make", "--steps", "3", "--ckpt-every",
 
 
 def lab_torch(pvc: Path, *flags: str, bad: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc), *LAB_FLAGS, *flags],
-                          env={**LAB, "TRAINJOB_TEST_BAD": bad}, capture_output=True, text=True, timeout=120)
+    return trainjob("run", "--pvc", pvc, *LAB_FLAGS, *flags, env={**LAB, "TRAINJOB_TEST_BAD": bad}, timeout=120)
 
 
 @pytest.fixture(scope="module")
