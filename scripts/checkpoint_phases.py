@@ -1,7 +1,7 @@
 """Where the fixed cost of one small checkpoint goes (issue 30): a probe, not a benchmark.
 
     PYTHONPATH=. python scripts/checkpoint_phases.py --size 8MiB --checkpoints 20 [--world-size 2]
-        [--ranks-via store|files] [--gap 0] [--dir /tmp]
+        [--ranks-via store|files] [--gap 0] [--dir /tmp] [--each]
 
 The bench's synthetic state (scripts/benchmarks/checkpoints.py), one process per rank (spawned).
 Each makes ``--checkpoints`` whole checkpoints back to back as the bench's ``save_trainjob`` does
@@ -103,6 +103,8 @@ def main() -> None:
                     help="at W > 1: a TCPStore as under torchrun (default), or files on the PVC")
     ap.add_argument("--gap", type=float, default=0.0, help="seconds of 'training' between checkpoints")
     ap.add_argument("--dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--each", action="store_true",
+                    help="also print every checkpoint's time in order: a launch's first ones differ (docs/benchmarks.md)")
     args = ap.parse_args()
     root = args.dir / f"phases-{os.getpid()}"
     root.mkdir(parents=True)
@@ -132,6 +134,8 @@ def report(args: argparse.Namespace, got: list[dict]) -> None:
     raw = [t1 - t0 for t0, t1 in (span("raw", i) for i in range(n))]
     starts = [span("whole", i)[0] for i in range(n)]
     whole = [t1 - t0 for t0, t1 in (span("whole", i) for i in range(n))]
+    if args.each:
+        print("each checkpoint, ms:", " ".join(f"{1000 * w:.1f}" for w in whole))
     via = f" through {args.ranks_via}" if args.world_size > 1 else ""
     print(f"size {args.size >> 20} MiB, W={args.world_size}{via}, {n} checkpoints, gap {args.gap}s, "
           f"load average {os.getloadavg()[0]:.2f}")
