@@ -6,9 +6,10 @@ The suite runs the CLI in a few hundred processes, mostly a lab run that takes 0
 started; starting Python and importing numpy and trainjob cost it 0.16 s more each time. Here
 that is paid once: this process imports what a `trainjob run` imports (never torch: its threads
 do not survive a fork), then, for each request, forks a child that becomes the command as
-``python ARGV`` would (its ``sys.argv`` and ``sys.path[0]``, cwd, environment, stdin from
-/dev/null, stdout and stderr to pipes) and leaves through the interpreter's normal exit (atexit
-handlers, non-daemon threads joined, an uncaught exception printed and exit 1). The parent reads
+``python ARGV`` would (``-m module``, ``-c code`` or a script: its ``sys.argv`` and
+``sys.path[0]``, cwd, environment, stdin from /dev/null, stdout and stderr to pipes) and leaves
+through the interpreter's normal exit (atexit handlers, non-daemon threads joined, an uncaught
+exception printed and exit 1). The parent reads
 both pipes to their end, waits, and replies with the code (negative: the signal that ended it),
 as ``subprocess.run(capture_output=True)`` does; past the timeout it SIGKILLs the child.
 
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -120,7 +122,12 @@ def become(request: dict) -> None:
     # What a fresh interpreter would have put on its path from a PYTHONPATH of the test's own.
     sys.path[1:1] = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in started_with]
     argv = request["argv"]
-    if argv[0] == "-m":  # `python -m module`: the current directory first on the path
+    if argv[0] == "-c":  # `python -c code`: the current directory ('') first on the path
+        sys.path[0] = ""
+        sys.argv = ["-c", *argv[2:]]
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":  # `python -m module`: the current directory first on the path
         sys.path[0] = os.getcwd()
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)

@@ -1,11 +1,17 @@
-"""The fast tier's guard in tests/conftest.py, run on a tiny suite of its own (pytester): a test
-is failed only when both its CPU time and its wall time are over the limit."""
+"""The suite's own machinery: the fast tier's guard in tests/conftest.py, run on a tiny suite of
+its own (pytester: a test is failed only when both its CPU time and its wall time are over the
+limit), ``built_once``, and tests/prefork.py's launcher against real interpreters."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from prefork import Prefork
 
 pytest_plugins = ["pytester"]
 CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
@@ -102,3 +108,37 @@ def test_a_test_that_starts_the_cli_without_the_process_marker_fails_spawned_or_
         result.stdout.fnmatch_lines(["*test_a_killpoint_without_its_kind starts *killpoint.py*: mark it "
                                      "@pytest.mark.killpoint*",  # the process tests run first
                                      "*test_unmarked starts *: mark it @pytest.mark.process*"])
+
+
+@pytest.mark.process
+def test_a_forked_command_ends_as_a_new_interpreter_would(tmp_path):
+    """Command for command, tests/prefork.py's child and a real interpreter: the same exit code
+    (a signal's included), output, cwd, argv, path (PYTHONPATH too) and last line of stderr (a
+    traceback's frames differ: the child's start in the launcher); a timeout as subprocess.run's."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib/on_path.py").write_text("WHERE = 'lib'\n")
+    script = tmp_path / "script.py"
+    script.write_text("import os, sys\nprint(sys.argv, sys.path[0] == os.path.dirname(os.path.abspath(__file__)), "
+                      "os.getcwd(), os.environ.get('SAID'))\nsys.stderr.write('to stderr\\n')\nsys.exit(int(sys.argv[1]))\n")
+    commands = [
+        (["-m", "trainjob", "--help"], {}),
+        (["-m", "trainjob", "status", tmp_path / "missing.jsonl"], {}),
+        ([script, "3"], {"SAID": "yes"}),
+        (["-c", "import os, signal, sys; print(sys.argv, repr(sys.path[0])); sys.stdout.flush(); "
+                "os.kill(os.getpid(), signal.SIGKILL)", "x"], {}),
+        (["-c", "import on_path; print(on_path.WHERE); raise ValueError('bad')"], {"PYTHONPATH": str(tmp_path / "lib")}),
+    ]
+    forked = Prefork()
+    try:
+        for argv, extra in commands:
+            env, argv = {**os.environ, **extra}, [str(a) for a in argv]
+            real = subprocess.run([sys.executable, *argv], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=60)
+            child = forked.run(argv, cwd=tmp_path, env=env, timeout=60)
+            assert (child.returncode, child.stdout) == (real.returncode, real.stdout), argv
+            assert child.stderr.splitlines()[-1:] == real.stderr.splitlines()[-1:], argv
+        with pytest.raises(subprocess.TimeoutExpired):
+            forked.run(["-c", "import time; time.sleep(30)"], timeout=0.5)
+        assert forked.run(["-c", "print('next')"]).stdout == "next\n"  # the launcher serves on
+    finally:
+        forked.close()

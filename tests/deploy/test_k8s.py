@@ -6,8 +6,6 @@ from __future__ import annotations
 import io
 import json
 import re
-import subprocess
-import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -19,7 +17,7 @@ from hypothesis import strategies as st
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from conftest import ROOT, io_calls
+from conftest import io_calls, killpoint, trainjob
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 from trainjob.errors import UsageError
@@ -283,8 +281,7 @@ def test_docs_show_what_render_prints():
 ])
 @pytest.mark.process
 def test_bad_flags_are_one_line_and_exit_2(argv):
-    done = subprocess.run([sys.executable, "-m", "trainjob", "k8s", "render", *argv], capture_output=True,
-                          text=True)
+    done = trainjob("k8s", "render", *argv)
     assert done.returncode == 2
     assert done.stdout == "" and len(done.stderr.strip().splitlines()) == 1
 
@@ -318,7 +315,7 @@ def test_the_job_fails_on_the_very_pod_that_logs_job_failed(tmp_path, limit, pre
         pods += 1
         disrupted = preempted and pods == 1  # the node is drained: SIGTERM, checkpoint, exit 75
         extra = ["--die-at", "4"] if disrupted else []
-        code = subprocess.run([sys.executable, "-m", "trainjob", *args, *extra], capture_output=True).returncode
+        code = trainjob(*args, *extra).returncode
         last_events.append(json.loads(log.read_text().splitlines()[-1])["event"])
         assert code != 0
         action = job_action(spec["podFailurePolicy"]["rules"], code, {"DisruptionTarget"} if disrupted else set())
@@ -345,16 +342,16 @@ def test_a_pod_killed_after_the_job_completed_is_replaced_by_one_that_succeeds(t
     pvc = tmp_path / "pvc"
     args = [str(pvc) if arg == k8s.MOUNT else arg for arg in container["args"]]
     exit_path = io_calls(*(str(tmp_path / "count") if arg == str(pvc) else arg for arg in args))
-    oom = subprocess.run([sys.executable, ROOT / "tests/killpoint.py", str(exit_path), *args], capture_output=True)
+    oom = killpoint(exit_path, *args)
     assert oom.returncode == -9 and json.loads((pvc / "log.jsonl").read_text().splitlines()[-1])["event"] == "completed"
     assert job_action(spec["podFailurePolicy"]["rules"], 128 + 9, set()) == "Count" and 1 <= spec["backoffLimit"]
 
-    replacement = subprocess.run([sys.executable, "-m", "trainjob", *args], capture_output=True, text=True)
+    replacement = trainjob(*args)
     assert replacement.returncode == 0, replacement.stderr  # the Job is Complete
     assert "already completed (attempt 1): artifacts/model-v1.json verified" in replacement.stdout
 
     (pvc / "artifacts/model-v1.json").write_text("{}\n")
-    damaged = subprocess.run([sys.executable, "-m", "trainjob", *args], capture_output=True, text=True)
+    damaged = trainjob(*args)
     assert job_action(spec["podFailurePolicy"]["rules"], damaged.returncode, set()) == "FailJob"
 
 

@@ -6,14 +6,12 @@ import json
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import events, trainjob
+from conftest import PREFORK, events, trainjob
 from trainjob.views import history
 from trainjob.engine.machine import ANNOUNCED_WITHIN, EVENT_FOR_STATE, STATE_FOR_EVENT, TRANSITIONS
 from trainjob.views.history import replay
@@ -74,8 +72,7 @@ def test_spent_retry_budget_is_a_legal_path_with_exit_1_and_no_complaint(pvc):
 
 @pytest.mark.process
 def test_supervisor_lines_are_shown_beside_the_path_not_part_of_it(tmp_path):
-    supervised = subprocess.run([sys.executable, "-m", "trainjob", "supervise", "--backoff-base", "0.01", "--",
-                                 "run", "--pvc", tmp_path / "P", "--die-at", "4"], capture_output=True, text=True)
+    supervised = trainjob("supervise", "--backoff-base", "0.01", "--", "run", "--pvc", tmp_path / "P", "--die-at", "4")
     assert supervised.returncode == 0, supervised.stderr
     result = trainjob("status", tmp_path / "P" / "log.jsonl", "--path")
     assert result.returncode == 0 and result.stderr == ""
@@ -131,8 +128,7 @@ def kill_around_every_append(tmp_path: Path, prepare: list[str], flags: list[str
     def job(n: int, when: str) -> Path:
         pvc = tmp_path / f"{when}{n}"
         shutil.copytree(start, pvc, dirs_exist_ok=True)
-        died = subprocess.run([sys.executable, "-c", KILL_AROUND_APPEND, str(n), when, "run", "--pvc", str(pvc),
-                               *flags], capture_output=True)
+        died = PREFORK.run(["-c", KILL_AROUND_APPEND, str(n), when, "run", "--pvc", str(pvc), *flags])
         assert died.returncode == -signal.SIGKILL
         while trainjob("run", "--pvc", pvc, *flags).returncode == 75:
             pass
