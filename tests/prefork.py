@@ -9,9 +9,9 @@ do not survive a fork), then, for each request, forks a child that becomes the c
 ``python ARGV`` would (``-m module``, ``-c code`` or a script: its ``sys.argv`` and
 ``sys.path[0]``, cwd, environment, stdin from /dev/null, stdout and stderr to pipes) and leaves
 through the interpreter's normal exit (atexit handlers, non-daemon threads joined, an uncaught
-exception printed and exit 1). The parent reads
-both pipes to their end, waits, and replies with the code (negative: the signal that ended it),
-as ``subprocess.run(capture_output=True)`` does; past the timeout it SIGKILLs the child.
+exception printed and exit 1). The parent reads both pipes to their end, waits, and replies with
+the code (negative: the signal that ended it), as ``subprocess.run(capture_output=True)`` does;
+past the timeout it SIGKILLs the child.
 
 It must stay a launcher: nothing of trainjob runs in this process, so every child starts from
 the state a fresh interpreter would reach by importing the same modules. A command that depends
@@ -167,13 +167,13 @@ class Prefork:
         env = dict(os.environ if env is None else env)
         cmd = [sys.executable, *argv]
         self.starting(cmd)
-        if os.environ.get("TRAINJOB_TEST_PREFORK") == "0" or not self.lock.acquire(blocking=False):
+        forkable = os.environ.get("TRAINJOB_TEST_PREFORK") != "0" and \
+            not startup_differs(self.env if self.proc is not None else dict(os.environ), env)
+        if not (forkable and self.lock.acquire(blocking=False)):
             return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         try:
             if self.proc is None:
                 self._start()
-            if startup_differs(self.env, env):
-                return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
             write_message(self.requests, {"argv": [str(a) for a in argv], "cwd": str(cwd or os.getcwd()),
                                           "env": env, "timeout": timeout})
             reply = read_message(self.replies)
