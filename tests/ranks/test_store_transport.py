@@ -428,6 +428,29 @@ def test_torchruns_store_is_opened_under_the_run_id_and_restart_count(server, pv
     assert server.check(["trainjob/r1/3/session"])
 
 
+def test_a_rank_connects_within_its_own_budget_then_waits_at_most_rank_timeout(server, pvc, monkeypatch):
+    """Connecting to the agent's store waits for no peer, and a client's connect here now and then
+    stalls 5 s before it gets through: it gets CONNECT_SECONDS however short --rank-timeout is.
+    Every connection the rank then uses is bounded by --rank-timeout again."""
+    budgets = []
+    real = dist.TCPStore
+
+    def recorded(*args, **kwargs):
+        budgets.append(kwargs["timeout"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "TCPStore", recorded)
+    env = {**AGENT, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port)}
+    rank1 = connect.follower(pvc, 1, 2, 1.0, lambda: None, env)
+    assert budgets == [datetime.timedelta(seconds=connect.CONNECT_SECONDS)]
+    second = datetime.timedelta(seconds=1)
+    assert (rank1.kv.timeout, rank1.rounds_kv.timeout, rank1._waits_kv.timeout) == (second, second, second)
+    started = time.monotonic()
+    with pytest.raises(RankTimeout, match="did not answer while reading g00000000/never-set"):
+        rank1.get(rank1.key("never-set"))
+    assert time.monotonic() - started < 5
+
+
 # --- whole launches under torchrun, through its store ----------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,12 @@ from .peers import PvcCoordinator, PvcFollower
 
 FORCE = "TRAINJOB_COORDINATION"
 TRANSPORTS = ("files", "store")
+# How long a rank may take to connect to torchrun's store, at least: connecting waits for no peer
+# (the agent's store is up before any worker starts), and torch 2.13's client, connecting to a live
+# store here, stalled about 5 s once in 50 connects before it got through (docs/checkpoints.md). A
+# budget of --rank-timeout (1 s in some launches) turned that stall into a lost rank. Once
+# connected, every call is bounded by --rank-timeout again (``store.StorePeers``).
+CONNECT_SECONDS = 30.0
 
 
 def _agent_store(env: Mapping[str, str]) -> bool:
@@ -76,7 +82,8 @@ def open_store(env: Mapping[str, str], timeout: float) -> Any:
     with answering(f"connecting to {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"):
         if _agent_store(env):  # torchrun's agent hosts it; every worker is a client
             base = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
-                                 timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+                                 timeout=datetime.timedelta(seconds=max(timeout, CONNECT_SECONDS)),
+                                 wait_for_workers=False)
         else:  # a connection of our own: the group's client serves one call at a time
             base = dist.distributed_c10d._get_default_store().clone()
     return dist.PrefixStore(scope, base)

@@ -106,8 +106,13 @@ class StorePeers:
         # The stop rounds get a connection of their own: a client serves one call at a time, and
         # a round's blocking wait must not hold up a checkpoint writer thread (async checkpoints)
         # polling for the staging key or sending a receipt meanwhile.
-        with answering("opening a second connection"):
-            self.rounds_kv = kv.clone()
+        # A connection of its own for ``await_keys`` too, opened now (see ``connect.CONNECT_SECONDS``:
+        # ``kv`` arrives with the longer budget for connecting); then every call on the three is
+        # bounded by --rank-timeout.
+        with answering("opening its connections"):
+            self.rounds_kv, waits_kv = kv.clone(), kv.clone()
+            for connection in (kv, self.rounds_kv, waits_kv):
+                connection.set_timeout(datetime.timedelta(seconds=timeout))
         self.stop_signal = stop_signal
         self.generation = 0
         self.step = 0
@@ -116,7 +121,7 @@ class StorePeers:
         self.longest_gap = 0.0  # the longest time between two of its votes: about a step of the slowest rank
         self.stopping = False  # a round said stop (or, before begin, this rank noted one)
         self.acked: set[str] = set()  # (ranks >= 1) the endings this rank has counted as read
-        self._waits_kv: Any = None  # ``await_keys``'s connection while no wait holds it; cloned when needed
+        self._waits_kv: Any = waits_kv  # ``await_keys``'s connection while no wait holds it; cloned when needed
 
     @property
     def solo(self) -> bool:
