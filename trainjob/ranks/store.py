@@ -103,12 +103,11 @@ class StorePeers:
     def __init__(self, kv: Any, rank: int, world_size: int, timeout: float,
                  stop_signal: Callable[[], str | None]) -> None:
         self.kv, self.rank, self.world_size, self.timeout = kv, rank, world_size, timeout
-        # The stop rounds get a connection of their own: a client serves one call at a time, and
-        # a round's blocking wait must not hold up a checkpoint writer thread (async checkpoints)
-        # polling for the staging key or sending a receipt meanwhile.
-        # A connection of its own for ``await_keys`` too, opened now (see ``connect.CONNECT_SECONDS``:
-        # ``kv`` arrives with the longer budget for connecting); then every call on the three is
-        # bounded by --rank-timeout.
+        # The stop rounds and ``await_keys`` get a connection each: a client serves one call at a
+        # time, and a round's blocking wait must not hold up a checkpoint writer thread (async
+        # checkpoints) sending a receipt meanwhile. Opened now, while ``kv`` has the longer budget
+        # for connecting (``connect.CONNECT_SECONDS``); then every call on the three is bounded by
+        # --rank-timeout.
         with answering("opening its connections"):
             self.rounds_kv, waits_kv = kv.clone(), kv.clone()
             for connection in (kv, self.rounds_kv, waits_kv):
@@ -317,9 +316,7 @@ class StoreCoordinator(StorePeers):
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], Any], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after its own shard) Every other rank's receipt of
         ``step``, from the store (``ready`` and ``read``, the files' way, are not needed)."""
-        keys = {r: self.key(f"receipt/{step}/{r}") for r in range(1, self.world_size)}
-        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
-                        f"write their shards of step {step}", lambda: None)
+        keys = self._await_others("receipt", step, f"write their shards of step {step}")
         with answering(f"reading the receipts of step {step}"):
             values = self.kv.multi_get(list(keys.values()))
         entries = [load(bytes(v), ShardEntry, where=f"rendezvous store key {k}") for k, v in zip(keys.values(), values)]
@@ -333,10 +330,15 @@ class StoreCoordinator(StorePeers):
         """(rank 0, after ``gather``, before the commit's rename) Every other rank's word that its
         shard of ``step`` is durable: its receipt came as soon as the shard was written, so this
         rank wrote the manifest and began the commit's fsyncs while the others' fsyncs ran."""
-        keys = {r: self.key(f"durable/{step}/{r}") for r in range(1, self.world_size)}
+        self.spent += self._await_others("durable", step, f"make their shards of step {step} durable").values()
+
+    def _await_others(self, name: str, step: int, doing: str) -> dict[int, str]:
+        """Wait for every other rank's key ``name/step/rank`` (RankTimeout: "ranks [...] to
+        ``doing``"); return the keys by rank."""
+        keys = {r: self.key(f"{name}/{step}/{r}") for r in range(1, self.world_size)}
         self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
-                        f"make their shards of step {step} durable", lambda: None)
-        self.spent += keys.values()
+                        f"{doing}", lambda: None)
+        return keys
 
     def peer_signal(self) -> str | None:
         for r in range(self.world_size):
