@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from filelock import FileLock
+from hypothesis import HealthCheck, settings
 from prefork import Prefork
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,14 +214,26 @@ def _a_process_test_says_so() -> Iterator[None]:
         yield
 
 
-# The fast tier's promise: a test without the ``process`` marker takes under this long in its call
-# (not its fixtures). Measured twice, and over only when both are: the process's CPU time, which a
-# loaded machine (other pytest workers, other tenants) cannot inflate, and the wall time, which a
-# thread an earlier test left running in this worker cannot inflate (process CPU counts every
-# thread). A test that really is slow is over on both. The figure is a quiet 2-core machine's wall
-# time with room to spare; slower work belongs in the slow tier.
+# Hypothesis' own clock is off everywhere: its default deadline (200 ms an example) fails a correct
+# test on a loaded machine, and timing is never asserted in a test (docs/benchmarks.md measures it).
+settings.register_profile("trainjob", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("trainjob")
+
+
+# The fast tier's promise: a test without the ``process`` marker takes under FAST_TEST_SECONDS in
+# its call (not its fixtures). Measured twice, and over only when both are: the process's CPU time,
+# which waiting on a loaded machine does not inflate, and the wall time, which a thread an earlier
+# test left running in this worker cannot inflate (process CPU counts every thread). A test over
+# the limit is listed at the end of the run, so it gets made cheaper or moved; it *fails* only over
+# FAST_TEST_FAIL_FACTOR times the limit. CPU time is not a stable measure either: a loaded machine
+# slows each instruction (shared caches, a busy sibling core), and hypothesis draws other examples
+# each run, so a 1.6 s test was once measured at 2.3 s of CPU. The guard keeps the tier fast; it
+# must not make the suite flaky.
 FAST_TEST_SECONDS = 2.0
+FAST_TEST_FAIL_FACTOR = 3
 _SPENT = pytest.StashKey[tuple[float, float]]()
+_OVER = "fast tier over its time"  # a user property: it travels from xdist's workers with the report
+_over_limit: list[str] = []
 
 
 @pytest.hookimpl(wrapper=True)
@@ -236,12 +249,28 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
     report = yield
     cpu, wall = item.stash.get(_SPENT, (0.0, 0.0))
-    if call.when == "call" and report.passed and item.get_closest_marker("process") is None \
-            and min(cpu, wall) > FAST_TEST_SECONDS:
+    if call.when != "call" or not report.passed or item.get_closest_marker("process") is not None:
+        return report
+    spent = f"{item.nodeid} used {cpu:.1f} s of CPU in {wall:.1f} s"
+    if min(cpu, wall) > FAST_TEST_SECONDS * FAST_TEST_FAIL_FACTOR:
         report.outcome = "failed"
-        report.longrepr = (f"{item.nodeid} used {cpu:.1f} s of CPU in {wall:.1f} s: a fast-tier test takes under "
-                           f"{FAST_TEST_SECONDS:g} s (make it cheaper, or mark it process and say why)")
+        report.longrepr = (f"{spent}: a fast-tier test takes under {FAST_TEST_SECONDS:g} s (make it cheaper, "
+                           f"or mark it process and say why)")
+    elif min(cpu, wall) > FAST_TEST_SECONDS:
+        report.user_properties.append((_OVER, spent))
     return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _over_limit.extend(text for name, text in report.user_properties if name == _OVER)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest's TerminalReporter)
+    if _over_limit:
+        terminalreporter.section("fast-tier tests over their time", sep="-", yellow=True)
+        for line in _over_limit:
+            terminalreporter.write_line(f"{line}: over {FAST_TEST_SECONDS:g} s (fails over "
+                                        f"{FAST_TEST_SECONDS * FAST_TEST_FAIL_FACTOR:g} s); make it cheaper")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
