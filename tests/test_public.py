@@ -28,7 +28,10 @@ PUBLIC = [
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
-PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}
+# ``trainjob.trainers.torch_state`` is the tensors-only helpers' deprecated path: it still works, and
+# nothing shown to users imports it.
+PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits"}
+TORCH_PUBLIC = ["RankLocal", "TrainingState", "load_state_dict", "materialize_sgd", "state_dict"]
 
 
 def test_all_is_pinned():
@@ -60,7 +63,8 @@ def test_the_version_is_written_once_in_the_package_metadata():
 
 
 def test_examples_readme_and_docs_import_only_the_public_surface():
-    texts = [*ROOT.glob("examples/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")]
+    texts = [*ROOT.glob("examples/*.py"), ROOT / "README.md", *ROOT.glob("docs/**/*.md")]
+    assert ROOT / "docs/howto/own-loop.md" in texts
     imported = {(p.name, m) for p in texts
                 for m in re.findall(r"^\s*(?:from|import)\s+(trainjob[\w.]*)", p.read_text(), re.M)}
     assert {(name, m) for name, m in imported if m not in PUBLIC_MODULES} == set()
@@ -109,3 +113,17 @@ def test_the_public_api_type_checks_as_a_users_script_under_mypy_strict(tmp_path
     assert good.returncode == 0, good.stdout
     bad = mypy('"3"')  # the checker must see trainjob's hints, not Any
     assert bad.returncode == 1 and 'Argument "steps" to "Run" has incompatible type "str"' in bad.stdout
+
+
+def test_the_torch_adapter_has_one_public_path_and_the_old_one_warns_and_re_exports_it():
+    """``trainjob.torch`` lists the adapter's names; ``trainjob.trainers.torch_state``, the tensors-only
+    helpers' path before it, still hands out the same functions, with a DeprecationWarning naming the new one."""
+    pytest.importorskip("torch")
+    import trainjob.torch as adapter
+
+    assert sorted(adapter.__all__) == sorted(TORCH_PUBLIC)
+    assert [name for name in adapter.__all__ if not hasattr(adapter, name)] == []
+    sys.modules.pop("trainjob.trainers.torch_state", None)  # the warning comes at import
+    with pytest.warns(DeprecationWarning, match="from trainjob.torch"):
+        old = importlib.import_module("trainjob.trainers.torch_state")
+    assert [getattr(old, n) for n in old.__all__] == [getattr(adapter, n) for n in old.__all__]
