@@ -15,6 +15,7 @@ Owns: nothing of trainjob's; it must not change a page's prose, only fill the ma
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +44,8 @@ def _argument(action: argparse.Action, formatter: argparse.HelpFormatter) -> tup
         name = ", ".join(f"`{o}`" for o in action.option_strings)
         if action.nargs != 0:
             name += f" `{formatter._format_args(action, action.dest.upper())}`"
+    elif action.nargs == argparse.REMAINDER:  # argparse shows it as "...": its metavar says more
+        name = f"`{action.metavar or action.dest}`"
     else:
         name = f"`{formatter._format_args(action, action.dest)}`"
     default = action.default
@@ -50,8 +53,6 @@ def _argument(action: argparse.Action, formatter: argparse.HelpFormatter) -> tup
     if action.required and action.option_strings:
         shown = "required"
     help_text = formatter._expand_help(action) if action.help else ""
-    if action.choices is not None and not isinstance(action, argparse._SubParsersAction):
-        help_text += f" (one of {', '.join(f'`{c}`' for c in action.choices)})"
     return name, shown, _cell(help_text)
 
 
@@ -59,6 +60,7 @@ def cli_reference() -> str:
     """The markdown for every subcommand of ``trainjob``, from the parser the command line uses."""
     from trainjob.cli import build_parser
 
+    os.environ["COLUMNS"] = "100"  # argparse wraps usage to the terminal's width: the same page everywhere
     out = []
     for command, summary, parser in subcommands(build_parser()):
         formatter = parser._get_formatter()
