@@ -18,9 +18,10 @@ from conftest import ROOT
 from trainjob.cli import build_parser
 
 IN_CI = bool(os.environ.get("CI"))  # CI installs the test extra: there a missing mkdocs fails, never skips
-# The examples the how-to pages include (pymdownx.snippets), each with the page that shows it.
+# The files the pages include (pymdownx.snippets), each with the page that shows it.
 INCLUDED = {"howto/own-loop": "examples/own_loop.py", "howto/typical-script": "examples/finetune.py",
-            "howto/fsdp": "examples/fsdp.py", "howto/trainer": "examples/minimal_trainer.py"}
+            "howto/fsdp": "examples/fsdp.py", "howto/trainer": "examples/minimal_trainer.py",
+            "tutorial/walkthrough": "scripts/demo.sh"}
 
 
 def leaves(parser: argparse.ArgumentParser, prefix: str = "trainjob") -> dict[str, argparse.ArgumentParser]:
