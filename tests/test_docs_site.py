@@ -52,6 +52,9 @@ def test_the_readme_is_a_front_page_with_the_two_commands_first():
     assert len(readme.splitlines()) <= 250
     blocks = re.findall(r"```(\w*)\n(.*?)```", readme, re.S)
     assert blocks[:2] == [("sh", "bash scripts/demo.sh\n"), ("sh", "bash scripts/test.sh\n")]
+    # The README is not built by MkDocs: its links into the repository are checked here.
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", readme) if not t.startswith(("http", "#"))]
+    assert len(targets) > 20 and [t for t in targets if not (ROOT / t).exists()] == []
 
 
 @pytest.mark.process
