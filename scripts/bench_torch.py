@@ -53,7 +53,7 @@ import torch
 
 from benchmarks.common import fsync_path
 from trainjob import Score
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict
 
 DIM = int(os.environ.get("BENCH_TORCH_DIM", "4096"))
 BATCH = 64

@@ -575,8 +575,8 @@ def test_a_trainer_whose_step_exits_through_the_cli_is_75_never_0(tmp_path, stat
     assert events(tmp_path / "pvc/log.jsonl")[-1] == ("checkpointed", "step=2 loss_milli=310")
 
 
-def test_the_readmes_misuse_table_has_a_row_for_every_end_tested_here():
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_misuse_table_has_a_row_for_every_end_tested_here():
+    text = (Path(__file__).resolve().parents[2] / "docs/howto/own-loop.md").read_text()
     table = text[text.index("| in your loop | what happens | exit |"):]
     rows = table[:table.index("\n\n")].splitlines()
     for end in ("SIGTERM or SIGINT", "an exception in the body", "`sys.exit(n)` of any `n`", "after the outcome",

@@ -120,7 +120,7 @@ class Run:
     ``<pvc>/log.jsonl``. ``idempotent``: a job that already completed, with an artifact that
     still verifies, ends at once with exit 0 (``completion`` says so) instead of exit 2.
     ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
-    background thread while the loop trains on (README: when to choose it; overlap.py).
+    background thread while the loop trains on (docs/howto/async.md: when to choose it; overlap.py).
     """
 
     def __init__(self, pvc: str | os.PathLike[str], *, state: Stateful, steps: int, ckpt_every: int,
