@@ -1,29 +1,19 @@
 """Where two runs of one command part: the first differing logged loss, the state entries that
-differ at a checkpoint both hold, and a likely cause. Reads the two PVCs (the log, and checkpoints
+differ at a checkpoint both hold, and the evidence ``hints.py`` names the missing piece from. Reads the two PVCs (the log, and checkpoints
 through trainjob's own store, hashes verified); writes nothing. Used by ``trainjob prove``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 
+from .. import plain
 from ..errors import InputError
+from .hints import EntryDiff, Evidence, Hint, Snapshot, hints
 from .launches import events
-
-# Entry names that hold an optimizer's state or randomness: what a hint can point at.
-OPTIMIZER = re.compile(r"optim|momentum|exp_avg|buf|^v[A-Z_a-z]?$", re.IGNORECASE)
-RANDOMNESS = re.compile(r"rng|generator|seed|random", re.IGNORECASE)
-SCHEDULER = re.compile(r"sched|lr", re.IGNORECASE)
-
-
-@attrs.frozen
-class EntryDiff:
-    name: str
-    what: str  # "max abs diff 0.0123", "only in the reference", "shape (3,) vs (4,)"
 
 
 @attrs.frozen
@@ -33,7 +23,7 @@ class Divergence:
     resumed_from: int | None
     compared_step: int | None
     entries: tuple[EntryDiff, ...]
-    hints: tuple[str, ...]
+    hints: tuple[Hint, ...]
     same_at_resume: bool | None = None  # both runs' checkpoints at the resume step equal (None: not both held)
     loss_source: str = "loss_milli"  # "printed loss": the command's own per-step lines
 
@@ -74,13 +64,30 @@ def _checkpoints(pvc: Path) -> dict[int, object]:
         return {}
 
 
-def _load(pvc: Path, ref) -> dict | None:
+def _load(pvc: Path, ref) -> tuple[dict, Snapshot, int] | None:
+    """A checkpoint's tensors, and its documents decoded (the replicated plain values and each
+    rank's rank-local state), hashes verified; None when it does not load."""
     from ..checkpoint.store import CheckpointStore
     from ..storage.pvc import Pvc
     try:
-        return CheckpointStore(Pvc(pvc)).load(ref).tensors
+        loaded = CheckpointStore(Pvc(pvc)).load(ref)
     except InputError:
         return None
+    local = {}
+    for rank in range(loaded.manifest.world_size):
+        text = loaded.documents(rank)[1]
+        if text is not None:
+            local[rank] = _decoded(text)
+    shared = loaded.documents(0)[0]
+    return (loaded.tensors, Snapshot(tuple(sorted(loaded.tensors)), None if shared is None else _decoded(shared), local),
+            loaded.manifest.world_size)
+
+
+def _decoded(text: str) -> object:
+    try:
+        return plain.decode(text)
+    except plain.PlainError:  # a document the hints cannot read: compared as text, whole
+        return text
 
 
 def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
@@ -98,26 +105,6 @@ def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
     return found
 
 
-def hints(names: Sequence[str], differing: Sequence[EntryDiff], first_loss_step: int | None,
-          resumed: int | None) -> list[str]:
-    """A cause per common bug, where the evidence points to it. The checkpoint the run resumed from
-    was its own and verified, so what differs after it was state the checkpoint did not hold."""
-    found = []
-    if resumed is None or not (differing or first_loss_step is not None):
-        return found
-    if not any(OPTIMIZER.search(n) for n in names):
-        found.append("optimizer state: the checkpoint holds no optimizer entry (momentum buffers, Adam moments); "
-                     "if the optimizer keeps state, return it from state_dict() and restore it in load_state_dict()")
-    elif not any(RANDOMNESS.search(n) for n in names):
-        found.append("RNG or data loader position: the model and optimizer were restored, yet the run went elsewhere "
-                     "after the resume; a generator or iterator made before the loop restarts on a relaunch: "
-                     "derive each step's randomness from the step (np.random.default_rng([seed, step])) or save its "
-                     "state")
-    if any(SCHEDULER.search(d.name) for d in differing) and not any(OPTIMIZER.search(d.name) for d in differing):
-        found.append("scheduler: only a learning-rate entry differs; restore the scheduler's position on a resume")
-    return found
-
-
 def divergence(reference: Path, trial: Path) -> Divergence:
     ref_loss: dict[int, object] = dict(printed_losses(reference))
     trial_loss: dict[int, object] = dict(printed_losses(trial))
@@ -132,18 +119,20 @@ def divergence(reference: Path, trial: Path) -> Divergence:
     after = [s for s in common if resumed is None or s > resumed]
     step = after[0] if after else (common[-1] if common else None)
     diffs: list[EntryDiff] = []
-    names: list[str] = []
+    snapshots = (Snapshot(()), Snapshot(()))
+    world = 1
     if step is not None:
         a, b = _load(reference, ref_ckpts[step]), _load(trial, trial_ckpts[step])
         if a is not None and b is not None:
-            diffs, names = entry_diffs(a, b), sorted(a)
+            diffs, snapshots, world = entry_diffs(a[0], b[0]), (a[1], b[1]), a[2]
     same = None
     if resumed in ref_ckpts and resumed in trial_ckpts:
         a, b = _load(reference, ref_ckpts[resumed]), _load(trial, trial_ckpts[resumed])
-        same = None if a is None or b is None else not entry_diffs(a, b)
+        same = None if a is None or b is None else not entry_diffs(a[0], b[0]) and a[1] == b[1]
     at = (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None)
-    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)), same,
-                      source)
+    seen = resumed is not None and any(s > resumed for s in set(ref_loss) & set(trial_loss))
+    evidence = Evidence(resumed, step, tuple(diffs), first, seen, world, *snapshots)
+    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source)
 
 
 def describe(d: Divergence, against: str = "the reference") -> list[str]:
@@ -170,5 +159,5 @@ def describe(d: Divergence, against: str = "the reference") -> list[str]:
             lines.append(f"state at step {d.compared_step}: every entry equal")
     else:
         lines.append("no checkpoint step held by both runs to compare")
-    lines += [f"hint: {h}" for h in d.hints]
+    lines += [f"hint: {h.text}" for h in d.hints]
     return lines

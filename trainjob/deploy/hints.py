@@ -1,0 +1,266 @@
+"""Which piece of a training state did not resume: a pure decision over what ``prove`` read from two runs.
+
+The evidence (``Evidence``) is both runs' state at the first checkpoint after the trial's resume
+(``Snapshot``: the tensor names, the replicated plain document, each rank's rank-local document),
+the tensor entries that differ there, where the logged losses part, and the world size. The
+checkpoint the trial resumed from was its own and verified, so whatever differs after it is a
+piece the checkpoint did not hold, or held and did not put back. ``hints`` names it, most certain
+first:
+
+- ``optimizer``  the checkpoint holds no optimizer entry at all;
+- ``scheduler``  a param group's ``lr`` differs: the LR scheduler (or whatever sets lr) did not resume;
+- ``loader``     the data loader's saved position differs: other batches after the resume;
+- ``rng``        the loader agrees but a saved random stream differs (python, numpy, torch, cuda, a
+                 named generator): named, with its rank;
+- ``replicated`` at W > 1, every logged loss agrees yet entries differ: state every rank holds
+                 its own copy of (DDP's buffers), named;
+- ``unsaved``    no definite cause, and the checkpoint holds no RNG streams or no loader position;
+- ``elsewhere``  every saved piece agrees, yet the weights differ: randomness outside the state.
+
+No I/O, no clock: ``divergence.py`` reads the checkpoints and hands the documents over decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+# Tensor entry names that hold an optimizer's state, or a learning rate (a trainer's own flat state).
+OPTIMIZER = re.compile(r"optim|momentum|exp_avg|buf|^v[A-Z_a-z]?$", re.IGNORECASE)
+LEARNING_RATE = re.compile(r"(^|[._])(lr|learning_rate)$|sched", re.IGNORECASE)
+STREAMS = ("python", "numpy", "torch", "cuda")  # rng.py's record, in the order a reader knows them
+STREAM_NAMES = {"python": "python's random", "numpy": "numpy's global generator", "torch": "torch's CPU generator",
+                "cuda": "the CUDA generators"}
+
+
+@attrs.frozen
+class EntryDiff:
+    name: str
+    what: str  # "max abs diff 0.0123", "only in the reference", "shape (3,) vs (4,)"
+
+
+@attrs.frozen
+class Snapshot:
+    """One run's checkpoint at the compared step, as far as hints look at it."""
+
+    names: tuple[str, ...]  # the tensor entries
+    plain: Any = None  # the replicated plain document, decoded (None: the state had none)
+    local: Mapping[int, Any] = attrs.field(factory=dict)  # rank -> its rank-local document, decoded
+
+
+@attrs.frozen
+class Evidence:
+    resumed: int | None  # the step the trial resumed from; None: it never resumed
+    step: int | None  # the checkpoint compared (the first after the resume both runs hold)
+    differing: tuple[EntryDiff, ...]  # tensor entries that differ there
+    first_loss_step: int | None  # the first step whose logged loss differs
+    losses_seen: bool  # both runs logged losses after the resume (so "every loss agrees" means something)
+    world_size: int
+    reference: Snapshot
+    trial: Snapshot
+
+
+@attrs.frozen
+class Hint:
+    piece: str  # one of the names in the module docstring
+    text: str
+
+
+# --- reading the documents (pure) ----------------------------------------------------------------------
+
+def leaves(doc: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    """Every plain leaf with its path (``optim.param_groups[0].lr``)."""
+    if isinstance(doc, Mapping):
+        for k, v in doc.items():
+            yield from leaves(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(doc, list | tuple):
+        for i, v in enumerate(doc):
+            yield from leaves(v, f"{path}[{i}]")
+    else:
+        yield path, doc
+
+
+def lr_diffs(reference: Any, trial: Any) -> list[tuple[str, Any, Any]]:
+    """The plain ``lr`` leaves (a param group's, as the optimizer's state_dict holds them) whose
+    values differ between the two documents, with both values."""
+    ours = dict(leaves(trial))
+    return [(path, value, ours[path]) for path, value in leaves(reference)
+            if path.rsplit(".", 1)[-1] == "lr" and path in ours and ours[path] != value]
+
+
+def holds(doc: Any, key: str) -> bool:
+    """Whether any mapping inside ``doc`` has ``key`` (or a key containing it) as a key."""
+    if isinstance(doc, Mapping):
+        return any(key in str(k) or holds(v, key) for k, v in doc.items())
+    if isinstance(doc, list | tuple):
+        return any(holds(v, key) for v in doc)
+    return False
+
+
+def find(doc: Any, key: str) -> Any:
+    """The value under the first mapping key ``key`` inside ``doc`` (depth first), else None."""
+    if isinstance(doc, Mapping):
+        if key in doc:
+            return doc[key]
+        for v in doc.values():
+            if (found := find(v, key)) is not None:
+                return found
+    elif isinstance(doc, list | tuple):
+        for v in doc:
+            if (found := find(v, key)) is not None:
+                return found
+    return None
+
+
+def _expand(value: Any) -> Any:
+    """A record held as JSON text (the loader's position) read as its values, to say where it differs."""
+    if isinstance(value, str) and value[:1] in "{[":
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
+def first_difference(a: Any, b: Any) -> str | None:
+    """The path of the first leaf where two plain values differ ("" for the whole), None when equal."""
+    a, b = _expand(a), _expand(b)
+    if a == b:
+        return None
+    left, right = dict(leaves(a)), dict(leaves(b))
+    for path in [*left, *(p for p in right if p not in left)]:
+        if left.get(path, _MISSING) != right.get(path, _MISSING):
+            return path
+    return ""
+
+
+_MISSING = object()
+
+
+def stream_diffs(reference: Any, trial: Any) -> list[str]:
+    """The names of the random streams that differ between two ``rng`` records (``rng.py``) and
+    two ``generators`` records (the named generators of ``TrainingState(extra=...)``)."""
+    out = []
+    ref_rng, trial_rng = find(reference, "rng"), find(trial, "rng")
+    if isinstance(ref_rng, Mapping) and isinstance(trial_rng, Mapping):
+        out += [STREAM_NAMES[s] for s in STREAMS if ref_rng.get(s) != trial_rng.get(s)]
+    ref_gen, trial_gen = find(reference, "generators"), find(trial, "generators")
+    if isinstance(ref_gen, Mapping) and isinstance(trial_gen, Mapping):
+        out += [f"the generator {name!r}" for name in sorted(set(ref_gen) | set(trial_gen))
+                if ref_gen.get(name) != trial_gen.get(name)]
+    return out
+
+
+# --- the decision ------------------------------------------------------------------------------------------
+
+def _model_differs(e: Evidence) -> bool:
+    return bool(e.differing) or e.first_loss_step is not None
+
+
+def hints(e: Evidence) -> list[Hint]:
+    """Each piece the evidence points to, most certain first (module docstring)."""
+    if e.resumed is None or not _model_differs(e):
+        return []
+    found: list[Hint] = []
+    at = f"at step {e.step}" if e.step is not None else "after the resume"
+    ref, trial = e.reference, e.trial
+    optimizer_saved = any(OPTIMIZER.search(n) for n in ref.names) or holds(ref.plain, "optim")
+    if not optimizer_saved:
+        found.append(Hint("optimizer", "optimizer state: the checkpoint holds no optimizer entry (momentum buffers, "
+                                       "Adam moments); if the optimizer keeps state, return it from state_dict() "
+                                       "and restore it in load_state_dict()"))
+    found += _scheduler(e, at)
+    ranks = sorted(set(ref.local) & set(trial.local))
+    loaders = {r: first_difference(find(ref.local[r], "loader"), find(trial.local[r], "loader")) for r in ranks
+               if find(ref.local[r], "loader") is not None}
+    moved = {r: where for r, where in loaders.items() if where is not None}
+    if moved:
+        rank, where = next(iter(moved.items()))
+        found.append(Hint("loader", f"data loader: its saved position {at} differs{_on(rank, e)}"
+                                    + (f" (first at {where})" if where else "")
+                                    + ": the batches after the resume are not the reference's; the loader's state "
+                                      "must be restored before its first iter() after the resume, and its "
+                                      "iterator not rebuilt"))
+    streams = {r: d for r in ranks if (d := stream_diffs(ref.local[r], trial.local[r]))}
+    if streams and not moved:
+        rank, which = next(iter(streams.items()))
+        agree = "the batch order agrees (the loader's saved position is the reference's)" if loaders \
+            else "the checkpoint holds no loader position to compare"
+        found.append(Hint("rng", f"RNG stream: {_join(which)} {at} differs{_on(rank, e)} although the resume "
+                                 f"restored it, and {agree}: after the resume the run drew from it a different "
+                                 "number of times, so dropout masks or noise differ (a DataLoader without "
+                                 "generator= draws a seed from torch's stream for each iterator it builds; a "
+                                 "reseed inside the loop; randomness drawn in loader workers)"))
+    if (e.world_size > 1 and e.first_loss_step is None and e.losses_seen and e.differing
+            and not found and not any(OPTIMIZER.search(d.name) for d in e.differing)):
+        names = [d.name for d in e.differing]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        found.append(Hint("replicated", f"replicated state that differs across ranks: every logged loss agrees, yet "
+                                        f"{shown} differ {at}: at W={e.world_size} each rank holds its own copy of "
+                                        "these (DDP's buffers, such as BatchNorm's running statistics, which every "
+                                        "rank updates with its own batch), and the two runs' checkpoints took them "
+                                        "from different ranks; write them from one defined rank, or keep them per "
+                                        "rank"))
+    if found:  # a nested state (a TrainingState's) may leave pieces out; a flat mapping of arrays has none
+        return found + (_unsaved(e, also=True) if ref.plain is not None else [])
+    if (unsaved := _unsaved(e, also=False)):
+        return unsaved
+    return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and RNG streams "
+                              f"all agree {at}, yet the run went elsewhere: a generator or iterator made before "
+                              "the loop (save it: TrainingState(extra={'noise': generator})), or randomness drawn "
+                              "in loader workers")]
+
+
+def _scheduler(e: Evidence, at: str) -> list[Hint]:
+    ref, trial = e.reference, e.trial
+    differ = lr_diffs(ref.plain, trial.plain)
+    if differ:
+        path, was, now = differ[0]
+        seen = f"{path} is {was!r} in the reference, {now!r} here"
+        if not holds(ref.plain, "sched"):
+            return [Hint("scheduler", f"LR scheduler: the optimizer's learning rate {at} differs ({seen}) and the "
+                                      "checkpoint holds no scheduler: a relaunch starts the scheduler again from its "
+                                      "first step; put it in the state (TrainingState(scheduler=sched)) or restore "
+                                      "its state_dict() in load_state_dict()")]
+        return [Hint("scheduler", f"LR scheduler: the optimizer's learning rate {at} differs ({seen}) although the "
+                                  "checkpoint holds a scheduler: the scheduler restored is not the one that sets "
+                                  "this optimizer's lr, or lr is set elsewhere from a count the state does not hold")]
+    # A trainer's own flat state: a learning-rate entry alone among the tensors that differ.
+    if (any(LEARNING_RATE.search(d.name) for d in e.differing)
+            and not any(OPTIMIZER.search(d.name) for d in e.differing)):
+        return [Hint("scheduler", "LR scheduler: only a learning-rate entry differs; restore the scheduler's "
+                                  "position on a resume")]
+    return []
+
+
+def _unsaved(e: Evidence, also: bool) -> list[Hint]:
+    """The pieces the checkpoint does not hold at all, which no comparison can clear."""
+    local = [e.reference.local[r] for r in sorted(e.reference.local)]
+    missing = []
+    if not any(find(doc, "rng") is not None for doc in local):
+        missing.append("RNG streams")
+    if not any(find(doc, "loader") is not None for doc in local):
+        missing.append("data loader position")
+    if not missing:
+        return []
+    if also:
+        return [Hint("unsaved", f"also not in the checkpoint, so not restored if the script uses them: "
+                                f"{_join(missing)} (TrainingState(loader=..., rng=True))")]
+    what = " or ".join(m.removesuffix(" streams") for m in missing)  # "RNG or data loader position"
+    return [Hint("unsaved", f"{what}: the model and optimizer were restored, yet the run went elsewhere after the "
+                            f"resume, and the checkpoint holds no {_join(missing)}; a generator or iterator made "
+                            "before the loop restarts on a relaunch: derive each step's randomness from the step "
+                            "(np.random.default_rng([seed, step])) or save its state (TrainingState(loader=..., "
+                            "rng=True, extra={'noise': generator}))")]
+
+
+def _on(rank: int, e: Evidence) -> str:
+    return f" on rank {rank}" if e.world_size > 1 else ""
+
+
+def _join(items: Sequence[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
