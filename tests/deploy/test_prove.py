@@ -221,12 +221,12 @@ def test_prove_passes_the_whole_training_state_example(capsys):
 @pytest.mark.process
 @pytest.mark.killpoint
 def test_a_naive_script_whose_scheduler_is_not_in_the_state_is_caught_with_a_hint_naming_the_scheduler(capsys):
-    """Three launches of a tiny torch script (the reference, one trial that resumes): its
+    """Slower than 20 s: three launches of a tiny torch script (the reference, one trial that resumes): its
     TrainingState holds the model and the optimizer only (rng=False), its DataLoader is a plain
     one, and its LambdaLR warm-up is outside the state. Seed 1 draws the first checkpoint to resume
     from, so the trial resumes from step 4 or 8, inside the 8-step warm-up's reach."""
-    code = cli.main(["prove", "--kills", "1", "--seed", "1", "--", PYTHON, str(ROOT / "tests/helpers/naive_scheduler.py"),
-                     "--pvc", "{pvc}"])
+    code = cli.main(["prove", "--kills", "1", "--seed", "1", "--", PYTHON,
+                     str(ROOT / "tests/helpers/naive_scheduler.py"), "--pvc", "{pvc}"])
     out = capsys.readouterr().out
     assert code == 1, out
     hints = [line for line in out.splitlines() if line.startswith("hint: ")]

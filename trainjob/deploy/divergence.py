@@ -1,6 +1,8 @@
 """Where two runs of one command part: the first differing logged loss, the state entries that
-differ at a checkpoint both hold, and the evidence ``hints.py`` names the missing piece from. Reads the two PVCs (the log, and checkpoints
-through trainjob's own store, hashes verified); writes nothing. Used by ``trainjob prove``.
+differ at a checkpoint both hold, and the evidence from which ``hints.py`` names the piece that did
+not resume (both runs' plain documents at that checkpoint, decoded). Reads the two PVCs (the log,
+and checkpoints through trainjob's own store, hashes verified); writes nothing. Used by
+``trainjob prove``: the reading is here, the deciding in ``hints.py``.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def _load(pvc: Path, ref) -> tuple[dict, Snapshot, int] | None:
         if text is not None:
             local[rank] = _decoded(text)
     shared = loaded.documents(0)[0]
-    return (loaded.tensors, Snapshot(tuple(sorted(loaded.tensors)), None if shared is None else _decoded(shared), local),
-            loaded.manifest.world_size)
+    snapshot = Snapshot(tuple(sorted(loaded.tensors)), None if shared is None else _decoded(shared), local)
+    return loaded.tensors, snapshot, loaded.manifest.world_size
 
 
 def _decoded(text: str) -> object:

@@ -252,10 +252,10 @@ def _unsaved(e: Evidence, also: bool) -> list[Hint]:
                                 f"{_join(missing)} (TrainingState(loader=..., rng=True))")]
     what = " or ".join(m.removesuffix(" streams") for m in missing)  # "RNG or data loader position"
     return [Hint("unsaved", f"{what}: the model and optimizer were restored, yet the run went elsewhere after the "
-                            f"resume, and the checkpoint holds no {_join(missing)}; a generator or iterator made "
-                            "before the loop restarts on a relaunch: derive each step's randomness from the step "
-                            "(np.random.default_rng([seed, step])) or save its state (TrainingState(loader=..., "
-                            "rng=True, extra={'noise': generator}))")]
+                            f"resume, and the checkpoint holds no {' and no '.join(missing)}; a generator or "
+                            "iterator made before the loop restarts on a relaunch: derive each step's randomness "
+                            "from the step (np.random.default_rng([seed, step])) or save its state "
+                            "(TrainingState(loader=..., rng=True, extra={'noise': generator}))")]
 
 
 def _on(rank: int, e: Evidence) -> str:
