@@ -138,3 +138,15 @@ def test_lr_diffs_are_exactly_the_param_groups_whose_lr_differs_and_name_the_sch
     found = pieces(evidence(snapshot(ref), snapshot(trial)))
     assert (found[0] == "scheduler") == bool(differ)
     assert found  # the weights differ after a resume: some piece is always named
+
+
+def test_a_loader_whose_workers_seed_alone_differs_names_the_workers_randomness_not_the_batch_order():
+    def loader(seed: int) -> str:
+        return ('{"loader": {"_snapshot": {"_main_snapshot": {"_num_workers": 2, "_base_seed": %d, '
+                '"_sampler_iter_state": {"samples_yielded": 64}}}}}' % seed)
+    ref = snapshot(groups(0.01), {0: rank_local(loader(11))})
+    trial = snapshot(groups(0.01), {0: rank_local(loader(12))})
+    found = hints(evidence(ref, trial))
+    assert [h.piece for h in found] == ["rng"]
+    assert "the loader workers' seed (loader._snapshot._main_snapshot._base_seed)" in found[0].text
+    assert "the batch order agrees" in found[0].text and "seeded afresh on the relaunch" in found[0].text

@@ -10,8 +10,9 @@ first:
 - ``optimizer``  the checkpoint holds no optimizer entry at all;
 - ``scheduler``  a param group's ``lr`` differs: the LR scheduler (or whatever sets lr) did not resume;
 - ``loader``     the data loader's saved position differs: other batches after the resume;
-- ``rng``        the loader agrees but a saved random stream differs (python, numpy, torch, cuda, a
-                 named generator): named, with its rank;
+- ``rng``        the loader's position agrees but a saved random stream differs (python, numpy,
+                 torch, cuda, a named generator, the seed the loader's workers start from): named,
+                 with its rank;
 - ``replicated`` at W > 1, every logged loss agrees yet entries differ: state every rank holds
                  its own copy of (DDP's buffers), named;
 - ``unsaved``    no definite cause, and the checkpoint holds no RNG streams or no loader position;
@@ -32,6 +33,7 @@ import attrs
 # Tensor entry names that hold an optimizer's state, or a learning rate (a trainer's own flat state).
 OPTIMIZER = re.compile(r"optim|momentum|exp_avg|buf|^v[A-Z_a-z]?$", re.IGNORECASE)
 LEARNING_RATE = re.compile(r"(^|[._])(lr|learning_rate)$|sched", re.IGNORECASE)
+SEED = re.compile(r"seed", re.IGNORECASE)  # a seed inside a loader's record: its workers' randomness
 STREAMS = ("python", "numpy", "torch", "cuda")  # rng.py's record, in the order a reader knows them
 STREAM_NAMES = {"python": "python's random", "numpy": "numpy's global generator", "torch": "torch's CPU generator",
                 "cuda": "the CUDA generators"}
@@ -126,16 +128,22 @@ def _expand(value: Any) -> Any:
     return value
 
 
-def first_difference(a: Any, b: Any) -> str | None:
-    """The path of the first leaf where two plain values differ ("" for the whole), None when equal."""
+def differences(a: Any, b: Any) -> list[str]:
+    """The paths of the leaves where two plain values differ, in order (``[""]``: they differ as a
+    whole, with no leaf to name); empty when they are equal."""
     a, b = _expand(a), _expand(b)
     if a == b:
-        return None
+        return []
     left, right = dict(leaves(a)), dict(leaves(b))
-    for path in [*left, *(p for p in right if p not in left)]:
-        if left.get(path, _MISSING) != right.get(path, _MISSING):
-            return path
-    return ""
+    found = [path for path in [*left, *(p for p in right if p not in left)]
+             if left.get(path, _MISSING) != right.get(path, _MISSING)]
+    return found or [""]
+
+
+def first_difference(a: Any, b: Any) -> str | None:
+    """The path of the first leaf where two plain values differ ("" for the whole), None when equal."""
+    found = differences(a, b)
+    return found[0] if found else None
 
 
 _MISSING = object()
@@ -175,26 +183,33 @@ def hints(e: Evidence) -> list[Hint]:
                                        "and restore it in load_state_dict()"))
     found += _scheduler(e, at)
     ranks = sorted(set(ref.local) & set(trial.local))
-    loaders = {r: first_difference(find(ref.local[r], "loader"), find(trial.local[r], "loader")) for r in ranks
-               if find(ref.local[r], "loader") is not None}
-    moved = {r: where for r, where in loaders.items() if where is not None}
+    # A loader's record holds its position (the sampler's counters and generator: the batch order)
+    # and, with worker processes, the seed they are started from (their randomness, not the order).
+    held = [r for r in ranks if find(ref.local[r], "loader") is not None]
+    parted = {r: differences(find(ref.local[r], "loader"), find(trial.local[r], "loader")) for r in held}
+    moved = {r: where for r, paths in parted.items() if (where := [p for p in paths if not SEED.search(p)])}
     if moved:
         rank, where = next(iter(moved.items()))
         found.append(Hint("loader", f"data loader: its saved position {at} differs{_on(rank, e)}"
-                                    + (f" (first at {where})" if where else "")
+                                    + (f" (first at {where[0]})" if where[0] else "")
                                     + ": the batches after the resume are not the reference's; the loader's state "
                                       "must be restored before its first iter() after the resume, and its "
                                       "iterator not rebuilt"))
-    streams = {r: d for r in ranks if (d := stream_diffs(ref.local[r], trial.local[r]))}
+    streams = {r: which for r in ranks
+               if (which := stream_diffs(ref.local[r], trial.local[r])
+                   + [f"the loader workers' seed ({p})" for p in parted.get(r, []) if SEED.search(p)])}
     if streams and not moved:
         rank, which = next(iter(streams.items()))
-        agree = "the batch order agrees (the loader's saved position is the reference's)" if loaders \
+        agree = "the batch order agrees (the loader's saved position is the reference's)" if held \
             else "the checkpoint holds no loader position to compare"
-        found.append(Hint("rng", f"RNG stream: {_join(which)} {at} differs{_on(rank, e)} although the resume "
-                                 f"restored it, and {agree}: after the resume the run drew from it a different "
-                                 "number of times, so dropout masks or noise differ (a DataLoader without "
-                                 "generator= draws a seed from torch's stream for each iterator it builds; a "
-                                 "reseed inside the loop; randomness drawn in loader workers)"))
+        if all(w.startswith("the loader workers'") for w in which):
+            why = ("the loader's worker processes were seeded afresh on the relaunch, so what they draw (noise or "
+                   "augmentation in Dataset.__getitem__) differs after the resume")
+        else:
+            why = ("after the resume the run drew from it a different number of times, so dropout masks or noise "
+                   "differ (a DataLoader without generator= draws a seed from torch's stream for each iterator it "
+                   "builds; a reseed inside the loop)")
+        found.append(Hint("rng", f"RNG stream: {_join(which)} {at} differs{_on(rank, e)}, and {agree}: {why}"))
     if (e.world_size > 1 and e.first_loss_step is None and e.losses_seen and e.differing
             and not found and not any(OPTIMIZER.search(d.name) for d in e.differing)):
         names = [d.name for d in e.differing]
