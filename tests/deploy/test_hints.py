@@ -8,6 +8,7 @@ is in test_prove.py.
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import given
 
@@ -150,3 +151,46 @@ def test_a_loader_whose_workers_seed_alone_differs_names_the_workers_randomness_
     assert [h.piece for h in found] == ["rng"]
     assert "the loader workers' seed (loader._snapshot._main_snapshot._base_seed)" in found[0].text
     assert "the batch order agrees" in found[0].text and "seeded afresh on the relaunch" in found[0].text
+    assert "the loader runs 2 worker processes" in found[0].text
+
+
+def test_main_process_streams_that_differ_beside_loader_workers_name_both():
+    """With no other checkpoint to tell a stream drawn from after the resume from one that never
+    was, the streams that differ are named, and the loader's worker processes beside them."""
+    loader = '{"loader": {"_snapshot": {"_main_snapshot": {"_num_workers": 2, "_base_seed": 7}}}}'
+    ref = snapshot(groups(0.01), {0: rank_local(loader, python="a", numpy="a")})
+    trial = snapshot(groups(0.01), {0: rank_local(loader, python="b", numpy="b")})
+    found = hints(evidence(ref, trial))
+    assert [h.piece for h in found] == ["rng"]
+    assert found[0].text.startswith("RNG stream: python's random and numpy's global generator at step 16 differ,")
+    assert "the loader runs 2 worker processes" in found[0].text
+
+
+def test_streams_nothing_seeded_or_drew_from_are_not_blamed_and_loader_workers_are_named_instead():
+    """What prove found on a StatefulDataLoader with 2 workers adding noise in __getitem__, every
+    piece in the state: python's and numpy's global streams, never seeded and never drawn from,
+    differ between any two runs (start-up entropy) and stay put within each; the cause is the
+    workers' randomness, which no saved stream holds."""
+    loader = '{"loader": {"_snapshot": {"_main_snapshot": {"_num_workers": 2, "_base_seed": 7}}}}'
+
+    def local(python: str, torch: str) -> dict:
+        return {0: rank_local(loader, python=python, numpy=python, torch=torch)}
+    ref, trial = snapshot(groups(0.01), local("a", "t2")), snapshot(groups(0.01), local("b", "t2"))
+    # Each run's other checkpoint: the same python/numpy as at the compared step (never drawn).
+    e = attrs.evolve(evidence(ref, trial), reference_other=snapshot(groups(0.01), local("a", "t1")),
+                     trial_other=snapshot(groups(0.01), local("b", "t1")))
+    found = hints(e)
+    assert [h.piece for h in found] == ["elsewhere"]
+    assert "the loader runs 2 worker processes, which a relaunch starts afresh" in found[0].text
+    # Without the other checkpoints to tell, the streams that differ are named (the evidence is all there is).
+    assert pieces(evidence(ref, trial)) == ["rng"]
+
+
+def test_a_stream_the_trial_drew_from_after_the_resume_is_blamed_one_that_differed_at_the_resume_is_not():
+    def at(**streams: str) -> Snapshot:
+        return snapshot(groups(0.01), {0: rank_local(**streams)})
+    drawn = attrs.evolve(evidence(at(torch="t2"), at(torch="t3")), reference_other=at(torch="t1"),
+                         trial_other=at(torch="t1"), others_at_resume=True)
+    assert pieces(drawn) == ["rng"] and "torch's CPU generator" in hints(drawn)[0].text
+    already = attrs.evolve(drawn, trial_other=at(torch="t0"))  # differed where the trial resumed from
+    assert pieces(already) == ["elsewhere"]

@@ -120,21 +120,46 @@ def divergence(reference: Path, trial: Path) -> Divergence:
     common = sorted(set(ref_ckpts) & set(trial_ckpts))
     after = [s for s in common if resumed is None or s > resumed]
     step = after[0] if after else (common[-1] if common else None)
+    loaded: dict[tuple[Path, int], tuple[dict, Snapshot, int] | None] = {}
+
+    def load(pvc: Path, held: dict[int, object], at: int | None) -> tuple[dict, Snapshot, int] | None:
+        if at not in held:
+            return None
+        if (pvc, at) not in loaded:
+            loaded[pvc, at] = _load(pvc, held[at])
+        return loaded[pvc, at]
+
     diffs: list[EntryDiff] = []
     snapshots = (Snapshot(()), Snapshot(()))
     world = 1
-    if step is not None:
-        a, b = _load(reference, ref_ckpts[step]), _load(trial, trial_ckpts[step])
-        if a is not None and b is not None:
-            diffs, snapshots, world = entry_diffs(a[0], b[0]), (a[1], b[1]), a[2]
+    a, b = load(reference, ref_ckpts, step), load(trial, trial_ckpts, step)
+    if a is not None and b is not None:
+        diffs, snapshots, world = entry_diffs(a[0], b[0]), (a[1], b[1]), a[2]
+    # Each run's checkpoint nearest the compared one (the trial's: the one it resumed from, if held):
+    # what tells a stream the run drew from after the resume from one seeded at start-up from entropy.
+    ref_other, trial_other = _neighbour(ref_ckpts, step, None), _neighbour(trial_ckpts, step, resumed)
+    ref_before, trial_before = load(reference, ref_ckpts, ref_other), load(trial, trial_ckpts, trial_other)
     same = None
-    if resumed in ref_ckpts and resumed in trial_ckpts:
-        a, b = _load(reference, ref_ckpts[resumed]), _load(trial, trial_ckpts[resumed])
-        same = None if a is None or b is None else not entry_diffs(a[0], b[0]) and a[1] == b[1]
+    a, b = load(reference, ref_ckpts, resumed), load(trial, trial_ckpts, resumed)
+    if a is not None and b is not None:  # the tensors and replicated values; the rank-local streams may be
+        same = not entry_diffs(a[0], b[0]) and a[1].plain == b[1].plain  # seeded from entropy, never drawn
     at = (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None)
     seen = resumed is not None and any(s > resumed for s in set(ref_loss) & set(trial_loss))
-    evidence = Evidence(resumed, step, tuple(diffs), first, seen, world, *snapshots)
+    evidence = Evidence(resumed, step, tuple(diffs), first, seen, world, *snapshots,
+                        reference_other=None if ref_before is None else ref_before[1],
+                        trial_other=None if trial_before is None else trial_before[1],
+                        others_at_resume=resumed is not None and ref_other == trial_other == resumed)
     return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source)
+
+
+def _neighbour(held: dict[int, object], step: int | None, prefer: int | None) -> int | None:
+    """``prefer`` when held, else the latest checkpoint before ``step``, else the first after it."""
+    if step is None:
+        return None
+    if prefer in held and prefer != step:
+        return prefer
+    before = [s for s in held if s < step]
+    return max(before) if before else min((s for s in held if s > step), default=None)
 
 
 def describe(d: Divergence, against: str = "the reference") -> list[str]:

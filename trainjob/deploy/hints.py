@@ -64,6 +64,11 @@ class Evidence:
     world_size: int
     reference: Snapshot
     trial: Snapshot
+    # Another checkpoint of each run, nearest the compared one (the trial's: the one it resumed
+    # from, when held): whether a run drew from a stream at all. None: none held.
+    reference_other: Snapshot | None = None
+    trial_other: Snapshot | None = None
+    others_at_resume: bool = False  # both are at the resume step (so they are comparable to each other)
 
 
 @attrs.frozen
@@ -149,17 +154,38 @@ def first_difference(a: Any, b: Any) -> str | None:
 _MISSING = object()
 
 
-def stream_diffs(reference: Any, trial: Any) -> list[str]:
-    """The names of the random streams that differ between two ``rng`` records (``rng.py``) and
-    two ``generators`` records (the named generators of ``TrainingState(extra=...)``)."""
+def streams(local: Any) -> dict[str, Any]:
+    """A rank-local document's random streams by name: ``rng.py``'s record (python, numpy, torch,
+    cuda) and the named generators of ``TrainingState(extra=...)``."""
+    out: dict[str, Any] = {}
+    rng = find(local, "rng")
+    if isinstance(rng, Mapping):
+        out.update({STREAM_NAMES[s]: rng.get(s) for s in STREAMS})
+    generators = find(local, "generators")
+    if isinstance(generators, Mapping):
+        out.update({f"the generator {name!r}": state for name, state in sorted(generators.items())})
+    return out
+
+
+def stream_diffs(reference: Any, trial: Any, reference_other: Any = None, trial_other: Any = None,
+                 others_at_resume: bool = False) -> list[str]:
+    """The names of the random streams that differ between two rank-local documents, except those
+    whose difference the resume did not make: one that already differed at the resume step
+    (``others_at_resume``), or one neither run drew from between its other checkpoint and this
+    one (unchanged in both): a stream nothing seeded, drawn from entropy at start-up, differs from
+    run to run and means nothing."""
+    ref, ours = streams(reference), streams(trial)
+    ref_was, our_was = streams(reference_other), streams(trial_other)
     out = []
-    ref_rng, trial_rng = find(reference, "rng"), find(trial, "rng")
-    if isinstance(ref_rng, Mapping) and isinstance(trial_rng, Mapping):
-        out += [STREAM_NAMES[s] for s in STREAMS if ref_rng.get(s) != trial_rng.get(s)]
-    ref_gen, trial_gen = find(reference, "generators"), find(trial, "generators")
-    if isinstance(ref_gen, Mapping) and isinstance(trial_gen, Mapping):
-        out += [f"the generator {name!r}" for name in sorted(set(ref_gen) | set(trial_gen))
-                if ref_gen.get(name) != trial_gen.get(name)]
+    for name in [*ref, *(n for n in ours if n not in ref)]:
+        if ref.get(name) == ours.get(name):
+            continue
+        if name in ref_was and name in our_was:
+            if others_at_resume and ref_was[name] != our_was[name]:
+                continue  # differed already where the trial resumed from
+            if ref_was[name] == ref.get(name) and our_was[name] == ours.get(name):
+                continue  # neither run drew from it
+        out.append(name)
     return out
 
 
@@ -195,11 +221,12 @@ def hints(e: Evidence) -> list[Hint]:
                                     + ": the batches after the resume are not the reference's; the loader's state "
                                       "must be restored before its first iter() after the resume, and its "
                                       "iterator not rebuilt"))
-    streams = {r: which for r in ranks
-               if (which := stream_diffs(ref.local[r], trial.local[r])
-                   + [f"the loader workers' seed ({p})" for p in parted.get(r, []) if SEED.search(p)])}
-    if streams and not moved:
-        rank, which = next(iter(streams.items()))
+    drawn = {r: which for r in ranks
+             if (which := stream_diffs(ref.local[r], trial.local[r], _local(e.reference_other, r),
+                                       _local(e.trial_other, r), e.others_at_resume)
+                 + [f"the loader workers' seed ({p})" for p in parted.get(r, []) if SEED.search(p)])}
+    if drawn and not moved:
+        rank, which = next(iter(drawn.items()))
         agree = "the batch order agrees (the loader's saved position is the reference's)" if held \
             else "the checkpoint holds no loader position to compare"
         if all(w.startswith("the loader workers'") for w in which):
@@ -209,7 +236,11 @@ def hints(e: Evidence) -> list[Hint]:
             why = ("after the resume the run drew from it a different number of times, so dropout masks or noise "
                    "differ (a DataLoader without generator= draws a seed from torch's stream for each iterator it "
                    "builds; a reseed inside the loop)")
-        found.append(Hint("rng", f"RNG stream: {_join(which)} {at} differs{_on(rank, e)}, and {agree}: {why}"))
+        if (n := _workers(find(ref.local[rank], "loader"))) > 0:
+            why += (f"; the loader runs {n} worker processes, which a relaunch starts afresh: what they draw is in "
+                    "no saved stream")
+        verb = "differs" if len(which) == 1 else "differ"
+        found.append(Hint("rng", f"RNG stream: {_join(which)} {at} {verb}{_on(rank, e)}, and {agree}: {why}"))
     if (e.world_size > 1 and e.first_loss_step is None and e.losses_seen and e.differing
             and not found and not any(OPTIMIZER.search(d.name) for d in e.differing)):
         names = [d.name for d in e.differing]
@@ -224,10 +255,14 @@ def hints(e: Evidence) -> list[Hint]:
         return found + (_unsaved(e, also=True) if ref.plain is not None else [])
     if (unsaved := _unsaved(e, also=False)):
         return unsaved
-    return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and RNG streams "
-                              f"all agree {at}, yet the run went elsewhere: a generator or iterator made before "
-                              "the loop (save it: TrainingState(extra={'noise': generator})), or randomness drawn "
-                              "in loader workers")]
+    workers = max((_workers(find(doc, "loader")) for doc in ref.local.values()), default=0)
+    return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and the RNG "
+                              f"streams the runs draw from all agree {at}, yet the run went elsewhere: "
+                              + (f"the loader runs {workers} worker processes, which a relaunch starts afresh, and "
+                                 "what they draw (noise or augmentation in Dataset.__getitem__) is in no saved "
+                                 "stream; or " if workers else "")
+                              + "a generator or iterator made before the loop (save it: "
+                                "TrainingState(extra={'noise': generator}))")]
 
 
 def _scheduler(e: Evidence, at: str) -> list[Hint]:
@@ -271,6 +306,16 @@ def _unsaved(e: Evidence, also: bool) -> list[Hint]:
                             "iterator made before the loop restarts on a relaunch: derive each step's randomness "
                             "from the step (np.random.default_rng([seed, step])) or save its state "
                             "(TrainingState(loader=..., rng=True, extra={'noise': generator}))")]
+
+
+def _local(snapshot: Snapshot | None, rank: int) -> Any:
+    return None if snapshot is None else snapshot.local.get(rank)
+
+
+def _workers(loader: Any) -> int:
+    """How many worker processes a loader's saved record says it runs (torchdata's ``_num_workers``)."""
+    found = find(_expand(loader), "_num_workers")
+    return found if isinstance(found, int) and not isinstance(found, bool) else 0
 
 
 def _on(rank: int, e: Evidence) -> str:
