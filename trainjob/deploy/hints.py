@@ -199,15 +199,37 @@ def hints(e: Evidence) -> list[Hint]:
     """Each piece the evidence points to, most certain first (module docstring)."""
     if e.resumed is None or not _model_differs(e):
         return []
-    found: list[Hint] = []
     at = f"at step {e.step}" if e.step is not None else "after the resume"
+    found = _optimizer(e) + _scheduler(e, at) + _loader_and_streams(e, at)
+    if not found:
+        found = _replicated(e, at)
+    if found:  # a nested state (a TrainingState's) may leave pieces out; a flat mapping of arrays has none
+        return found + (_unsaved(e, also=True) if e.reference.plain is not None else [])
+    if (unsaved := _unsaved(e, also=False)):
+        return unsaved
+    workers = max((_workers(find(doc, "loader")) for doc in e.reference.local.values()), default=0)
+    return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and the RNG "
+                              f"streams the runs draw from all agree {at}, yet the run went elsewhere: "
+                              + (f"the loader runs {workers} worker processes, which a relaunch starts afresh, and "
+                                 "what they draw (noise or augmentation in Dataset.__getitem__) is in no saved "
+                                 "stream; or " if workers else "")
+                              + "a generator or iterator made before the loop (save it: "
+                                "TrainingState(extra={'noise': generator}))")]
+
+
+def _optimizer(e: Evidence) -> list[Hint]:
+    if any(OPTIMIZER.search(n) for n in e.reference.names) or holds(e.reference.plain, "optim"):
+        return []
+    return [Hint("optimizer", "optimizer state: the checkpoint holds no optimizer entry (momentum buffers, Adam "
+                              "moments); if the optimizer keeps state, return it from state_dict() and restore it "
+                              "in load_state_dict()")]
+
+
+def _loader_and_streams(e: Evidence, at: str) -> list[Hint]:
+    """The loader's position first (other batches explain everything after them), else the
+    random streams a run drew from after the resume, per rank, the first rank that differs named."""
+    found: list[Hint] = []
     ref, trial = e.reference, e.trial
-    optimizer_saved = any(OPTIMIZER.search(n) for n in ref.names) or holds(ref.plain, "optim")
-    if not optimizer_saved:
-        found.append(Hint("optimizer", "optimizer state: the checkpoint holds no optimizer entry (momentum buffers, "
-                                       "Adam moments); if the optimizer keeps state, return it from state_dict() "
-                                       "and restore it in load_state_dict()"))
-    found += _scheduler(e, at)
     ranks = sorted(set(ref.local) & set(trial.local))
     # A loader's record holds its position (the sampler's counters and generator: the batch order)
     # and, with worker processes, the seed they are started from (their randomness, not the order).
@@ -241,28 +263,22 @@ def hints(e: Evidence) -> list[Hint]:
                     "no saved stream")
         verb = "differs" if len(which) == 1 else "differ"
         found.append(Hint("rng", f"RNG stream: {_join(which)} {at} {verb}{_on(rank, e)}, and {agree}: {why}"))
-    if (e.world_size > 1 and e.first_loss_step is None and e.losses_seen and e.differing
-            and not found and not any(OPTIMIZER.search(d.name) for d in e.differing)):
-        names = [d.name for d in e.differing]
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-        found.append(Hint("replicated", f"replicated state that differs across ranks: every logged loss agrees, yet "
-                                        f"{shown} differ {at}: at W={e.world_size} each rank holds its own copy of "
-                                        "these (DDP's buffers, such as BatchNorm's running statistics, which every "
-                                        "rank updates with its own batch), and the two runs' checkpoints took them "
-                                        "from different ranks; write them from one defined rank, or keep them per "
-                                        "rank"))
-    if found:  # a nested state (a TrainingState's) may leave pieces out; a flat mapping of arrays has none
-        return found + (_unsaved(e, also=True) if ref.plain is not None else [])
-    if (unsaved := _unsaved(e, also=False)):
-        return unsaved
-    workers = max((_workers(find(doc, "loader")) for doc in ref.local.values()), default=0)
-    return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and the RNG "
-                              f"streams the runs draw from all agree {at}, yet the run went elsewhere: "
-                              + (f"the loader runs {workers} worker processes, which a relaunch starts afresh, and "
-                                 "what they draw (noise or augmentation in Dataset.__getitem__) is in no saved "
-                                 "stream; or " if workers else "")
-                              + "a generator or iterator made before the loop (save it: "
-                                "TrainingState(extra={'noise': generator}))")]
+    return found
+
+
+def _replicated(e: Evidence, at: str) -> list[Hint]:
+    """At W > 1, entries that differ while every logged loss agrees: state that does not steer the
+    training (the losses would part) yet is in the checkpoint, as DDP's buffers are."""
+    if not (e.world_size > 1 and e.first_loss_step is None and e.losses_seen and e.differing) \
+            or any(OPTIMIZER.search(d.name) for d in e.differing):
+        return []
+    names = [d.name for d in e.differing]
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    return [Hint("replicated", f"replicated state that differs across ranks: every logged loss agrees, yet {shown} "
+                               f"differ {at}: at W={e.world_size} each rank holds its own copy of these (DDP's "
+                               "buffers, such as BatchNorm's running statistics, which every rank updates with its "
+                               "own batch), and a checkpoint that takes each from one rank or another mixes them; "
+                               "write them from one defined rank, or keep them per rank")]
 
 
 def _scheduler(e: Evidence, at: str) -> list[Hint]:
