@@ -220,11 +220,13 @@ def test_prove_passes_the_whole_training_state_example(capsys):
 
 @pytest.mark.process
 @pytest.mark.killpoint
-def test_a_naive_script_whose_scheduler_is_not_in_the_state_is_caught_with_a_hint_naming_the_scheduler(capsys):
+def test_a_naive_script_whose_scheduler_is_not_in_the_state_is_caught_with_a_hint_naming_the_scheduler(
+        capsys, tmp_path, monkeypatch):
     """Slower than 20 s: three launches of a tiny torch script (the reference, one trial that resumes): its
     TrainingState holds the model and the optimizer only (rng=False), its DataLoader is a plain
     one, and its LambdaLR warm-up is outside the state. Seed 1 draws the first checkpoint to resume
     from, so the trial resumes from step 4 or 8, inside the 8-step warm-up's reach."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs prove keeps on failure: this test's
     code = cli.main(["prove", "--kills", "1", "--seed", "1", "--", PYTHON,
                      str(ROOT / "tests/helpers/naive_scheduler.py"), "--pvc", "{pvc}"])
     out = capsys.readouterr().out
@@ -237,9 +239,10 @@ def test_a_naive_script_whose_scheduler_is_not_in_the_state_is_caught_with_a_hin
 
 
 @pytest.mark.process
-def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(tmp_path, capsys):
+def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(tmp_path, capsys, monkeypatch):
     """A command that publishes and exits without ever logging a checkpoint: a signal drawn
     "between checkpoints" can never land. Each draw is a run of sh (milliseconds)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     publish = ("mkdir -p {pvc}/artifacts && printf w > {pvc}/artifacts/model-v1.json && "
                "printf '{\"ts\":\"t\",\"event\":\"completed\",\"detail\":\"\"}\\n' > {pvc}/log.jsonl")
     code = cli.main(["prove", "--kills", "1", "--", "sh", "-c", publish])
@@ -249,3 +252,5 @@ def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(t
     assert "UNTESTED" in captured.out and f"in each of {prove.MAX_DRAWS} draws" in captured.out
     assert "verdict: UNPROVEN" in captured.out
     assert captured.err.count("the run ended before its signal landed") == prove.MAX_DRAWS
+    work = next(tmp_path.glob("trainjob-prove-*"))
+    assert sorted(p.name for p in work.glob("trial-*")) == ["trial-01", "trial-01-draw-2", "trial-01-draw-3"]
