@@ -2,7 +2,8 @@
 
 The evidence (``Evidence``) is both runs' state at the first checkpoint after the trial's resume
 (``Snapshot``: the tensor names, the replicated plain document, each rank's rank-local document),
-the tensor entries that differ there, where the logged losses part, and the world size. The
+the tensor entries that differ there, where the logged losses part, the world size, and each
+run's other checkpoint nearest it (whether a run drew from a random stream at all). The
 checkpoint the trial resumed from was its own and verified, so whatever differs after it is a
 piece the checkpoint did not hold, or held and did not put back. ``hints`` names it, most certain
 first:
@@ -10,12 +11,13 @@ first:
 - ``optimizer``  the checkpoint holds no optimizer entry at all;
 - ``scheduler``  a param group's ``lr`` differs: the LR scheduler (or whatever sets lr) did not resume;
 - ``loader``     the data loader's saved position differs: other batches after the resume;
-- ``rng``        the loader's position agrees but a saved random stream differs (python, numpy,
-                 torch, cuda, a named generator, the seed the loader's workers start from): named,
-                 with its rank;
+- ``rng``        the loader's position agrees but a saved random stream a run drew from after the
+                 resume differs (python, numpy, torch, cuda, a named generator, the seed the
+                 loader's workers start from): named, with its rank;
 - ``replicated`` at W > 1, every logged loss agrees yet entries differ: state every rank holds
                  its own copy of (DDP's buffers), named;
-- ``unsaved``    no definite cause, and the checkpoint holds no RNG streams or no loader position;
+- ``unsaved``    no definite cause, and the checkpoint holds no RNG streams or no loader position
+                 (after a definite cause, in a nested state: those pieces, as "also not saved");
 - ``elsewhere``  every saved piece agrees, yet the weights differ: randomness outside the state.
 
 No I/O, no clock: ``divergence.py`` reads the checkpoints and hands the documents over decoded.
