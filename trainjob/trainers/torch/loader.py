@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from . import worker_rng
 from ... import plain
 
 _TENSOR = "trainjob.tensor"  # not a name torchdata's state uses: marks a tensor in the text
@@ -68,6 +69,7 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 def state_dict(loader: Any) -> str:
     state = {"loader": loader.state_dict(), "generators": [g.get_state() for g in _generators(loader)]}
+    worker_rng.check_state(loader, state["loader"])
     return plain.encode(_out(state), "loader")
 
 
