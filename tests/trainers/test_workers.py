@@ -28,7 +28,7 @@ pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from trainjob.torch import TrainingState  # noqa: E402
-from trainjob.trainers.torch import workers  # noqa: E402
+from trainjob.trainers.torch import worker_rng, workers  # noqa: E402
 
 SCRIPT = ROOT / "tests/helpers/worker_loop.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -52,13 +52,14 @@ def test_a_worker_ends_on_its_owners_signal_and_ignores_others_while_the_owner_l
 def test_a_training_state_guards_its_loader_s_workers_once_keeping_the_user_s_own_init():
     loader = StatefulDataLoader(list(range(8)), num_workers=2, worker_init_fn=users_init)
     TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
-    guard = loader.worker_init_fn
-    assert isinstance(guard, workers.StopOnOwner) and guard.inner is users_init
+    guard = loader.worker_init_fn  # the signal guard first, then the workers' streams (worker_rng.py), then the user's
+    assert isinstance(guard, workers.StopOnOwner) and isinstance(guard.inner, worker_rng.Streams)
+    assert guard.inner.inner is users_init
     TrainingState(model=torch.nn.Linear(1, 1), loader=loader)  # a second state over the same loader
-    assert loader.worker_init_fn is guard
+    assert loader.worker_init_fn is guard and guard.inner.inner is users_init
     bare = StatefulDataLoader(list(range(8)), num_workers=2)
     TrainingState(model=torch.nn.Linear(1, 1), loader=bare)
-    assert isinstance(bare.worker_init_fn, workers.StopOnOwner) and bare.worker_init_fn.inner is None
+    assert isinstance(bare.worker_init_fn, workers.StopOnOwner) and bare.worker_init_fn.inner.inner is None
     inline = StatefulDataLoader(list(range(8)), num_workers=0, worker_init_fn=users_init)
     TrainingState(model=torch.nn.Linear(1, 1), loader=inline)
     assert inline.worker_init_fn is users_init  # no workers: nothing to guard
