@@ -173,6 +173,7 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 2  # a legal path, ending in refused
     assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
     resumes_after(pvc, 2, capsys)
+    assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
 
 
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
