@@ -35,7 +35,8 @@ less one of the model and optimizer tensors alone, interleaved.
 ``vision-workers`` is ``steps`` for examples/vision.py's kind of step (a small CNN with BatchNorm,
 AdamW, a Dataset drawing noise in WORKERS loader workers): under ``trainjob.Run`` with a
 ``TrainingState`` each worker result carries the worker's random streams (worker_rng.py), the
-bare loop's loader has no TrainingState; a fresh loader per block, alternating blocks.
+bare loop's loader has no TrainingState, and ``trainjob_without_streams`` is the Run with the
+workers' streams left out (the signal guard alone); a fresh loader per block, alternating blocks.
 ``async-peers`` times, on the same live state: one in-memory copy of it into buffers kept (the
 copy limit), trainjob's ``BackgroundSaver`` (stall: the hand-off; end to end: until the commit)
 and ``torch.distributed.checkpoint.async_save`` (stall: until it returns; end to end: its
@@ -359,28 +360,31 @@ def vision_workers(directory: Path, n: int, blocks: int, workers: int) -> dict[s
         opt.step()
         return loss.item()
 
-    times: dict[str, list[float]] = {"trainjob": [], "bare": []}
+    times: dict[str, list[float]] = {"trainjob": [], "bare": [], "trainjob_without_streams": []}
     for block in range(blocks):
         batches = iter(loader())
         step(batches)  # the workers started and their first batches in, as in the Run's block below
         for _ in timed(range(n), times["bare"]):
             step(batches)
         del batches
-        feed = loader()
-        state = TrainingState(model=net, optimizer=opt, loader=feed)
-        pvc = directory / f"vision{block}"
-        with Run(pvc, state=state, steps=n + 1, ckpt_every=n + 1, raise_errors=True) as run:
-            batches = iter(feed)
-            for _ in timed(run, times["trainjob"]):
-                run.report(step(batches))
-            run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
-                     export=dict(net.state_dict()))
-        del batches, feed, state, run
-        # Untimed: the Run's own reference cycles keep the block's loader (and its workers) until the
-        # collector runs; collected inside a later block, the workers' shutdown (a join of up to 5 s
-        # per worker) would land in a timed step.
-        gc.collect()
-        shutil.rmtree(pvc)
+        for name in ("trainjob", "trainjob_without_streams"):
+            feed = loader()
+            state = TrainingState(model=net, optimizer=opt, loader=feed)
+            if name == "trainjob_without_streams":  # the signal guard alone: what worker_rng.py costs
+                feed.worker_init_fn.inner = feed.worker_init_fn.inner.inner
+            pvc = directory / f"vision{block}"
+            with Run(pvc, state=state, steps=n + 1, ckpt_every=n + 1, raise_errors=True) as run:
+                batches = iter(feed)
+                for _ in timed(run, times[name]):
+                    run.report(step(batches))
+                run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
+                         export=dict(net.state_dict()))
+            del batches, feed, state, run
+            # Untimed: the Run's own reference cycles keep the block's loader (and its workers) until
+            # the collector runs; collected inside a later block, the workers' shutdown (a join of up
+            # to 5 s per worker) would land in a timed step.
+            gc.collect()
+            shutil.rmtree(pvc)
     return times
 
 
