@@ -15,8 +15,8 @@ gives the worker's copy of a map-style dataset a ``state_dict()`` / ``load_state
 own (instance attributes, in the worker process only). torchdata calls them where it already
 saves and restores a dataset's state: ``state_dict()`` holds the worker's streams as they are
 after the batch (``capture``, which draws nothing, raw: a worker's result goes through a pipe
-after every batch) beside the dataset's own state, if it has one; ``load_state_dict()`` puts both back before the resumed worker fetches anything. The streams
-travel to the training process inside the loader's ``state_dict()`` (only the entries that
+after every batch) beside the dataset's own state, if it has one; ``load_state_dict()`` puts
+both back before the resumed worker fetches anything. The streams travel to the training process inside the loader's ``state_dict()`` (only the entries that
 changed since the worker's last batch: torchdata sends deltas), so the checkpoint holds them with
 the loader's position. Nothing is drawn, so a script trains on the same numbers with and without
 trainjob.
@@ -31,8 +31,8 @@ when the ``with trainjob.Run`` is entered:
   (without a state, torchdata replays the epoch's batches in fresh workers seeded as before,
   which draws the same numbers again: exact). The dataset is checked here, its iterator when
   the loader's first state is read (``check_state``);
-- a map-style dataset whose worker copy cannot take attributes (a list, a tuple, a tensor, a
-  class with ``__slots__``) when the loader has a ``collate_fn`` of its own: the collate may
+- a map-style dataset whose worker copy cannot take attributes (a list, a tuple, a numpy
+  array, a class with ``__slots__``) when the loader has a ``collate_fn`` of its own: the collate may
   draw, and nothing would carry those streams. With the default collate such a dataset draws
   nothing in the workers, and is accepted.
 
@@ -176,6 +176,10 @@ class _Load:
         self.own = own
 
     def __call__(self, state: dict[str, Any]) -> None:
+        if KEY not in state:  # a checkpoint from before the streams were kept: the dataset's own state
+            if self.own is not None:
+                self.own(state)
+            return
         if self.own is not None and OWN in state:
             self.own(state[OWN])
         restore(state[KEY])
