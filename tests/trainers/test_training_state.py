@@ -440,3 +440,35 @@ def test_an_iterable_dataset_whose_iterator_keeps_a_state_is_refused_once_its_wo
     with pytest.raises(UsageError, match=re.escape("iterable dataset whose iterator has a state_dict()")) as info:
         state.state_dict()
     assert "\n" not in str(info.value)
+
+
+def test_a_workers_dataset_copy_hands_out_its_streams_and_its_own_state_and_takes_both_back(monkeypatch):
+    """What ``Streams`` gives a worker's dataset copy, called in this process as torchdata calls it
+    in a worker: the state holds the three streams (read, never drawn from) beside the dataset's
+    own; loading it puts both back; a state from before the streams were kept is the dataset's own."""
+    from trainjob.trainers.torch import worker_rng
+
+    class Own(torch.utils.data.Dataset):
+        def __init__(self):
+            self.epoch = 0
+
+        def state_dict(self):
+            return {"epoch": self.epoch}
+
+        def load_state_dict(self, state):
+            self.epoch = state["epoch"]
+
+    dataset = Own()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: type("Info", (), {"dataset": dataset}))
+    worker_rng.Streams(None)(0)
+    dataset.epoch = 3
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True)[1].copy())
+    saved = dataset.state_dict()
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # nothing drawn
+    assert np.array_equal(np.random.get_state(legacy=True)[1], before[2])
+    drawn = (torch.rand(2).tolist(), random.random(), np.random.rand())
+    dataset.epoch = 5
+    dataset.load_state_dict(saved)
+    assert dataset.epoch == 3 and (torch.rand(2).tolist(), random.random(), np.random.rand()) == drawn
+    dataset.load_state_dict({"epoch": 7})  # the old format: the dataset's own state alone
+    assert dataset.epoch == 7
