@@ -150,7 +150,7 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
     assert {n for n, attrs in nodes.items() if "color=blue" in attrs} == {
         "pending", "started", "resumed", "checkpointed", "killed"}
     assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed", "resharded",
-                                                                    "snapshotted"}
+                                                                    "snapshotted", "refused"}
     assert "last state completed" in result.stdout
 
 
