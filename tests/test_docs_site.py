@@ -21,6 +21,7 @@ IN_CI = bool(os.environ.get("CI"))  # CI installs the test extra: there a missin
 # The files the pages include (pymdownx.snippets), each with the page that shows it.
 INCLUDED = {"howto/own-loop": "examples/own_loop.py", "howto/typical-script": "examples/finetune.py",
             "howto/fsdp": "examples/fsdp.py", "howto/trainer": "examples/minimal_trainer.py",
+            "howto/vision": "examples/vision.py",
             "tutorial/walkthrough": "scripts/demo.sh"}
 
 
