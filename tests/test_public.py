@@ -24,7 +24,7 @@ PUBLIC = [
     "Factory", "Score", "State", "Trainer",
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
     "PeerFailed", "PeerRefused", "PvcBusy", "RankTimeout",
-    "Refused", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
+    "Refused", "ReplicasDisagree", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).

@@ -11,6 +11,16 @@ A Stateful's ``state_dict()`` may nest mappings (``{"model": {...}, "optim": {"s
   wrapped in ``RankLocal`` (RNG streams, a data loader's position), written by every rank in its
   own shard.
 
+At W > 1 every rank holds each array that is not a DTensor shard; how its one copy in the
+checkpoint is chosen (docs/checkpoints.md, "Replicated state"):
+
+- an array wrapped in ``FromRank0`` is rank 0's, written whole by rank 0 (DDP's buffers: the
+  ranks' copies drift apart in a step, and DDP broadcasts rank 0's at the next forward);
+- an array under a ``Replicated`` part is alike on every rank by construction (DDP's parameters,
+  the optimizer state over them): split across ranks as it is;
+- any other array is split across ranks only once the ranks' digests of it agree
+  (``checkpoint/replicas.py``); ``Split.checked`` names them.
+
 ``join`` puts the three back together into the nested shape ``split`` took apart. A flat mapping
 of arrays, as trainers have always returned, splits into itself and no document. Pure: no I/O.
 """
@@ -32,12 +42,30 @@ class RankLocal(dict):  # type: ignore[type-arg]
     Plain values only. A resume at another world size cannot map it (docs/trainers.md)."""
 
 
+class Replicated(dict):  # type: ignore[type-arg]
+    """A part of a state every rank holds alike by construction (DDP's parameters and the
+    optimizer state over them): at W > 1 written once, split across ranks, and not compared
+    between ranks. Arrays and plain values; a ``FromRank0`` or ``RankLocal`` inside keeps its own
+    rule."""
+
+
+@attrs.frozen
+class FromRank0:
+    """One array every rank holds but whose copies may differ, of which a checkpoint keeps rank
+    0's, written whole by rank 0 (DDP's buffers with ``broadcast_buffers=True``: what DDP itself
+    broadcasts to every rank at the next forward). A resume hands it to every rank."""
+
+    array: Any
+
+
 @attrs.frozen
 class Split:
     arrays: dict[str, Any]  # name -> array leaf
     paths: dict[str, tuple[str, ...]]  # name -> its path of keys
     plain: dict[str, Any] | None  # the replicated plain values, dicts kept; None: a flat mapping of arrays
     local: list[Any] | None  # the rank-local parts as [[path of keys, part], ...]; None: there is none
+    from_rank0: frozenset[str] = frozenset()  # array names wrapped in FromRank0
+    checked: frozenset[str] = frozenset()  # array names neither FromRank0 nor under Replicated
 
 
 def is_array(value: object, torch: Any) -> bool:
@@ -51,36 +79,45 @@ def split(state: Mapping[str, Any], torch: Any) -> Split:
     arrays: dict[str, Any] = {}
     paths: dict[str, tuple[str, ...]] = {}
     local: list[Any] = []
+    from_rank0: set[str] = set()
+    checked: set[str] = set()
 
-    def walk(node: Mapping[str, Any], path: tuple[str, ...]) -> dict[str, Any]:
+    def walk(node: Mapping[str, Any], path: tuple[str, ...], alike: bool) -> dict[str, Any]:
         doc: dict[str, Any] = {}
         for key, value in node.items():
             if not isinstance(key, str):
                 raise PlainError(f"{'.'.join(path) or 'the state'}: a key of type {type(key).__name__} ({key!r}); "
                                  "keys must be str")
             here = (*path, key)
+            name = ".".join(here)
+            if isinstance(value, FromRank0):
+                if not is_array(value.array, torch):
+                    raise PlainError(f"{name}: FromRank0 holds an array, not a {type(value.array).__name__}")
+                from_rank0.add(name)
+                value = value.array
+            elif is_array(value, torch) and not alike:
+                checked.add(name)
             if is_array(value, torch):
-                name = ".".join(here)
                 if name in paths:
                     raise PlainError(f"{name}: two entries have this name once their keys are joined with '.'")
                 arrays[name], paths[name] = value, here
             elif isinstance(value, RankLocal):
-                _no_arrays(value, ".".join(here), torch)
+                _no_arrays(value, name, torch)
                 local.append([list(here), dict(value)])
             elif isinstance(value, Mapping):
-                doc[key] = walk(value, here)
+                doc[key] = walk(value, here, alike or isinstance(value, Replicated))
             else:
-                _no_arrays(value, ".".join(here), torch)
+                _no_arrays(value, name, torch)
                 doc[key] = value
         return doc
 
-    doc = walk(state, ())
+    doc = walk(state, (), isinstance(state, Replicated))
     flat = not doc and all(len(p) == 1 for p in paths.values())
-    return Split(arrays, paths, None if flat else doc, local or None)
+    return Split(arrays, paths, None if flat else doc, local or None, frozenset(from_rank0), frozenset(checked))
 
 
 def _no_arrays(value: Any, path: str, torch: Any) -> None:
-    if is_array(value, torch):
+    if is_array(value, torch) or isinstance(value, FromRank0):
         raise PlainError(f"{path}: an array inside a list or a RankLocal part; arrays belong in dicts of the "
                          "replicated state (convert a small one to a list, or its bytes to a hex str)")
     if isinstance(value, Mapping):

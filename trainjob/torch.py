@@ -4,10 +4,13 @@
 
 ``TrainingState`` holds a training script's model, optimizer, LR scheduler, data loader, grad
 scaler and RNG streams as one Stateful for ``trainjob.Run`` (docs/trainers.md, "The whole
-training state"). ``RankLocal`` marks a part of your own Stateful's state that differs by rank.
+training state"). For your own Stateful at W > 1 (docs/checkpoints.md, "Replicated state"):
+``RankLocal`` marks a part of its state that differs by rank (plain values, each rank's own),
+``FromRank0`` an array whose copies may differ of which rank 0's is kept, ``Replicated`` a part
+alike on every rank by construction (not compared at a checkpoint).
 """
 
-from .state_tree import RankLocal
+from .state_tree import FromRank0, RankLocal, Replicated
 from .trainers.torch import TrainingState
 
-__all__ = ["RankLocal", "TrainingState"]
+__all__ = ["FromRank0", "RankLocal", "Replicated", "TrainingState"]

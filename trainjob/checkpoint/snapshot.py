@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from . import plan, shards
+from . import plan, replicas, shards
 from .. import plain, state_tree as tree
 from ..errors import InputError, UsageError
 from ..records import TensorSpec
@@ -57,11 +57,20 @@ class HostArrays(dict[str, np.ndarray]):
 
     def __init__(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
                  local_text: str | None = None, boxes: Mapping[str, plan.Local] | None = None,
-                 specs: tuple[TensorSpec, ...] | None = None) -> None:
+                 specs: tuple[TensorSpec, ...] | None = None, sources: Mapping[str, int] | None = None,
+                 checked: frozenset[str] = frozenset()) -> None:
         super().__init__(arrays)
         self.plain, self.local = plain_text, local_text
         self.boxes = dict(boxes or {})
         self.specs = specs  # the whole tensors (a DTensor's global shape), as the manifest lists them
+        # At W > 1 (replicas.py): the entries one rank writes whole, and those whose ranks' copies
+        # are compared before a commit (a DTensor's shard never is).
+        self.sources = dict(sources or {})
+        self.checked = frozenset(n for n in checked if n not in self.boxes)
+
+    def digests(self) -> dict[str, str]:
+        """This rank's digest of each checked entry (``replicas.digest``), by name."""
+        return {name: replicas.digest(self[name]) for name in sorted(self.checked)}
 
     def metadata(self, rank: int) -> dict[str, str]:
         """What rank ``rank``'s shard header holds besides its arrays."""
@@ -288,7 +297,8 @@ class HostState:
             out[spec.name] = buf
         if device_copies:
             _torch().cuda.synchronize()  # the non-blocking copies above must land before a write
-        return HostArrays(out, plain_text, local_text, boxes, specs)
+        return HostArrays(out, plain_text, local_text, boxes, specs, replicas.sources(parts.from_rank0),
+                          parts.checked)
 
     def live(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
              local_text: str | None = None, where: str = "the checkpoint",
