@@ -51,7 +51,12 @@ class Marks:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.ddp = find(model)
+        if self.ddp is not None and not _spans_the_world(self.ddp):
+            # Its rank 0 is not the run's (a DDP over a subgroup of the ranks): left unmarked, so
+            # the ranks' copies are compared at each checkpoint rather than one assumed the source.
+            self.ddp = None
         self.buffers = buffer_fqns(model) if self.ddp is not None else set()
+        # ``broadcast_buffers`` (a property of ``forward_sync_buffers`` in newer torch).
         self.per_rank = self.ddp is not None and not self.ddp.broadcast_buffers
 
     def model(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -71,6 +76,15 @@ class Marks:
         if not self.per_rank:
             return None
         return {k: encode(v) for k, v in sorted(tensors.items()) if k in self.buffers}
+
+
+def _spans_the_world(module: Any) -> bool:
+    """Whether a DDP module's process group is every rank of the run, its rank 0 the run's."""
+    import torch.distributed as dist
+    group = getattr(module, "process_group", None)
+    if group is None or not dist.is_initialized():
+        return True
+    return dist.get_world_size(group) == dist.get_world_size() and dist.get_global_rank(group, 0) == 0
 
 
 def encode(t: torch.Tensor) -> dict[str, Any]:

@@ -1,0 +1,109 @@
+"""Replicated state at W = 2 (issue 44): DDP + BatchNorm under ``trainjob torchrun``, killed and
+resumed, publishes the uninterrupted run's bytes; an entry whose ranks' copies genuinely differ
+is refused (exit 2, naming it and the ranks), never written half from each.
+
+The script is tests/helpers/ddp_batchnorm.py: rank 1's batches are scaled, so the ranks' BatchNorm
+running statistics differ at every checkpoint. Before this, the checkpoint split each of them
+by rows across the ranks, and a resume published other bytes (the loss lines all agreed).
+Slow (about a minute under load): four torchrun launches in all, the reference built once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, built_once, events
+
+torch = pytest.importorskip("torch")
+pytestmark = [pytest.mark.process, pytest.mark.torchrun]
+
+SCRIPT = ROOT / "tests/helpers/ddp_batchnorm.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def launch(pvc: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                             "--monitor-interval", "0.1", str(SCRIPT), "--pvc", str(pvc), *flags],
+                            env=ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def finish(pvc: Path, *flags: str) -> tuple[int, str]:
+    proc = launch(pvc, *flags)
+    _, err = proc.communicate(timeout=600)
+    return proc.returncode, err
+
+
+def artifact(pvc: Path) -> bytes:
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+def committed(pvc: Path) -> list[Path]:
+    return sorted(p.parent for p in (pvc / "checkpoints").glob("step-*/manifest.json"))
+
+
+def worker(launcher: int, rank: int) -> int:
+    """The pid of rank ``rank``'s worker under the launcher (its child, RANK in its environment)."""
+    for pid in Path(f"/proc/{launcher}/task/{launcher}/children").read_text().split():
+        if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            return int(pid)
+    raise AssertionError(f"no worker for rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> bytes:
+    """The uninterrupted run's published bytes (one launch per test run: built_once)."""
+
+    def run(directory: Path) -> None:
+        code, err = finish(directory / "pvc")
+        assert code == 0, err[-2000:]
+
+    return artifact(built_once(tmp_path_factory, "ddp-batchnorm-reference", run) / "pvc")
+
+
+def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference, tmp_path):
+    """Rank 1 SIGKILLed once a checkpoint past step 8 is committed; the relaunch resumes from the
+    newest one and publishes the uninterrupted bytes. Checked on the PVC too: each BatchNorm
+    buffer is written whole by rank 0 (rank 1's slice of it empty), each parameter split."""
+    pvc = tmp_path / "pvc"
+    launcher = launch(pvc)
+    deadline = time.monotonic() + 300
+    while len(committed(pvc)) < 3 and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert launcher.poll() is None, launcher.communicate()[1][-2000:]
+    os.kill(worker(launcher.pid, 1), signal.SIGKILL)
+    launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    newest = committed(pvc)[-1]
+    step = json.loads((newest / "manifest.json").read_text())["step"]
+    assert 8 <= step < 24, step  # a resume mid-run, not a relaunch of a finished job
+    holds = {(s["rank"], h["name"]): h["shape"] for s in json.loads((newest / "manifest.json").read_text())["shards"]
+             for h in s["holds"]}
+    for name in ("model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"):
+        assert holds[0, name][0] > 0 and holds[1, name][0] == 0, name
+    assert holds[0, "model.0.weight"][0] == holds[1, "model.0.weight"][0] == 8
+
+    code, err = finish(pvc)
+    assert code == 0, err[-2000:]
+    assert [e for e, _ in events(pvc / "log.jsonl") if e == "resumed"], "the relaunch did not resume"
+    assert artifact(pvc) == reference
+
+
+def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path):
+    """``--disagree``: an ``extra`` module's buffer sums each rank's own inputs. The first
+    checkpoint is refused on every rank (exit 2) with one line naming the entry and the ranks,
+    and nothing is committed."""
+    pvc = tmp_path / "pvc"
+    code, err = finish(pvc, "--disagree")
+    assert code == 2, err[-2000:]
+    said = [line for line in err.splitlines() if "differs between ranks" in line]
+    assert said and "extra.seen.total" in said[0] and "rank 0 and rank 1 hold different values" in said[0], err[-2000:]
+    assert "model.1.running_mean" not in err  # DDP's buffers have their source: never the refusal
+    assert committed(pvc) == []
