@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 # Formats that records and the modules beside them check, each written once here.
 SHA256_HEX = r"[0-9a-f]{64}"  # a sha256 as trainjob writes it: 64 lowercase hex digits
-DIGEST_HEX = r"[0-9a-f]{32}"  # a replicated entry's digest (checkpoint/replicas.py): 128-bit BLAKE2b
+DIGEST_HEX = r"[0-9a-f]{32}"  # a replicated entry's digest (checkpoint/replicas.py): 128 bits of a sha256
 # A file name that stays inside its directory: no separator, and no first dot (so never "." or "..").
 PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
 

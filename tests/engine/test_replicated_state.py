@@ -5,7 +5,7 @@ is refused (exit 2, naming it and the ranks), never written half from each.
 The script is tests/helpers/ddp_batchnorm.py: rank 1's batches are scaled, so the ranks' BatchNorm
 running statistics differ at every checkpoint. Before this, the checkpoint split each of them
 by rows across the ranks, and a resume published other bytes (the loss lines all agreed).
-Slow (about a minute under load): four torchrun launches in all, the reference built once."""
+Slow (about two minutes under load): five torchrun launches in all, the reference built once."""
 
 from __future__ import annotations
 
@@ -96,12 +96,13 @@ def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference
     assert artifact(pvc) == reference
 
 
-def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--async-checkpoint",)], ids=["sync", "async"])
+def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path, flags):
     """``--disagree``: an ``extra`` module's buffer sums each rank's own inputs. The first
     checkpoint is refused on every rank (exit 2) with one line naming the entry and the ranks,
-    and nothing is committed."""
+    and nothing is committed; written by the loop or by the background writer alike."""
     pvc = tmp_path / "pvc"
-    code, err = finish(pvc, "--disagree")
+    code, err = finish(pvc, "--disagree", *flags)
     assert code == 2, err[-2000:]
     said = [line for line in err.splitlines() if "differs between ranks" in line]
     assert said and "extra.seen.total" in said[0] and "rank 0 and rank 1 hold different values" in said[0], err[-2000:]

@@ -1,6 +1,7 @@
 """A DDP + BatchNorm training script at W = 2 (tests/engine/test_replicated_state.py).
 
     trainjob torchrun --standalone --nproc-per-node 2 ddp_batchnorm.py --pvc PVC [--no-broadcast | --disagree]
+        [--async-checkpoint]
 
 BatchNorm's running statistics are buffers: every rank updates them with its own batch, so at a
 checkpoint the ranks hold different values; DDP broadcasts rank 0's at the next forward (unless
@@ -29,6 +30,7 @@ cli.add_argument("--pvc", required=True)
 cli.add_argument("--steps", type=int, default=24)
 cli.add_argument("--no-broadcast", action="store_true")
 cli.add_argument("--disagree", action="store_true")
+cli.add_argument("--async-checkpoint", action="store_true")
 args = cli.parse_args()
 world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -51,7 +53,8 @@ class Seen(torch.nn.Module):
 
 seen = Seen()
 state = TrainingState(model=model, optimizer=opt, extra={"seen": seen} if args.disagree else None, rng=False)
-with trainjob.Run(args.pvc, state=state, steps=args.steps, ckpt_every=4, rank_timeout=30) as run:
+with trainjob.Run(args.pvc, state=state, steps=args.steps, ckpt_every=4, rank_timeout=30,
+                  async_checkpoint=args.async_checkpoint) as run:
     for step in run:
         rows = (torch.arange(16) * 7 + step * 32 + rank * 16) % 512  # this rank's batch of this step
         # Rank 1's inputs scaled: its batch statistics, and so its running ones, differ from rank 0's.
