@@ -5,7 +5,7 @@ is refused (exit 2, naming it and the ranks), never written half from each.
 The script is tests/helpers/ddp_batchnorm.py: rank 1's batches are scaled, so the ranks' BatchNorm
 running statistics differ at every checkpoint. Before this, the checkpoint split each of them
 by rows across the ranks, and a resume published other bytes (the loss lines all agreed).
-Slow (about two minutes under load): five torchrun launches in all, the reference built once."""
+Slow (a few minutes under load): eight torchrun launches in all, each variant's reference built once."""
 
 from __future__ import annotations
 
@@ -57,23 +57,30 @@ def worker(launcher: int, rank: int) -> int:
     raise AssertionError(f"no worker for rank {rank}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> bytes:
-    """The uninterrupted run's published bytes (one launch per test run: built_once)."""
+VARIANTS = {"broadcast": (), "no-broadcast": ("--no-broadcast",)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def reference(request, tmp_path_factory) -> tuple[tuple[str, ...], bytes]:
+    """A variant's flags and its uninterrupted run's published bytes (one launch per test run:
+    built_once)."""
+    flags = VARIANTS[request.param]
 
     def run(directory: Path) -> None:
-        code, err = finish(directory / "pvc")
+        code, err = finish(directory / "pvc", *flags)
         assert code == 0, err[-2000:]
 
-    return artifact(built_once(tmp_path_factory, "ddp-batchnorm-reference", run) / "pvc")
+    return flags, artifact(built_once(tmp_path_factory, f"ddp-batchnorm-{request.param}", run) / "pvc")
 
 
 def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference, tmp_path):
     """Rank 1 SIGKILLed once a checkpoint past step 8 is committed; the relaunch resumes from the
-    newest one and publishes the uninterrupted bytes. Checked on the PVC too: each BatchNorm
-    buffer is written whole by rank 0 (rank 1's slice of it empty), each parameter split."""
+    newest one and publishes the uninterrupted bytes. Checked on the PVC too: each parameter is
+    split; each BatchNorm buffer is written whole by rank 0 (rank 1's slice of it empty), or with
+    ``--no-broadcast`` by each rank into its own shard's rank-local part, the two copies differing."""
+    flags, expected = reference
     pvc = tmp_path / "pvc"
-    launcher = launch(pvc)
+    launcher = launch(pvc, *flags)
     deadline = time.monotonic() + 300
     while len(committed(pvc)) < 3 and launcher.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -86,14 +93,30 @@ def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference
     assert 8 <= step < 24, step  # a resume mid-run, not a relaunch of a finished job
     holds = {(s["rank"], h["name"]): h["shape"] for s in json.loads((newest / "manifest.json").read_text())["shards"]
              for h in s["holds"]}
-    for name in ("model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"):
-        assert holds[0, name][0] > 0 and holds[1, name][0] == 0, name
     assert holds[0, "model.0.weight"][0] == holds[1, "model.0.weight"][0] == 8
+    buffers = ("model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked")
+    if flags:  # each rank's own, in its shard's header
+        assert not any((r, name) in holds for r in (0, 1) for name in buffers)
+        own = [local_buffers(newest, r)["1.running_mean"]["hex"] for r in (0, 1)]
+        assert own[0] != own[1]
+    else:
+        for name in buffers:
+            assert holds[0, name][0] > 0 and holds[1, name][0] == 0, name
 
-    code, err = finish(pvc)
+    code, err = finish(pvc, *flags)
     assert code == 0, err[-2000:]
     assert [e for e, _ in events(pvc / "log.jsonl") if e == "resumed"], "the relaunch did not resume"
-    assert artifact(pvc) == reference
+    assert artifact(pvc) == expected
+
+
+def local_buffers(checkpoint: Path, rank: int) -> dict:
+    """The DDP buffers rank ``rank`` kept in its shard's rank-local part."""
+    from trainjob.checkpoint.snapshot import LOCAL_KEY
+    from trainjob.plain import decode
+    raw = (checkpoint / f"shard-{rank:05d}-of-00002.safetensors").read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    parts = decode(header["__metadata__"][LOCAL_KEY])  # [[path of keys, part], ...]
+    return next(part for path, part in parts if path == ["rank"])["buffers"]
 
 
 @pytest.mark.parametrize("flags", [(), ("--async-checkpoint",)], ids=["sync", "async"])
