@@ -88,8 +88,9 @@ def test_digests_that_agree_are_no_disagreement_and_those_that_differ_name_the_r
 def test_the_refusal_is_one_line_naming_the_entry_the_ranks_and_how_many_more():
     line = replicas.refusal(8, {"extra.seen": [[0, 2], [1]], "z": [[0], [1]]})
     assert "\n" not in line and line.startswith("step 8: ")
-    assert "extra.seen (and 1 more entry) differs between ranks: ranks 0, 2 and rank 1 hold different values" in line
+    assert "extra.seen (and 1 more entry) differs between ranks (ranks 0, 2 and rank 1 hold different values)" in line
     assert "FromRank0" in line and "RankLocal" in line and "nothing was committed" in line
+    assert "(and" not in replicas.refusal(8, {"w": [[0], [1]]})
 
 
 def test_a_digest_is_of_the_bytes_one_flipped_bit_apart():

@@ -73,7 +73,8 @@ def refusal(step: int, found: dict[str, list[list[int]]]) -> str:
     groups = found[name]
     held = " and ".join(_ranks(g) for g in groups[:3]) + (f" and {len(groups) - 3} more" if len(groups) > 3 else "")
     more = f" (and {len(found) - 1} more entr{'y' if len(found) == 2 else 'ies'})" if len(found) > 1 else ""
-    return (f"step {step}: the state's entry {name}{more} differs between ranks: {held} hold different values, "
-            "and a checkpoint written from both would mix them; keep it equal on every rank (broadcast or "
-            "all-reduce it), or hand it out as trainjob.torch.FromRank0(...) to keep rank 0's copy, or inside "
-            "a RankLocal part to keep each rank's own (nothing was committed)")
+    return (f"step {step}: the state's entry {name}{more} differs between ranks ({held} hold different "
+            "values): a checkpoint written from both would mix them, so nothing was committed; keep it equal on "
+            "every rank (broadcast or all-reduce it), or hand it out as trainjob.torch.FromRank0(array) to keep "
+            "rank 0's copy, or in a RankLocal part as plain values to keep each rank's own (TrainingState does "
+            "this for DDP's buffers when it is given the DDP-wrapped model)")
