@@ -19,6 +19,10 @@ dtypes as at the first snapshot; dense, contiguous, at least one axis; plain val
 what to change, before anything is written. At a resume, ``live`` checks a checkpoint's plain
 values against the live state's (the same keys and kinds) before handing anything over.
 
+At W > 1 a snapshot also says, from the state's marks (``state_tree.py``), which arrays one rank
+writes whole (``HostArrays.sources``: DDP's buffers, from rank 0) and which are compared across
+ranks before a commit (``HostArrays.checked``, their digests: ``replicas.py``).
+
 A DTensor (FSDP2's parameters and optimizer state) is taken as its rank's local shard, with the
 place of that shard in the whole tensor (``dtensor_box``, from its placements): no rank gathers
 what it does not hold. ``live`` wraps a local shard read back into a DTensor of the same mesh

@@ -5,7 +5,8 @@
 
 One module per part, each small: ``tensors`` (the model and optimizer state on
 torch.distributed.checkpoint's FQN-keyed helpers), ``optim`` (optimizer state torch has not
-created yet), ``rng`` (each rank's random streams), ``loader`` (a data loader's position), ``workers``
+created yet), ``rng`` (each rank's random streams), ``loader`` (a data loader's position), ``ddp``
+(what DDP keeps alike across ranks and what it does not: its buffers), ``workers``
 (its worker processes ignore a signal sent to the whole process group), and
 ``state`` (``TrainingState``, which holds them together). Needs the optional ``torch`` extra
 (``trainjob[torch]``); ``torchdata`` for a ``StatefulDataLoader``.
