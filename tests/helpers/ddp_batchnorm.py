@@ -65,7 +65,7 @@ with trainjob.Run(args.pvc, state=state, steps=args.steps, ckpt_every=4, rank_ti
         loss.backward()
         opt.step()
         run.report(loss.item())
-        time.sleep(0.05)
+        time.sleep(0.1)
     run.gate(holdout=trainjob.Score(correct=1, total=1), baseline=trainjob.Score(correct=1, total=1),
              export={k: v.reshape(1) if v.dim() == 0 else v for k, v in net.state_dict().items()})
 sys.exit(run.exit_code)
