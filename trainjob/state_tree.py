@@ -8,8 +8,8 @@ A Stateful's ``state_dict()`` may nest mappings (``{"model": {...}, "optim": {"s
   those, split across ranks as before;
 - everything else is plain values (``plain.py``), kept where it stood, in one document of the
   replicated state (written once, in rank 0's shard) and one of the rank-local state: the parts
-  wrapped in ``RankLocal`` (RNG streams, a data loader's position), written by every rank in its
-  own shard.
+  wrapped in ``RankLocal`` (RNG streams, a data loader's position, arrays as their exact bytes),
+  written by every rank in its own shard.
 
 At W > 1 every rank holds each array that is not a DTensor shard; how its one copy in the
 checkpoint is chosen (docs/checkpoints.md, "Replicated state"):
@@ -33,13 +33,15 @@ from typing import Any
 import attrs
 import numpy as np
 
-from .plain import PlainError
+from .plain import Array, PlainError
 
 
 class RankLocal(dict):  # type: ignore[type-arg]
     """A part of a state that differs from rank to rank (each rank's RNG streams, its data
-    loader's position): saved by every rank in its own shard, and handed back to the same rank.
-    Plain values only. A resume at another world size cannot map it (docs/trainers.md)."""
+    loader's position, statistics of its own batches): saved by every rank in its own shard, and
+    handed back to the same rank. Plain values, and arrays (numpy or torch, kept as their exact
+    bytes in the shard's header: meant for small ones). A resume at another world size cannot
+    map it (docs/trainers.md)."""
 
 
 class Replicated(dict):  # type: ignore[type-arg]
@@ -74,8 +76,9 @@ def is_array(value: object, torch: Any) -> bool:
 
 def split(state: Mapping[str, Any], torch: Any) -> Split:
     """Take ``state`` apart (``torch``: the torch module when it is loaded, else None).
-    PlainError naming the path for a key that is not a str, or an array inside a list or a
-    RankLocal part; plain values are checked when they are encoded."""
+    PlainError naming the path for a key that is not a str, or an array inside a list of the
+    replicated state; plain values are checked when they are encoded. An array in a RankLocal
+    part becomes a ``plain.Array`` (``arrays_back`` turns it back)."""
     arrays: dict[str, Any] = {}
     paths: dict[str, tuple[str, ...]] = {}
     local: list[Any] = []
@@ -102,8 +105,7 @@ def split(state: Mapping[str, Any], torch: Any) -> Split:
                     raise PlainError(f"{name}: two entries have this name once their keys are joined with '.'")
                 arrays[name], paths[name] = value, here
             elif isinstance(value, RankLocal):
-                _no_arrays(value, name, torch)
-                local.append([list(here), dict(value)])
+                local.append([list(here), _exact(dict(value), name, torch)])
             elif isinstance(value, Mapping):
                 doc[key] = walk(value, here, alike or isinstance(value, Replicated))
             else:
@@ -118,14 +120,69 @@ def split(state: Mapping[str, Any], torch: Any) -> Split:
 
 def _no_arrays(value: Any, path: str, torch: Any) -> None:
     if is_array(value, torch) or isinstance(value, FromRank0):
-        raise PlainError(f"{path}: an array inside a list or a RankLocal part; arrays belong in dicts of the "
-                         "replicated state (convert a small one to a list, or its bytes to a hex str)")
+        raise PlainError(f"{path}: an array inside a list; arrays belong in dicts of the state, or anywhere "
+                         "in a RankLocal part")
     if isinstance(value, Mapping):
         for k, v in value.items():
             _no_arrays(v, f"{path}.{k}", torch)
     elif isinstance(value, list | tuple):
         for i, v in enumerate(value):
             _no_arrays(v, f"{path}[{i}]", torch)
+
+
+def _exact(value: Any, path: str, torch: Any) -> Any:
+    """A RankLocal part with each array in it as a ``plain.Array`` of its exact bytes."""
+    if isinstance(value, FromRank0):
+        raise PlainError(f"{path}: FromRank0 inside a RankLocal part; a rank-local array is each rank's own")
+    if torch is not None and isinstance(value, torch.Tensor):
+        if type(value).__name__ == "DTensor":
+            raise PlainError(f"{path}: a DTensor inside a RankLocal part; hand out its local shard (to_local())")
+        t = value.detach().cpu().contiguous()
+        data = t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return Array(str(t.dtype).removeprefix("torch."), tuple(t.shape), data, torch=True)
+    if isinstance(value, np.ndarray):
+        if value.dtype.hasobject:
+            raise PlainError(f"{path}: a numpy array of Python objects cannot be checkpointed")
+        return Array(value.dtype.name, value.shape, np.ascontiguousarray(value).tobytes(), torch=False)
+    if isinstance(value, Mapping):
+        return {k: _exact(v, f"{path}.{k}", torch) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_exact(v, f"{path}[{i}]", torch) for i, v in enumerate(value))
+    return value
+
+
+def arrays_back(value: Any, torch: Any, path: str = "") -> Any:
+    """``value`` (decoded plain values) with each ``plain.Array`` an array again: a CPU tensor
+    where it was a tensor (``torch``: the torch module), else a numpy array; PlainError when its
+    bytes do not make its dtype and shape."""
+    if isinstance(value, Array):
+        return _array(value, torch, path or "the rank-local state")
+    if isinstance(value, dict):
+        return {k: arrays_back(v, torch, f"{path}.{k}" if path else k) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(arrays_back(v, torch, f"{path}[{i}]") for i, v in enumerate(value))
+    return value
+
+
+def _array(a: Array, torch: Any, path: str) -> Any:
+    count = 1
+    for n in a.shape:
+        count *= n
+    if a.torch:
+        dtype = getattr(torch, a.dtype, None) if torch is not None else None
+        if torch is None or not isinstance(dtype, torch.dtype) or dtype.itemsize * count != len(a.data):
+            raise PlainError(f"{path}: {len(a.data)} bytes are not a {a.describe()}")
+        flat = torch.frombuffer(bytearray(a.data), dtype=dtype) if a.data else torch.empty(0, dtype=dtype)
+        return flat.reshape(a.shape)
+    try:
+        if a.dtype == "bfloat16":
+            import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, as tensors.py does)
+        dtype = np.dtype(a.dtype)
+    except TypeError:
+        raise PlainError(f"{path}: {a.dtype!r} is not a numpy dtype") from None
+    if dtype.hasobject or dtype.itemsize * count != len(a.data):
+        raise PlainError(f"{path}: {len(a.data)} bytes are not a {a.describe()}")
+    return np.frombuffer(a.data, dtype=dtype).reshape(a.shape).copy()
 
 
 def _put(doc: dict[str, Any], path: tuple[str, ...], value: Any) -> None:

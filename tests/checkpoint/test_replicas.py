@@ -60,7 +60,8 @@ def test_the_state_tree_names_each_arrays_kind():
 
 @pytest.mark.parametrize("state, says", [
     ({"a": FromRank0([1.0])}, "FromRank0 holds an array"),
-    ({"a": RankLocal({"b": FromRank0(np.ones(1))})}, "an array inside a list or a RankLocal part"),
+    ({"a": RankLocal({"b": FromRank0(np.ones(1))})}, "FromRank0 inside a RankLocal part"),
+    ({"a": {"b": [FromRank0(np.ones(1))]}}, "an array inside a list"),
 ])
 def test_from_rank_0_wraps_an_array_of_the_replicated_state_only(state, says):
     with pytest.raises(PlainError, match=says):

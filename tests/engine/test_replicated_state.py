@@ -101,7 +101,7 @@ def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference
     buffers = ("model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked")
     if "--no-broadcast" in flags:  # each rank's own, in its shard's header
         assert not any((r, name) in holds for r in (0, 1) for name in buffers)
-        own = [local_buffers(newest, r)["1.running_mean"]["hex"] for r in (0, 1)]
+        own = [local_buffers(newest, r)["1.running_mean"].data for r in (0, 1)]
         assert own[0] != own[1]
     else:
         for name in buffers:

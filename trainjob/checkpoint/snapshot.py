@@ -325,6 +325,7 @@ class HostState:
             try:
                 found = plain.decode(text)
                 plain.check_like(like, found)
+                found = tree.arrays_back(found, _torch())  # a rank-local array: a tensor again where it was one
             except plain.PlainError as exc:
                 raise InputError(f"{where}: {name}: {exc}") from None
             docs.append(found)

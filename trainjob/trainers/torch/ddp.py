@@ -9,8 +9,8 @@ rank 0's at the start of the next forward, so rank 0's are the state the run goe
 ``FromRank0``, written whole by rank 0 and handed to every rank at a resume, which makes the
 resumed run's next forward broadcast the very values the uninterrupted run's did. With
 ``broadcast_buffers=False`` each rank goes on from its own: they are rank-local, kept per rank
-in the ``rank`` part as exact bytes (``encode``; a resume at another world size drops them with
-the rest of it, and each rank keeps its live buffers then).
+in the ``rank`` part as exact bytes (a resume at another world size drops them with the rest of
+it, and each rank keeps its live buffers then).
 
 A model that is not DDP-wrapped is left as it is: at W > 1 its entries are compared across
 ranks at each checkpoint. Never steps, broadcasts or changes anything.
@@ -72,10 +72,11 @@ class Marks:
         return Replicated(state) if self.ddp is not None else state
 
     def rank_local(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
-        """With ``broadcast_buffers=False``: this rank's buffers, as plain values."""
+        """With ``broadcast_buffers=False``: this rank's buffers, for the rank part (their exact
+        bytes in this rank's shard header: ``state_tree.RankLocal``)."""
         if not self.per_rank:
             return None
-        return {k: encode(v) for k, v in sorted(tensors.items()) if k in self.buffers}
+        return {k: v for k, v in sorted(tensors.items()) if k in self.buffers}
 
 
 def _spans_the_world(module: Any) -> bool:
@@ -85,18 +86,3 @@ def _spans_the_world(module: Any) -> bool:
     if group is None or not dist.is_initialized():
         return True
     return dist.get_world_size(group) == dist.get_world_size() and dist.get_global_rank(group, 0) == 0
-
-
-def encode(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor as plain values, exactly: its dtype, shape and bytes (hex)."""
-    t = t.detach().cpu().contiguous()
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "hex": t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()}
-
-
-def decode(value: Mapping[str, Any]) -> torch.Tensor:
-    """``encode``'s tensor back, on the CPU."""
-    dtype = getattr(torch, value["dtype"])
-    data = bytearray.fromhex(value["hex"])
-    flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-    return flat.reshape(value["shape"]).clone()

@@ -125,7 +125,7 @@ class TrainingState:
         local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
         if self._marks is not None and self._marks.per_rank:  # DDP's buffers: this rank's own, else the live ones
             for k in self._marks.buffers & live.keys():
-                saved[k] = ddp.decode(local["buffers"][k]) if local is not None else live[k]
+                saved[k] = local["buffers"][k] if local is not None else live[k]
         set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in saved.items()})
         if self.optimizer is not None:
             assert self._layout is not None
