@@ -76,5 +76,5 @@ def refusal(step: int, found: dict[str, list[list[int]]]) -> str:
     return (f"step {step}: the state's entry {name}{more} differs between ranks ({held} hold different "
             "values): a checkpoint written from both would mix them, so nothing was committed; keep it equal on "
             "every rank (broadcast or all-reduce it), or hand it out as trainjob.torch.FromRank0(array) to keep "
-            "rank 0's copy, or in a RankLocal part as plain values to keep each rank's own (TrainingState does "
+            "rank 0's copy, or in a RankLocal part to keep each rank's own (TrainingState does "
             "this for DDP's buffers when it is given the DDP-wrapped model)")
