@@ -146,8 +146,9 @@ def _exact(value: Any, path: str, torch: Any) -> Any:
         return Array(value.dtype.name, value.shape, np.ascontiguousarray(value).tobytes(), torch=False)
     if isinstance(value, Mapping):
         return {k: _exact(v, f"{path}.{k}", torch) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_exact(v, f"{path}[{i}]", torch) for i, v in enumerate(value))
+    if isinstance(value, list | tuple):  # a subclass (a namedtuple) is written as its base anyway
+        items = [_exact(v, f"{path}[{i}]", torch) for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
@@ -160,7 +161,8 @@ def arrays_back(value: Any, torch: Any, path: str = "") -> Any:
     if isinstance(value, dict):
         return {k: arrays_back(v, torch, f"{path}.{k}" if path else k) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(arrays_back(v, torch, f"{path}[{i}]") for i, v in enumerate(value))
+        items = [arrays_back(v, torch, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
