@@ -10,7 +10,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import trainjob
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict
 
 cli = argparse.ArgumentParser()
 cli.add_argument("--pvc", default="pvc")

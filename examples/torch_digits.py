@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainjob import PeerFailed, Score
 from trainjob.trainers.digits import BATCH, CLASSES, FEATURES, SEED, DigitsTrainer, make as digits_data
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict
 
 HIDDEN, MOMENTUM = 32, 0.9
 

@@ -12,6 +12,7 @@ thread. The state is the weight, the bias and their momentum buffers: 128 MiB at
     python scripts/bench_torch.py async-peers DIR REPEAT                     # async save peers, one state
     python scripts/bench_torch.py steps DIR STEPS BLOCKS                     # per-step time, Run vs bare
     python scripts/bench_torch.py full-state DIR STEPS BLOCKS                # the same, with TrainingState
+    python scripts/bench_torch.py vision-workers DIR STEPS BLOCKS WORKERS    # a noisy loader's workers, Run vs bare
 
 ``bare`` trains STEPS steps and, when EVERY > 0, saves model and optimizer with ``torch.save`` and
 fsyncs every EVERY steps and the model once at the end (what a user writes without trainjob).
@@ -31,6 +32,11 @@ alternating blocks of STEPS steps; JSON lists of seconds per step.
 Linear, AdamW, a warm-up LambdaLR, a StatefulDataLoader, the RNG streams), plus the milliseconds a
 checkpoint's snapshot spends on the plain values and RNG streams: a snapshot of the whole state
 less one of the model and optimizer tensors alone, interleaved.
+``vision-workers`` is ``steps`` for examples/vision.py's kind of step (a small CNN with BatchNorm,
+AdamW, a Dataset drawing noise in WORKERS loader workers): under ``trainjob.Run`` with a
+``TrainingState`` each worker result carries the worker's random streams (worker_rng.py), the
+bare loop's loader has no TrainingState, and ``trainjob_without_streams`` is the Run with the
+workers' streams left out (the signal guard alone); a fresh loader per block, alternating blocks.
 ``async-peers`` times, on the same live state: one in-memory copy of it into buffers kept (the
 copy limit), trainjob's ``BackgroundSaver`` (stall: the hand-off; end to end: until the commit)
 and ``torch.distributed.checkpoint.async_save`` (stall: until it returns; end to end: its
@@ -40,6 +46,7 @@ has no check, so its "verified" is whether the load raised).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -53,7 +60,7 @@ import torch
 
 from benchmarks.common import fsync_path
 from trainjob import Score
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict
 
 DIM = int(os.environ.get("BENCH_TORCH_DIM", "4096"))
 BATCH = 64
@@ -317,6 +324,70 @@ def steps(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
     return times
 
 
+class _Noisy(torch.utils.data.Dataset):
+    """8x8 images with noise drawn in the worker that fetches them (torch, as augmentation does)."""
+
+    def __len__(self) -> int:
+        return 1 << 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return torch.full((1, 8, 8), float(i % 7)) + 0.1 * torch.randn(1, 8, 8), i % 4
+
+
+def vision_workers(directory: Path, n: int, blocks: int, workers: int) -> dict[str, list[float]]:
+    """Seconds per step, trainjob.Run with a TrainingState (workers carrying their streams) vs a bare
+    loop over a loader without one."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from trainjob import Run
+    from trainjob.torch import TrainingState
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(_Noisy(), batch_size=32, shuffle=True, num_workers=workers,
+                                  generator=torch.Generator().manual_seed(0))
+
+    def step(batches) -> float:
+        x, y = next(batches)
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    times: dict[str, list[float]] = {"trainjob": [], "bare": [], "trainjob_without_streams": []}
+    for block in range(blocks):
+        batches = iter(loader())
+        step(batches)  # the workers started and their first batches in, as in the Run's block below
+        for _ in timed(range(n), times["bare"]):
+            step(batches)
+        del batches
+        for name in ("trainjob", "trainjob_without_streams"):
+            feed = loader()
+            state = TrainingState(model=net, optimizer=opt, loader=feed)
+            if name == "trainjob_without_streams":  # the signal guard alone: what worker_rng.py costs
+                feed.worker_init_fn.inner = feed.worker_init_fn.inner.inner
+            pvc = directory / f"vision{block}"
+            with Run(pvc, state=state, steps=n + 1, ckpt_every=n + 1, raise_errors=True) as run:
+                batches = iter(feed)
+                for _ in timed(run, times[name]):
+                    run.report(step(batches))
+                run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
+                         export=dict(net.state_dict()))
+            del batches, feed, state, run
+            # Untimed: the Run's own reference cycles keep the block's loader (and its workers) until
+            # the collector runs; collected inside a later block, the workers' shutdown (a join of up
+            # to 5 s per worker) would land in a timed step.
+            gc.collect()
+            shutil.rmtree(pvc)
+    return times
+
+
 def full_state(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
     """Seconds per step, trainjob.Run with a TrainingState vs bare; seconds per snapshot of the
     plain values and RNG streams (the whole state less its tensors alone)."""
@@ -372,6 +443,9 @@ def full_state(directory: Path, n: int, blocks: int) -> dict[str, list[float]]:
 
 if __name__ == "__main__":
     mode = sys.argv[1]
+    if mode == "vision-workers":
+        print(json.dumps(vision_workers(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))))
+        sys.exit(0)
     if mode == "full-state":
         print(json.dumps(full_state(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))))
         sys.exit(0)

@@ -27,7 +27,7 @@ which exits with the job's code (the product's rule, ``trainjob.exits.job_exit``
 Kill-storm launches and every recovery are ``run ... --idempotent``, as ``supervise`` and the
 rendered Job run them. After every trial the PVC must recover: a clean relaunch exits 0 with the same artifact bytes as
 an uninterrupted run, the kill cost no attempt, and no tmp litter remains. Prints one summary table
-and exits 1 on any violation. The defaults are CI-sized; see the README for the full run.
+and exits 1 on any violation. The defaults are CI-sized; see docs/explanation/reliability.md for the full run.
 """
 
 from __future__ import annotations

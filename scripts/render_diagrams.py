@@ -9,7 +9,7 @@ diagrams/walkthrough.{dot,svg}  the seed's walkthrough (kill at step 4, resume, 
 diagrams/walkthrough.html       the same log as `trainjob replay` steps through it, on machine.svg,
                                 its timestamps fixed so the page is the same every time
 The mermaid source is also copied between the ``BEGIN/END machine.mmd`` markers of each doc that
-embeds it (README.md, docs/diagrams.md). SVG needs Graphviz's ``dot``.
+embeds it (docs/diagrams.md). SVG needs Graphviz's ``dot``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from trainjob.views import diagram, replay_page  # noqa: E402
 from trainjob.views.history import legal_path  # noqa: E402
 
 DIAGRAMS = ROOT / "diagrams"
-DOCS = [ROOT / "README.md", ROOT / "docs" / "diagrams.md"]
-# The walkthrough page's timestamps (a real run's change every second): the README's.
+# docs/tutorial/machine.md includes diagrams/machine.mmd itself (pymdownx.snippets); this page embeds a copy,
+# so that it reads whole on GitHub too.
+DOCS = [ROOT / "docs" / "diagrams.md"]
+# The walkthrough page's timestamps (a real run's change every second): the tutorial's (docs/tutorial/walkthrough.md).
 STEADY_TS = "2026-11-30T10:03:24Z"
 EMBEDDED = re.compile(r"(<!-- BEGIN machine\.mmd[^>]*-->\n```mermaid\n)(.*?)(```\n<!-- END machine\.mmd -->)", re.S)
 

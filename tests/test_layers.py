@@ -1,6 +1,6 @@
 """Imports point down the parts, never up, and no two modules import each other.
 
-The order (README, "Reading the code"): the foundation (errors, records, and the other top-level
+The order (docs/explanation/code.md, "Reading the code"): the foundation (errors, records, and the other top-level
 modules that import nothing above them) < trainers < storage < checkpoint < ranks < engine < views
 < deploy < cli (with ``__main__`` and the public surface, ``trainjob/__init__.py``); ``trainers``
 imports only the foundation and itself. Every import counts, including those inside functions and under

@@ -4,6 +4,7 @@ the package metadata's, and the examples and docs import only what is public."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import subprocess
@@ -28,7 +29,11 @@ PUBLIC = [
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
-PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}
+# ``trainjob.trainers.torch_state`` is the tensors-only helpers' deprecated path: it still works, and
+# nothing shown to users imports it.
+PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits"}
+TORCH_PUBLIC = ["FromRank0", "RankLocal", "Replicated", "TrainingState", "load_state_dict", "materialize_sgd",
+                "state_dict"]
 
 
 def test_all_is_pinned():
@@ -60,7 +65,8 @@ def test_the_version_is_written_once_in_the_package_metadata():
 
 
 def test_examples_readme_and_docs_import_only_the_public_surface():
-    texts = [*ROOT.glob("examples/*.py"), ROOT / "README.md", *ROOT.glob("docs/*.md")]
+    texts = [*ROOT.glob("examples/*.py"), ROOT / "README.md", *ROOT.glob("docs/**/*.md")]
+    assert ROOT / "docs/howto/own-loop.md" in texts
     imported = {(p.name, m) for p in texts
                 for m in re.findall(r"^\s*(?:from|import)\s+(trainjob[\w.]*)", p.read_text(), re.M)}
     assert {(name, m) for name, m in imported if m not in PUBLIC_MODULES} == set()
@@ -109,3 +115,24 @@ def test_the_public_api_type_checks_as_a_users_script_under_mypy_strict(tmp_path
     assert good.returncode == 0, good.stdout
     bad = mypy('"3"')  # the checker must see trainjob's hints, not Any
     assert bad.returncode == 1 and 'Argument "steps" to "Run" has incompatible type "str"' in bad.stdout
+
+
+@pytest.mark.process
+def test_the_torch_adapter_has_one_public_path_and_the_old_one_warns_and_re_exports_it():
+    """``trainjob.torch`` lists the adapter's names; ``trainjob.trainers.torch_state``, the tensors-only
+    helpers' path before it, still hands out the same functions, with a DeprecationWarning naming the
+    new one. In a fresh interpreter: the warning comes at the first import, and torch costs 2 s to import."""
+    pytest.importorskip("torch")
+    code = ("import json, warnings, trainjob.torch as new\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import trainjob.trainers.torch_state as old\n"
+            "print(json.dumps({'all': new.__all__, 'missing': [n for n in new.__all__ if not hasattr(new, n)],\n"
+            "    'same': [getattr(old, n) is getattr(new, n) for n in old.__all__], 'old': old.__all__,\n"
+            "    'warned': [str(w.message) for w in caught if w.category is DeprecationWarning]}))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert sorted(seen["all"]) == sorted(TORCH_PUBLIC) and seen["missing"] == []
+    assert sorted(seen["old"]) == ["load_state_dict", "materialize_sgd", "state_dict"] and all(seen["same"])
+    assert len(seen["warned"]) == 1 and "from trainjob.torch" in seen["warned"][0]

@@ -3,10 +3,11 @@
 What trainer authors and library users import comes from here, and only what ``__all__`` lists is
 promised; every other module path may move (``tests/test_public.py`` pins the list). Optional
 modules are public too, because ``import trainjob`` must not need their extras:
-``trainjob.torch`` (the PyTorch adapter: ``TrainingState``, ``trainjob[torch]``),
-``trainjob.trainers.torch_state`` (its older, tensors-only helpers) and
-``trainjob.trainers.digits`` (the built-in digits data and trainer). The command line is
-``trainjob.cli.main``; the parts of the package are described in the README, "Reading the code".
+``trainjob.torch`` (the PyTorch adapter, its one public path: ``TrainingState`` and the
+tensors-only helpers, ``trainjob[torch]``) and ``trainjob.trainers.digits`` (the built-in digits
+data and trainer); ``trainjob.trainers.torch_state`` is the helpers' deprecated old path. The
+command line is ``trainjob.cli.main``; the parts of the package are described in
+docs/explanation/code.md, "Reading the code".
 """
 
 from typing import TYPE_CHECKING
@@ -23,7 +24,7 @@ if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below import
 
 __all__ = [
     "__version__",
-    # Your own training loop (README, "Bring your own loop").
+    # Your own training loop (docs/howto/own-loop.md).
     "Run",
     "Stateful",
     # Writing a trainer (docs/trainers.md).

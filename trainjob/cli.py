@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("gen", help="write a data set (train, holdout, baseline): the lab's, or digits")
     gen.add_argument("--dataset", choices=list(DATASETS), default="lab",
                      help="lab (default: the toy data) or digits (scikit-learn's, needs trainjob[digits])")
-    gen.add_argument("dir", type=Path)
+    gen.add_argument("dir", type=Path, help="directory to write train.jsonl, holdout.jsonl and baseline.json into")
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
     d = RunConfig()
@@ -99,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
                         "(docs/trainers.md)")
     r.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
-    r.add_argument("--steps", type=int, default=d.steps)
-    r.add_argument("--ckpt-every", type=int, default=d.ckpt_every)
-    r.add_argument("--lr", type=float, default=d.lr)
+    r.add_argument("--steps", type=int, default=d.steps, help="training steps in all")
+    r.add_argument("--ckpt-every", type=int, default=d.ckpt_every,
+                   help="checkpoint every this many steps, and at the last one")
+    r.add_argument("--lr", type=float, default=d.lr,
+                   help="learning rate, passed to the trainer; a resume with another one exits 2")
     r.add_argument("--max-drop", type=int, default=d.max_drop, help="allowed drop vs baseline, percent")
     r.add_argument("--backoff-limit", type=int, default=d.backoff_limit, help="fresh attempts allowed after the first")
     r.add_argument("--die-at", type=int, help="teaching hook: exit 75 after this step (and its checkpoint)")
@@ -116,34 +118,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds any wait for another rank may take before exiting 75")
     r.add_argument("--async-checkpoint", action="store_true",
                    help="write each checkpoint on a background thread while training goes on (one extra copy "
-                        "of the state in host memory; README: when to choose it)")
+                        "of the state in host memory; docs/howto/async.md: when to choose it)")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
                         "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
 
     v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
-    v.add_argument("--pvc", type=location_arg, required=True)
+    v.add_argument("--pvc", type=location_arg, required=True, help="the PVC directory (or s3://BUCKET/PREFIX) to check")
     v.add_argument("--log", type=location_arg, help=f"decision log holding the artifacts' hashes (default: PVC/{DEFAULT_LOG})")
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--json", action="store_true", help="one JSON object instead of a line per item")
 
     rs = sub.add_parser("reshard", help="rewrite a checkpoint for another world size (the source is kept)")
-    rs.add_argument("--pvc", type=location_arg, required=True)
-    rs.add_argument("--world-size", type=int, required=True)
+    rs.add_argument("--pvc", type=location_arg, required=True, help="the PVC directory (or s3://BUCKET/PREFIX)")
+    rs.add_argument("--world-size", type=int, required=True, help="the number of ranks to write the copy for")
     rs.add_argument("--step", type=int, help="the step to reshard (default: the newest that verifies)")
     rs.add_argument("--drop-rank-local", action="store_true",
                     help="reshard a checkpoint holding rank-local state (RNG streams, loader positions) without it")
     rs.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
-    s.add_argument("log", type=location_arg)
+    s.add_argument("log", type=location_arg, help="the decision log (PVC/log.jsonl, or an s3:// URL)")
     shape = s.add_mutually_exclusive_group()
-    shape.add_argument("--json", action="store_true")
+    shape.add_argument("--json", action="store_true", help="the summary as one JSON object")
     shape.add_argument("--path", action="store_true",
                        help="print the log's path through the state machine; exit 1 if no run could take it")
 
     tr = sub.add_parser("torchrun", add_help=False, prefix_chars="\0",  # every argument is torchrun's
                         help="torchrun (same flags) exiting with the job's code: 0, 1, 2, 70 or 75, as `run` does")
-    tr.add_argument("torchrun_argv", nargs=argparse.REMAINDER, metavar="TORCHRUN ARGS")
+    tr.add_argument("torchrun_argv", nargs=argparse.REMAINDER, metavar="TORCHRUN ARGS",
+                    help="torchrun's flags, then `-m trainjob run ARGS` or your script and its arguments")
 
     child = dict(nargs="*", metavar="-- run ARGS", help="the `trainjob run` command line, after --")
     sv = sub.add_parser("supervise", help="run `trainjob run` as a child, relaunch it like a Job controller")
@@ -195,13 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     dg.add_argument("--log", type=location_arg, help="highlight the path this decision log took")
 
     p = sub.add_parser("plot", help="plot a logged run (needs trainjob[plot]): losses, kills, resumes, verdict")
-    p.add_argument("log", type=Path)
+    p.add_argument("log", type=Path, help="the decision log to plot")
     p.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     p.add_argument("--max-drop", type=int, help="draw the gate's pass line for completed attempts "
                    "(their log line does not record the allowed drop)")
 
     rp = sub.add_parser("replay", help="one HTML page that steps through a log on the machine (needs Graphviz's dot)")
-    rp.add_argument("log", type=Path)
+    rp.add_argument("log", type=Path, help="the decision log to step through")
     rp.add_argument("-o", "--output", type=Path, required=True, help="HTML file to write")
     return parser
 

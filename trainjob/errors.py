@@ -24,7 +24,7 @@
 
 Each class below the root subclasses exactly one exit-code base (``Refused`` or
 ``TryAgainLater``), and the builtin it resembles, as attrs' errors do, so callers may catch
-either. The exit codes are mapped from those bases in one table in ``cli.py``; a test walks
+either. The exit codes are mapped from those bases in one table in ``exits.py``; a test walks
 every subclass and checks it has exactly one code.
 
 Honest failures (drift_failed, job_failed) are outcomes of the state machine, not exceptions.

@@ -46,7 +46,7 @@ EXIT_FOR_ERROR: dict[type[BaseException], int] = {
 }
 # Where the machine (or a log) ended -> exit code. Anything still training was cut short.
 EXIT_FOR_STATE = {State.completed: EXIT_OK, State.drift_failed: EXIT_FAILED, State.job_failed: EXIT_FAILED,
-                  State.killed: EXIT_RELAUNCH}
+                  State.killed: EXIT_RELAUNCH, State.refused: EXIT_USAGE}
 
 
 def exit_code_for(error: type[BaseException]) -> int:

@@ -252,6 +252,9 @@ class RunState:
 
 @attrs.frozen
 class Score:
+    """``correct`` predictions out of ``total``: what the gate compares, the holdout's against the
+    frozen baseline's (``correct * 100 >= baseline_correct * (100 - max_drop)``, in integers)."""
+
     correct: int = attrs.field(validator=v.ge(0))
     total: int = attrs.field(validator=v.ge(0))
 

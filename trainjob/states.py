@@ -22,6 +22,7 @@ class State(enum.StrEnum):
     checkpointed = "checkpointed"
     snapshotted = "snapshotted"
     killed = "killed"
+    refused = "refused"
     drift_failed = "drift_failed"
     job_failed = "job_failed"
     completed = "completed"

@@ -8,7 +8,7 @@ import pytest
 
 from trainjob.checkpoint import shards
 from trainjob.checkpoint.plan import plan_shards
-from trainjob.checkpoint.snapshot import HostState, specs_of
+from trainjob.checkpoint.snapshot import HostState, exported, specs_of
 from trainjob.errors import UsageError
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
@@ -61,12 +61,55 @@ def test_every_dtype_round_trips_through_a_shard_bit_for_bit(tmp_path, device, d
         assert torch.equal(load_file(path)["t"].view(torch.int16), source.cpu().view(torch.int16))
 
 
+def test_a_0d_value_is_checkpointed_with_an_axis_and_given_back_0d_in_its_own_memory(tmp_path):
+    """BatchNorm's num_batches_tracked in a plain ``state=net``: stored as shape (1,), a view of
+    the live tensor (a resume reads into it), handed back 0-d."""
+    count, scale = torch.tensor(7), np.array(0.5)
+    host = HostState()
+    arrays = host.snapshot({"count": count, "scale": scale, "w": torch.ones(2)}, 0)
+    assert arrays["count"].shape == (1,) and arrays["count"].ctypes.data == count.data_ptr()
+    assert arrays["scale"].shape == (1,) and np.shares_memory(arrays["scale"], scale)
+    assert [t.shape for t in host.specs] == [(1,), (1,), (2,)]
+    back = host.live({"count": np.array([9]), "scale": np.array([0.25]), "w": np.zeros(2, dtype=np.float32)})
+    assert back["count"].shape == () and int(back["count"]) == 9 and isinstance(back["count"], torch.Tensor)
+    assert back["scale"].shape == () and float(back["scale"]) == 0.25
+
+
+def test_an_export_keeps_0d_and_tied_tensors_and_loads_back_to_the_same_state_dict():
+    """What ``export=net.state_dict()`` publishes for a BatchNorm model with tied weights (one
+    tensor under two names): each name, its own shape (0-d as []), bytes safetensors loads back
+    to the same state_dict; a non-contiguous tensor is written contiguous."""
+    from safetensors.torch import load
+    net = torch.nn.ModuleDict({"emb": torch.nn.Embedding(5, 3), "bn": torch.nn.BatchNorm1d(3),
+                               "head": torch.nn.Linear(3, 5, bias=False)})
+    net["head"].weight = net["emb"].weight
+    net["bn"](torch.randn(4, 3))
+    state = {**net.state_dict(), "t": torch.arange(6.0).reshape(2, 3).t()}
+    assert state["head.weight"].data_ptr() == state["emb.weight"].data_ptr()
+    data = b"".join(bytes(c) for c in shards.encode(exported(state, 1), {}))
+    back = load(data)
+    assert back.keys() == state.keys()
+    assert all(back[k].shape == state[k].shape and back[k].dtype == state[k].dtype and torch.equal(back[k], state[k])
+               for k in state)
+    assert back["bn.num_batches_tracked"].shape == () and int(back["bn.num_batches_tracked"]) == 1
+    fresh = torch.nn.ModuleDict({"emb": torch.nn.Embedding(5, 3), "bn": torch.nn.BatchNorm1d(3),
+                                 "head": torch.nn.Linear(3, 5, bias=False)})
+    fresh.load_state_dict({k: v for k, v in back.items() if k != "t"})
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in net.state_dict().items())
+
+
+def test_an_export_that_cannot_be_published_is_refused_naming_it():
+    with pytest.raises(UsageError, match="no nesting, no plain values"):
+        exported({"w": torch.ones(2), "step": 3}, 1)
+    with pytest.raises(UsageError, match="complex64"):
+        exported({"w": torch.zeros(2, dtype=torch.complex64)}, 1)
+
+
 W = torch.zeros(4, 3)
 
 
 @pytest.mark.parametrize("value, says", [
     ([1.0, 2.0], "expected a numpy array or a torch tensor, got list"),
-    (torch.tensor(1.0), "a 0-d tensor; return it as .reshape(1)"),
     (np.float64(1.0), "expected a numpy array or a torch tensor"),
     (np.zeros((4, 3)).T, "a non-contiguous array"),
     (W.t(), "a non-contiguous tensor"),

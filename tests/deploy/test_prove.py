@@ -7,13 +7,17 @@ process.
 
 from __future__ import annotations
 
+import random
 import signal
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
+from hypothesis import given
 
 from conftest import ROOT
 from trainjob import cli
@@ -51,12 +55,43 @@ def test_entry_diffs_name_each_entry_with_its_largest_difference():
         ("gone", "only in the reference"), ("new", "only in the trial"), ("w", "max abs diff 0.5")]
 
 
-def test_hints_point_at_the_optimizer_when_the_checkpoint_holds_none_and_else_at_randomness():
-    differ = [divergence.EntryDiff("W", "max abs diff 1")]
-    assert divergence.hints(["W", "b"], differ, 3, 2)[0].startswith("optimizer state")
-    assert divergence.hints(["model.0.weight", "optim.0.momentum_buffer"], differ, 3, 2)[0].startswith("RNG")
-    assert divergence.hints(["W"], [], None, 2) == []  # nothing differs: nothing to blame
-    assert divergence.hints(["W"], differ, 3, None) == []  # no resume: not the resume's fault
+def outcome(tmp_path, delivered=True, draws=1, blob=b"w") -> prove.Outcome:
+    return prove.Outcome(tmp_path / "pvc", (-9, 0) if delivered else (0,), 0, 1.0, {"model-v1.safetensors": blob},
+                         "between checkpoints", "SIGKILL", "after checkpointed step=4" if delivered else
+                         "not delivered: the launch had ended before it", (0.5, 0.9), delivered=delivered, draws=draws)
+
+
+@given(st.lists(st.floats(0.01, 100), min_size=0, max_size=6).map(sorted), st.sampled_from(prove.PHASES),
+       st.integers(0, 2**32))
+def test_a_redraw_is_never_later_than_the_instant_the_run_outran(times, phase, seed):
+    reference = prove.Outcome(Path("r"), (0,), 0, 120.0, {}, checkpoint_times=tuple(times), first_line=0.01)
+    rng = random.Random(seed)
+    first = prove.draw(phase, reference, rng)
+    again = prove.draw(phase, reference, rng, first)
+    assert 1 <= again.nth <= max(1, first.nth - 1) and 0 <= again.delay <= first.delay / 2
+
+
+def test_a_trial_whose_signal_never_landed_is_untested_and_never_proven(tmp_path):
+    reference, ran = outcome(tmp_path), outcome(tmp_path, delivered=False, draws=prove.MAX_DRAWS)
+
+    def verify(pvc):
+        raise AssertionError("an untested trial is not judged")
+    verdicts = [prove.judge(1, outcome(tmp_path), reference, lambda pvc: None), prove.judge(2, ran, reference, verify)]
+    assert verdicts[0].passed and verdicts[1].untested and not verdicts[1].passed
+    assert not prove.proven(verdicts) and prove.proven(verdicts[:1])
+    lines = prove.report(reference, [outcome(tmp_path), ran], verdicts, tmp_path)
+    text = "\n".join(lines)
+    assert "2 trials, 1 signals delivered" in text and text.count("same bytes, verified") == 1
+    assert "UNTESTED" in lines[4] and "in each of 3 draws" in lines[5]
+    assert "verdict: UNPROVEN: the signal of trial 2 never landed" in text and "verdict: PROVEN" not in text
+
+
+def test_a_trial_delivered_at_a_later_draw_counts_and_says_so(tmp_path):
+    reference, trial = outcome(tmp_path), outcome(tmp_path, draws=2)
+    verdicts = [prove.judge(1, trial, reference, lambda pvc: None)]
+    lines = prove.report(reference, [trial], verdicts, tmp_path)
+    assert prove.proven(verdicts) and "(drawn 2 times: the run outran the earlier instants)" in lines[3]
+    assert lines[-1].startswith("verdict: PROVEN")
 
 
 def test_losses_keep_the_value_a_resumed_run_went_on_from(tmp_path):
@@ -181,3 +216,41 @@ def test_prove_passes_the_whole_training_state_example(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert out.count("same bytes, verified") == 1 and "-9 0" in out  # killed once, relaunched once
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_a_naive_script_whose_scheduler_is_not_in_the_state_is_caught_with_a_hint_naming_the_scheduler(
+        capsys, tmp_path, monkeypatch):
+    """Slower than 20 s: three launches of a tiny torch script (the reference, one trial that resumes): its
+    TrainingState holds the model and the optimizer only (rng=False), its DataLoader is a plain
+    one, and its LambdaLR warm-up is outside the state. Seed 1 draws the first checkpoint to resume
+    from, so the trial resumes from step 4 or 8, inside the 8-step warm-up's reach."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the runs prove keeps on failure: this test's
+    code = cli.main(["prove", "--kills", "1", "--seed", "1", "--", PYTHON,
+                     str(ROOT / "tests/helpers/naive_scheduler.py"), "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    hints = [line for line in out.splitlines() if line.startswith("hint: ")]
+    assert hints[0].startswith("hint: LR scheduler: the optimizer's learning rate at step "), out
+    assert "optim.param_groups[0].lr is 0.01 in the reference, 0.00625 here" in hints[0]
+    assert "holds no scheduler" in hints[0] and "RNG streams and data loader position" in hints[1]
+    assert "RNG or data loader position" not in out  # the old catch-all no longer stands in for the cause
+
+
+@pytest.mark.process
+def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(tmp_path, capsys, monkeypatch):
+    """A command that publishes and exits without ever logging a checkpoint: a signal drawn
+    "between checkpoints" can never land. Each draw is a run of sh (milliseconds)."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    publish = ("mkdir -p {pvc}/artifacts && printf w > {pvc}/artifacts/model-v1.json && "
+               "printf '{\"ts\":\"t\",\"event\":\"completed\",\"detail\":\"\"}\\n' > {pvc}/log.jsonl")
+    code = cli.main(["prove", "--kills", "1", "--", "sh", "-c", publish])
+    captured = capsys.readouterr()
+    assert code == 1, captured.out
+    assert "1 trials, 0 signals delivered" in captured.out and "same bytes" not in captured.out
+    assert "UNTESTED" in captured.out and f"in each of {prove.MAX_DRAWS} draws" in captured.out
+    assert "verdict: UNPROVEN" in captured.out
+    assert captured.err.count("the run ended before its signal landed") == prove.MAX_DRAWS
+    work = next(tmp_path.glob("trainjob-prove-*"))
+    assert sorted(p.name for p in work.glob("trial-*")) == ["trial-01", "trial-01-draw-2", "trial-01-draw-3"]

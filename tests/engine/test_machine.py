@@ -42,10 +42,11 @@ class FakeJob:
         return ev.kwargs.get("force", False) or ev.kwargs["step"] % 2 == 0
 
 
-def test_states_are_the_lab_states_plus_pending_resharded_and_snapshotted():
+def test_states_are_the_lab_states_plus_pending_resharded_snapshotted_and_refused():
     # resharded: where a `trainjob reshard` process ends (its own edge from pending);
-    # snapshotted: an --async-checkpoint write in flight.
-    assert set(machine.STATES) == {"pending", "started", "resumed", "checkpointed", "killed",
+    # snapshotted: an --async-checkpoint write in flight; refused: what the script handed over
+    # (an export) cannot be kept, exit 2, the attempt in flight.
+    assert set(machine.STATES) == {"pending", "started", "resumed", "checkpointed", "killed", "refused",
                                    "drift_failed", "job_failed", "completed", "resharded", "snapshotted"}
 
 

@@ -156,6 +156,26 @@ def test_leaving_without_the_gate_is_exit_2_and_the_relaunch_gates(pvc, capsys):
     resumes_after(pvc, 2, capsys)
 
 
+def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_a_mended_relaunch_completes(
+        pvc, capsys):
+    """Refused at the gate, after every step trained: the log says so (``refused``), so ``status``
+    and the exit code agree on 2, and the attempt stays in flight for the mended script."""
+    state = Vector()
+    with Run(pvc, state=state, steps=4, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
+                 export={"w": state.w, "epoch": 3})
+    assert run.exit_code == 2 and "no plain values" in str(run.error)
+    last, detail = events(pvc / "log.jsonl")[-1]
+    assert last == "refused" and detail.startswith("at_step=4 reason=export: publish a flat mapping")
+    assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
+    assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 2  # a legal path, ending in refused
+    assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
+    resumes_after(pvc, 2, capsys)
+    assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
+
+
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
     def early(run, state, step):
         good(run, state, step)
@@ -575,8 +595,8 @@ def test_a_trainer_whose_step_exits_through_the_cli_is_75_never_0(tmp_path, stat
     assert events(tmp_path / "pvc/log.jsonl")[-1] == ("checkpointed", "step=2 loss_milli=310")
 
 
-def test_the_readmes_misuse_table_has_a_row_for_every_end_tested_here():
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_the_docs_misuse_table_has_a_row_for_every_end_tested_here():
+    text = (Path(__file__).resolve().parents[2] / "docs/howto/own-loop.md").read_text()
     table = text[text.index("| in your loop | what happens | exit |"):]
     rows = table[:table.index("\n\n")].splitlines()
     for end in ("SIGTERM or SIGINT", "an exception in the body", "`sys.exit(n)` of any `n`", "after the outcome",

@@ -1,4 +1,4 @@
-"""examples/own_loop.py, the README's own-loop example, as a user runs it: with python, killed
+"""examples/own_loop.py, the README's (and the docs') own-loop example, as a user runs it: with python, killed
 before every I/O call; with torchrun at W=2, a rank killed or sent SIGTERM. Every relaunch
 reaches the uninterrupted run's artifact bytes on the same attempt."""
 
@@ -21,7 +21,7 @@ pytest.importorskip("torch")  # the example is a torch script (trainjob[torch])
 pytestmark = pytest.mark.process
 
 EXAMPLE = str(ROOT / "examples/own_loop.py")
-SMALL = ("--steps", "4", "--ckpt-every", "2")  # the README's command, with fewer steps
+SMALL = ("--steps", "4", "--ckpt-every", "2")  # the documented command, with fewer steps
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -104,10 +104,13 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_bytes(tmp_p
     assert artifact(pvc) == artifact(tmp_path / "ref")
 
 
-def test_the_readme_shows_the_example_file_itself_in_30_to_60_lines():
+def test_the_readme_shows_the_example_file_itself_in_30_to_60_lines_and_the_docs_include_it():
     block = re.search(r"### Bring your own loop.*?```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    assert block is not None and block.group(1) == Path(EXAMPLE).read_text()
+    # The README is read on GitHub, where nothing is included: it carries a copy, held to the file here.
+    assert block is not None and block.group(1) == Path(EXAMPLE).read_text(), \
+        "README.md, 'Bring your own loop': paste examples/own_loop.py into its python block"
     assert 30 <= len(block.group(1).splitlines()) <= 60
+    assert '```python\n--8<-- "examples/own_loop.py"\n```' in (ROOT / "docs/howto/own-loop.md").read_text()
 
 
 @pytest.mark.torchrun

@@ -14,7 +14,7 @@ import torch
 
 from trainjob import Score
 from trainjob.trainers.data import load_dataset
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict
 
 
 class TorchLab:

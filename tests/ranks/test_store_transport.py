@@ -461,9 +461,11 @@ def short_reference(tmp_path_factory) -> bytes:
 
 
 def torchrun(pvc: Path, *script: str, env: dict[str, str] | None = None,
-             rank_timeout: float = 1) -> subprocess.CompletedProcess:
-    """``rank_timeout``: short where a survivor must give up on a killed peer soon; long where the
-    ranks only have to meet (a loaded machine can take a second to start one)."""
+             rank_timeout: float = 5) -> subprocess.CompletedProcess:
+    """``rank_timeout``: short where a survivor must give up on a killed peer soon, but not
+    shorter than a loaded machine takes to start rank 0 (1 s once failed a join: rank 1 gave up
+    waiting for rank 0's session before reaching its kill point, with the machine 6x
+    oversubscribed); long where the ranks only have to meet."""
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "--monitor-interval", "0.1", *script, "run", "--pvc", str(pvc), "--steps", "6",
                            "--ckpt-every", "1", "--keep", "2", "--rank-timeout", str(rank_timeout)],
@@ -490,3 +492,40 @@ def test_torchrun_sigkill_of_one_rank_at_an_io_call_leaves_a_resumable_pvc(tmp_p
     assert (pvc / "artifacts/model-v1.json").read_bytes() == short_reference
     assert trainjob("verify", "--pvc", pvc).returncode == 0
     assert not [p for p in (pvc / "checkpoints").iterdir() if p.name.startswith((".tmp-", ".trash-"))]
+
+
+ABANDONS_A_WAIT = """
+import datetime, sys, time
+import torch.distributed as dist
+from trainjob.errors import RankTimeout
+from trainjob.ranks.store import wait_beside
+
+class SlowTeardown:  # as torch's own objects can be: Python is still finalizing when the wait ends
+    def __del__(self):
+        time.sleep(4)
+
+
+slow = SlowTeardown()
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+started = time.monotonic()
+
+def check():  # a signalled rank whose stop round no peer ends
+    if time.monotonic() - started > 0.2:
+        raise RankTimeout("a peer is gone")
+
+try:
+    wait_beside(store, ["never set"], 3.0, "trainjob-round", check)
+except RankTimeout:
+    sys.exit(75)
+"""
+
+
+@pytest.mark.process  # a process of its own: what is tested is how it exits
+def test_a_rank_that_abandons_a_store_wait_exits_with_its_code_not_sigabrt():
+    """The abandoned wait's thread is still in the store's C++ call when the rank exits; had it
+    come back while Python finalized, the rank would die of SIGABRT (seen: -6 instead of 75 in a
+    torchrun launch with --rank-timeout 5). It exits 75 at once: the store's client never reports
+    the wait timing out."""
+    done = subprocess.run([sys.executable, "-c", ABANDONS_A_WAIT], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 75, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr and "timed out after 3000ms" not in done.stderr, done.stderr

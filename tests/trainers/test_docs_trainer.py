@@ -1,9 +1,8 @@
-"""The README's trainer to copy is the file the tests run, fits in 60 lines, and keeps every guarantee."""
+"""The docs' trainer to copy (docs/howto/trainer.md) is the file the tests run, fits in 60 lines, and keeps every guarantee."""
 
 from __future__ import annotations
 
 import os
-import re
 
 import pytest
 
@@ -18,10 +17,9 @@ def run(pvc, *flags):
 
 
 def test_the_documented_trainer_is_the_tested_file_and_under_60_lines():
-    doc = (ROOT / "README.md").read_text()
-    block = re.search(r"## Bring your own model.*?```python\n(.*?)```", doc, re.S).group(1)
-    assert block == EXAMPLE.read_text()
-    assert len(block.splitlines()) < 60
+    """The how-to page includes the file itself (pymdownx.snippets; the site's build fails on a missing one)."""
+    assert '```python\n--8<-- "examples/minimal_trainer.py"\n```' in (ROOT / "docs/howto/trainer.md").read_text()
+    assert len(EXAMPLE.read_text().splitlines()) < 60
 
 
 @pytest.mark.process

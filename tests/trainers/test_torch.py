@@ -21,7 +21,7 @@ from conftest import ROOT, built_once, skip_without, snapshot, trainjob
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install 'trainjob[torch]')")
 skip_without("sklearn", "scikit-learn (the digits extra) is not installed")
 
-from trainjob.trainers.torch_state import load_state_dict, materialize_sgd, state_dict  # noqa: E402
+from trainjob.torch import load_state_dict, materialize_sgd, state_dict  # noqa: E402
 
 pytestmark = pytest.mark.process  # every test here runs the CLI or torchrun in a subprocess
 

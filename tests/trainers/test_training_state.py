@@ -310,3 +310,165 @@ def test_a_loader_resumed_mid_epoch_yields_the_same_batches_and_leaves_the_globa
     reference = run(resume_at=None)
     for at in (2, 3, 4):  # 3 batches an epoch: mid-epoch, at the boundary, just after it
         assert run(resume_at=at) == reference, at
+
+
+# --- a loader's worker processes: the randomness drawn in them (worker_rng.py) ----------------------
+
+
+class Noisy(torch.utils.data.Dataset):
+    """A dataset that draws in its workers, as augmentation does: torch, random and numpy."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), torch.rand(()).item(), random.random(), float(np.random.rand())])
+
+
+class OwnState(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(8))
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _collate(batch):
+    return batch
+
+
+INEXACT_LOADERS = {
+    "out-of-order": (lambda: dict(dataset=Noisy(), in_order=False), "in_order=False"),
+    "stateful-iterable": (lambda: dict(dataset=OwnState()), "iterable dataset (OwnState) that has a state_dict()"),
+    "list-with-own-collate": (lambda: dict(dataset=list(range(8)), collate_fn=_collate),
+                              "a collate_fn of its own over a list"),
+}
+
+
+@pytest.mark.parametrize("case", INEXACT_LOADERS)
+def test_a_loader_whose_workers_cannot_resume_exactly_is_refused_when_the_state_is_first_asked_for(case):
+    """Refused in one line at the ``with`` (no worker is started), never trained on."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    given, says = INEXACT_LOADERS[case]
+    state = TrainingState(model=torch.nn.Linear(1, 1), loader=StatefulDataLoader(num_workers=2, **given()))
+    with pytest.raises(UsageError, match=re.escape(says)) as info:
+        state.state_dict()
+    assert str(info.value).startswith("TrainingState: ") and "\n" not in str(info.value)
+    plain = StatefulDataLoader(list(range(8)), num_workers=2)  # nothing drawn in the workers: accepted
+    assert TrainingState(model=torch.nn.Linear(1, 1), loader=plain)._refusal is None
+
+
+def _noisy_batches(resume_at: int | None, hooked: bool = True, **options) -> list:
+    """Ten batches of ``Noisy`` through a 2-worker loader (3 an epoch, over three epochs), and a draw
+    after each (the step's dropout); resumed at ``resume_at`` into a new loader and state."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from trainjob.trainers.torch import worker_rng
+
+    def make():
+        loader = StatefulDataLoader(Noisy(), batch_size=8, shuffle=True, num_workers=2,
+                                    generator=torch.Generator().manual_seed(1), **options)
+        state = TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
+        if not hooked:  # the control: the workers' streams left out of the loader's snapshot
+            loader.worker_init_fn.inner = loader.worker_init_fn.inner.inner
+        assert hooked == isinstance(loader.worker_init_fn.inner, worker_rng.Streams)
+        return loader, state
+
+    torch.manual_seed(0)
+    loader, state = make()
+    state.state_dict()  # as the Run's start takes it: the workers start here
+    seen, batches = [], iter(loader)
+    for step in range(1, 11):
+        if step - 1 == resume_at:
+            saved = HostState().snapshot(state.state_dict(), step)  # through trainjob's plain text, as a checkpoint
+            del batches
+            loader, state = make()
+            host = HostState()
+            host.snapshot(state.state_dict(), 0)
+            state.load_state_dict(host.live(saved, saved.plain, saved.local))
+            batches = iter(loader)
+        try:
+            batch = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            batch = next(batches)
+        seen.append((batch.tolist(), torch.rand(1).item()))
+    return seen
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("options", [{}, {"persistent_workers": True}, {"snapshot_every_n_steps": 2}],
+                         ids=["default", "persistent", "snapshot-every-2"])
+def test_a_loader_with_workers_resumed_mid_epoch_draws_the_uninterrupted_noise_in_them(options):
+    """torch, random and numpy draws in two workers' ``__getitem__``, resumed mid-epoch (the
+    workers' streams were not at their seeds) and at an epoch's end. Without the workers' streams
+    in the loader's snapshot (the control) the batches after a mid-epoch resume carry other noise."""
+    reference = _noisy_batches(None, **options)
+    assert len({b[0][0][1] for b in reference}) == 10  # noise: every batch draws anew
+    for at in (2, 3):
+        assert _noisy_batches(at, **options) == reference, at
+    assert _noisy_batches(2, hooked=False, **options) != reference
+
+
+@pytest.mark.process
+def test_an_iterable_dataset_whose_iterator_keeps_a_state_is_refused_once_its_workers_show_it():
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    class Counting:
+        def __init__(self):
+            self.i = 0
+
+        def __next__(self):
+            self.i += 1
+            if self.i > 8:
+                raise StopIteration
+            return self.i
+
+        def state_dict(self):
+            return {"i": self.i}
+
+        def load_state_dict(self, state):
+            self.i = state["i"]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return Counting()
+
+    state = TrainingState(model=torch.nn.Linear(1, 1), loader=StatefulDataLoader(Stream(), num_workers=2))
+    with pytest.raises(UsageError, match=re.escape("iterable dataset whose iterator has a state_dict()")) as info:
+        state.state_dict()
+    assert "\n" not in str(info.value)
+
+
+def test_a_workers_dataset_copy_hands_out_its_streams_and_its_own_state_and_takes_both_back(monkeypatch):
+    """What ``Streams`` gives a worker's dataset copy, called in this process as torchdata calls it
+    in a worker: the state holds the three streams (read, never drawn from) beside the dataset's
+    own; loading it puts both back; a state from before the streams were kept is the dataset's own."""
+    from trainjob.trainers.torch import worker_rng
+
+    class Own(torch.utils.data.Dataset):
+        def __init__(self):
+            self.epoch = 0
+
+        def state_dict(self):
+            return {"epoch": self.epoch}
+
+        def load_state_dict(self, state):
+            self.epoch = state["epoch"]
+
+    dataset = Own()
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: type("Info", (), {"dataset": dataset}))
+    worker_rng.Streams(None)(0)
+    dataset.epoch = 3
+    before = (torch.get_rng_state(), random.getstate(), np.random.get_state(legacy=True)[1].copy())
+    saved = dataset.state_dict()
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]  # nothing drawn
+    assert np.array_equal(np.random.get_state(legacy=True)[1], before[2])
+    drawn = (torch.rand(2).tolist(), random.random(), np.random.rand())
+    dataset.epoch = 5
+    dataset.load_state_dict(saved)
+    assert dataset.epoch == 3 and (torch.rand(2).tolist(), random.random(), np.random.rand()) == drawn
+    dataset.load_state_dict({"epoch": 7})  # the old format: the dataset's own state alone
+    assert dataset.epoch == 7

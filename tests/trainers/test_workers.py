@@ -28,7 +28,7 @@ pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 
 from trainjob.torch import TrainingState  # noqa: E402
-from trainjob.trainers.torch import workers  # noqa: E402
+from trainjob.trainers.torch import worker_rng, workers  # noqa: E402
 
 SCRIPT = ROOT / "tests/helpers/worker_loop.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -52,13 +52,14 @@ def test_a_worker_ends_on_its_owners_signal_and_ignores_others_while_the_owner_l
 def test_a_training_state_guards_its_loader_s_workers_once_keeping_the_user_s_own_init():
     loader = StatefulDataLoader(list(range(8)), num_workers=2, worker_init_fn=users_init)
     TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
-    guard = loader.worker_init_fn
-    assert isinstance(guard, workers.StopOnOwner) and guard.inner is users_init
+    guard = loader.worker_init_fn  # the signal guard first, then the workers' streams (worker_rng.py), then the user's
+    assert isinstance(guard, workers.StopOnOwner) and isinstance(guard.inner, worker_rng.Streams)
+    assert guard.inner.inner is users_init
     TrainingState(model=torch.nn.Linear(1, 1), loader=loader)  # a second state over the same loader
-    assert loader.worker_init_fn is guard
+    assert loader.worker_init_fn is guard and guard.inner.inner is users_init
     bare = StatefulDataLoader(list(range(8)), num_workers=2)
     TrainingState(model=torch.nn.Linear(1, 1), loader=bare)
-    assert isinstance(bare.worker_init_fn, workers.StopOnOwner) and bare.worker_init_fn.inner is None
+    assert isinstance(bare.worker_init_fn, workers.StopOnOwner) and bare.worker_init_fn.inner.inner is None
     inline = StatefulDataLoader(list(range(8)), num_workers=0, worker_init_fn=users_init)
     TrainingState(model=torch.nn.Linear(1, 1), loader=inline)
     assert inline.worker_init_fn is users_init  # no workers: nothing to guard
@@ -154,3 +155,47 @@ def test_a_signal_to_the_whole_group_saves_the_step_exits_75_and_leaves_no_worke
     assert again.returncode == 0, err[-3000:]
     assert [e for e, _ in events(pvc / "log.jsonl")].count("resumed") == 1
     assert artifact(pvc) == references(forked)
+
+
+ORPHANS = '''
+import os, sys, time, torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+from trainjob.torch import TrainingState
+
+class Noisy(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4096
+    def __getitem__(self, i):
+        return torch.rand(4)  # a draw: every result carries the worker's streams (worker_rng.py)
+
+loader = StatefulDataLoader(Noisy(), batch_size=2, num_workers=2, prefetch_factor=16)
+state = TrainingState(model=torch.nn.Linear(4, 1), loader=loader)
+batches = iter(loader)
+next(batches)
+print(" ".join(str(w.pid) for w in batches._workers), flush=True)
+time.sleep(600)  # reads nothing more: the workers fill the result pipe, then this process is SIGKILLed
+'''
+
+
+@pytest.mark.process
+def test_a_sigkilled_runs_workers_leave_even_with_a_full_result_pipe(tmp_path):
+    """torch's watchdog ends a worker's loop once its parent is gone, but the worker's exit then
+    waits for its result queue's feeder thread, blocked on a full pipe nobody reads: with 32
+    results in flight, each carrying the worker's random streams, such an orphan never ended
+    (holding the killed run's stdout and stderr open). The guard ends it."""
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    proc = subprocess.Popen([sys.executable, str(script)], env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2
+    time.sleep(2)  # the workers fill the pipe
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{p}") for p in pids):
+        time.sleep(0.1)
+    alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert not alive, "a worker outlived its killed run"

@@ -150,7 +150,7 @@ def test_walkthrough_highlights_exactly_the_edges_it_took_with_counts(walkthroug
     assert {n for n, attrs in nodes.items() if "color=blue" in attrs} == {
         "pending", "started", "resumed", "checkpointed", "killed"}
     assert {n for n, attrs in nodes.items() if "gray" in attrs} == {"drift_failed", "job_failed", "resharded",
-                                                                    "snapshotted"}
+                                                                    "snapshotted", "refused"}
     assert "last state completed" in result.stdout
 
 
@@ -196,7 +196,7 @@ def test_committed_replay_page_is_the_walkthrough_on_the_committed_machine(tmp_p
                                               tmp_path)
     assert (ROOT / "diagrams" / "walkthrough.html").read_bytes() == page, \
         "diagrams/walkthrough.html is stale: run .venv/bin/python scripts/render_diagrams.py"
-    for doc in ("README.md", "docs/diagrams.md"):
+    for doc in ("docs/tutorial/machine.md", "docs/diagrams.md"):
         assert "diagrams/walkthrough.html)" in (ROOT / doc).read_text(), f"{doc} must link the replay page"
 
 
@@ -210,9 +210,11 @@ def test_committed_svg_was_drawn_from_the_committed_dot(name):
 
 def test_docs_embed_the_committed_mermaid():
     mermaid = (ROOT / "diagrams" / "machine.mmd").read_text()
-    docs = [ROOT / "docs" / "diagrams.md", ROOT / "README.md"]
+    docs = [ROOT / "docs" / "diagrams.md"]
     embedded = [doc for doc in docs if doc.exists() and "BEGIN machine.mmd" in doc.read_text()]
     assert ROOT / "docs" / "diagrams.md" in embedded
+    # The tutorial includes the committed file itself, so it cannot go stale.
+    assert '--8<-- "diagrams/machine.mmd"' in (ROOT / "docs" / "tutorial" / "machine.md").read_text()
     script = render_script()
     for doc in embedded:
         text = doc.read_text()

@@ -47,8 +47,8 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     Layout as the reference implementation writes it: tensors in name order (all of one dtype in
     trainjob's shards), offsets back to back, header JSON padded with spaces to 8 bytes.
     """
-    arrays = {name: np.ascontiguousarray(a, dtype=np_dtype(dtype_code(a)))
-              for name, a in sorted(tensors.items())}
+    # np.asarray(order="C"), not ascontiguousarray: that gives a 0-d array an axis
+    arrays = {name: np.asarray(a, dtype=np_dtype(dtype_code(a)), order="C") for name, a in sorted(tensors.items())}
     yield _header([(name, dtype_code(a), a.shape) for name, a in arrays.items()], metadata)
     for a in arrays.values():
         yield from _chunks(a)
@@ -62,7 +62,7 @@ def encode_lazy(specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray
     ordered = sorted(specs, key=lambda t: t.name)
     yield _header([(t.name, t.dtype, t.shape) for t in ordered], metadata)
     for t in ordered:
-        a = np.ascontiguousarray(produce(t.name), dtype=np_dtype(t.dtype))
+        a = np.asarray(produce(t.name), dtype=np_dtype(t.dtype), order="C")
         if a.shape != tuple(t.shape):
             raise ValueError(f"{t.name}: {list(a.shape)} produced, {list(t.shape)} announced")  # a caller's bug
         yield from _chunks(a)

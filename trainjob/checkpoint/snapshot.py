@@ -164,16 +164,12 @@ def _check(name: str, value: object) -> str:
         if code is None:
             raise UsageError(f"{where}: dtype {t.dtype} cannot be stored in a shard; "
                              f"use one of {', '.join('torch.' + k for k in _TORCH_CODE)}")
-        if t.dim() < 1:
-            raise UsageError(f"{where}: a 0-d tensor; return it as .reshape(1) (a view, shape (1,))")
         if not t.is_contiguous():
             raise UsageError(f"{where}: a non-contiguous tensor (shape {list(t.shape)}, strides "
                              f"{list(t.stride())}); keep the state in contiguous tensors (.contiguous())")
         return code
     if not isinstance(value, np.ndarray):
         raise UsageError(f"{where}: expected a numpy array or a torch tensor, got {type(value).__name__}")
-    if value.ndim < 1:
-        raise UsageError(f"{where}: expected at least one axis (store a scalar as shape (1,))")
     if not value.flags.c_contiguous:
         raise UsageError(f"{where}: a non-contiguous array; keep the state in C-contiguous arrays "
                          "(np.ascontiguousarray)")
@@ -181,6 +177,32 @@ def _check(name: str, value: object) -> str:
         return shards.dtype_code(value)
     except ValueError as exc:
         raise UsageError(f"{where}: {exc}") from None
+
+
+def _ndim(value: object) -> int | None:
+    return value.dim() if is_tensor(value) else value.ndim if isinstance(value, np.ndarray) else None
+
+
+def _with_axis(value: Any) -> Any:
+    """A 0-d tensor or array as shape (1,), sharing its memory (a view, so a resume reads into it)."""
+    return value.detach().reshape(1) if is_tensor(value) else value.reshape(1)
+
+
+def exported(export: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
+    """A gate's export as host arrays an artifact is written from: each name as it was handed out,
+    a 0-d tensor kept 0-d (safetensors stores shape []), tied tensors (one tensor under two names,
+    as GPT-2's ``lm_head.weight`` and ``transformer.wte.weight``) once per name, a non-contiguous
+    one copied contiguous (written once, unlike a checkpoint). UsageError naming what cannot be
+    published, before anything is written."""
+    if isinstance(export, Mapping):
+        export = {n: v.contiguous() if is_tensor(v) and not is_dtensor(v) and v.device.type != "meta"
+                  and v.layout == _torch().strided else np.asarray(v, order="C") if isinstance(v, np.ndarray) else v
+                  for n, v in export.items()}
+    host = HostState()
+    arrays = host.snapshot(export, step)
+    if arrays.plain is not None or arrays.local is not None:  # an artifact holds arrays only
+        raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
+    return {n: a.reshape(()) if n in host.scalars else a for n, a in arrays.items()}
 
 
 def specs_of(state: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
@@ -222,6 +244,7 @@ class HostState:
         self.plain: Any = None  # the first snapshot's plain documents, what a checkpoint's must fit
         self.local: Any = None
         self.tensors: set[str] = set()  # names whose live value is a torch tensor
+        self.scalars: set[str] = set()  # names whose live value is 0-d (stored as shape (1,))
         self.dtensors: dict[str, tuple[Any, Any, Any]] = {}  # name -> (mesh, placements, stride) of a DTensor
         self.boxes: dict[str, plan.Local] = {}  # name -> where this rank's shard of a DTensor sits
         self.buffers: dict[str, np.ndarray] = {}
@@ -268,10 +291,14 @@ class HostState:
         except plain.PlainError as exc:
             raise UsageError(f"state_dict(): {exc}") from None
         state = parts.arrays
+        # A 0-d value (BatchNorm's num_batches_tracked, Adam's step) is stored with one axis, a
+        # view of its memory: a shard's slices split a tensor along its first axis.
+        scalars = {n for n, v in state.items() if _ndim(v) == 0 and not is_dtensor(v)}
+        state = {n: _with_axis(v) if n in scalars else v for n, v in state.items()}
         specs = specs_of(state)  # a DTensor's whole shape; its placements checked
         boxes = {n: dtensor_box(n, v) for n, v in state.items() if is_dtensor(v)}
         if self.specs is None:
-            self.specs, self.paths = specs, parts.paths
+            self.specs, self.paths, self.scalars = specs, parts.paths, scalars
             self.plain, self.local = parts.plain, parts.local
             self.tensors = {n for n, v in state.items() if is_tensor(v)}
             self.dtensors = {n: (v.device_mesh, v.placements, v.stride()) for n, v in state.items() if is_dtensor(v)}
@@ -330,6 +357,8 @@ class HostState:
                 raise InputError(f"{where}: {name}: {exc}") from None
             docs.append(found)
         tensors = {n: as_tensor(a) if n in self.tensors else a for n, a in arrays.items()}
+        for n in self.scalars & tensors.keys():  # given back without the axis it was stored with (a view)
+            tensors[n] = tensors[n].reshape(())
         for n, (mesh, placements, stride) in self.dtensors.items():  # a local shard back into its DTensor
             from torch.distributed.tensor import DTensor
             spec = next(t for t in self.specs or () if t.name == n)

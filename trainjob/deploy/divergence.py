@@ -1,29 +1,21 @@
 """Where two runs of one command part: the first differing logged loss, the state entries that
-differ at a checkpoint both hold, and a likely cause. Reads the two PVCs (the log, and checkpoints
-through trainjob's own store, hashes verified); writes nothing. Used by ``trainjob prove``.
+differ at a checkpoint both hold, and the evidence from which ``hints.py`` names the piece that did
+not resume (both runs' plain documents at that checkpoint, decoded). Reads the two PVCs (the log,
+and checkpoints through trainjob's own store, hashes verified); writes nothing. Used by
+``trainjob prove``: the reading is here, the deciding in ``hints.py``.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
 
+from .. import plain
 from ..errors import InputError
+from .hints import EntryDiff, Evidence, Hint, Snapshot, hints
 from .launches import events
-
-# Entry names that hold an optimizer's state or randomness: what a hint can point at.
-OPTIMIZER = re.compile(r"optim|momentum|exp_avg|buf|^v[A-Z_a-z]?$", re.IGNORECASE)
-RANDOMNESS = re.compile(r"rng|generator|seed|random", re.IGNORECASE)
-SCHEDULER = re.compile(r"sched|lr", re.IGNORECASE)
-
-
-@attrs.frozen
-class EntryDiff:
-    name: str
-    what: str  # "max abs diff 0.0123", "only in the reference", "shape (3,) vs (4,)"
 
 
 @attrs.frozen
@@ -33,7 +25,7 @@ class Divergence:
     resumed_from: int | None
     compared_step: int | None
     entries: tuple[EntryDiff, ...]
-    hints: tuple[str, ...]
+    hints: tuple[Hint, ...]
     same_at_resume: bool | None = None  # both runs' checkpoints at the resume step equal (None: not both held)
     loss_source: str = "loss_milli"  # "printed loss": the command's own per-step lines
 
@@ -74,13 +66,30 @@ def _checkpoints(pvc: Path) -> dict[int, object]:
         return {}
 
 
-def _load(pvc: Path, ref) -> dict | None:
+def _load(pvc: Path, ref) -> tuple[dict, Snapshot, int] | None:
+    """A checkpoint's tensors, and its documents decoded (the replicated plain values and each
+    rank's rank-local state), hashes verified; None when it does not load."""
     from ..checkpoint.store import CheckpointStore
     from ..storage.pvc import Pvc
     try:
-        return CheckpointStore(Pvc(pvc)).load(ref).tensors
+        loaded = CheckpointStore(Pvc(pvc)).load(ref)
     except InputError:
         return None
+    local = {}
+    for rank in range(loaded.manifest.world_size):
+        text = loaded.documents(rank)[1]
+        if text is not None:
+            local[rank] = _decoded(text)
+    shared = loaded.documents(0)[0]
+    snapshot = Snapshot(tuple(sorted(loaded.tensors)), None if shared is None else _decoded(shared), local)
+    return loaded.tensors, snapshot, loaded.manifest.world_size
+
+
+def _decoded(text: str) -> object:
+    try:
+        return plain.decode(text)
+    except plain.PlainError:  # a document the hints cannot read: compared as text, whole
+        return text
 
 
 def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
@@ -98,26 +107,6 @@ def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
     return found
 
 
-def hints(names: Sequence[str], differing: Sequence[EntryDiff], first_loss_step: int | None,
-          resumed: int | None) -> list[str]:
-    """A cause per common bug, where the evidence points to it. The checkpoint the run resumed from
-    was its own and verified, so what differs after it was state the checkpoint did not hold."""
-    found = []
-    if resumed is None or not (differing or first_loss_step is not None):
-        return found
-    if not any(OPTIMIZER.search(n) for n in names):
-        found.append("optimizer state: the checkpoint holds no optimizer entry (momentum buffers, Adam moments); "
-                     "if the optimizer keeps state, return it from state_dict() and restore it in load_state_dict()")
-    elif not any(RANDOMNESS.search(n) for n in names):
-        found.append("RNG or data loader position: the model and optimizer were restored, yet the run went elsewhere "
-                     "after the resume; a generator or iterator made before the loop restarts on a relaunch: "
-                     "derive each step's randomness from the step (np.random.default_rng([seed, step])) or save its "
-                     "state")
-    if any(SCHEDULER.search(d.name) for d in differing) and not any(OPTIMIZER.search(d.name) for d in differing):
-        found.append("scheduler: only a learning-rate entry differs; restore the scheduler's position on a resume")
-    return found
-
-
 def divergence(reference: Path, trial: Path) -> Divergence:
     ref_loss: dict[int, object] = dict(printed_losses(reference))
     trial_loss: dict[int, object] = dict(printed_losses(trial))
@@ -131,19 +120,46 @@ def divergence(reference: Path, trial: Path) -> Divergence:
     common = sorted(set(ref_ckpts) & set(trial_ckpts))
     after = [s for s in common if resumed is None or s > resumed]
     step = after[0] if after else (common[-1] if common else None)
+    loaded: dict[tuple[Path, int], tuple[dict, Snapshot, int] | None] = {}
+
+    def load(pvc: Path, held: dict[int, object], at: int | None) -> tuple[dict, Snapshot, int] | None:
+        if at not in held:
+            return None
+        if (pvc, at) not in loaded:
+            loaded[pvc, at] = _load(pvc, held[at])
+        return loaded[pvc, at]
+
     diffs: list[EntryDiff] = []
-    names: list[str] = []
-    if step is not None:
-        a, b = _load(reference, ref_ckpts[step]), _load(trial, trial_ckpts[step])
-        if a is not None and b is not None:
-            diffs, names = entry_diffs(a, b), sorted(a)
+    snapshots = (Snapshot(()), Snapshot(()))
+    world = 1
+    a, b = load(reference, ref_ckpts, step), load(trial, trial_ckpts, step)
+    if a is not None and b is not None:
+        diffs, snapshots, world = entry_diffs(a[0], b[0]), (a[1], b[1]), a[2]
+    # Each run's checkpoint nearest the compared one (the trial's: the one it resumed from, if held):
+    # what tells a stream the run drew from after the resume from one seeded at start-up from entropy.
+    ref_other, trial_other = _neighbour(ref_ckpts, step, None), _neighbour(trial_ckpts, step, resumed)
+    ref_before, trial_before = load(reference, ref_ckpts, ref_other), load(trial, trial_ckpts, trial_other)
     same = None
-    if resumed in ref_ckpts and resumed in trial_ckpts:
-        a, b = _load(reference, ref_ckpts[resumed]), _load(trial, trial_ckpts[resumed])
-        same = None if a is None or b is None else not entry_diffs(a, b)
+    a, b = load(reference, ref_ckpts, resumed), load(trial, trial_ckpts, resumed)
+    if a is not None and b is not None:  # the tensors and replicated values; the rank-local streams may be
+        same = not entry_diffs(a[0], b[0]) and a[1].plain == b[1].plain  # seeded from entropy, never drawn
     at = (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None)
-    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(names, diffs, first, resumed)), same,
-                      source)
+    seen = resumed is not None and any(s > resumed for s in set(ref_loss) & set(trial_loss))
+    evidence = Evidence(resumed, step, tuple(diffs), first, seen, world, *snapshots,
+                        reference_other=None if ref_before is None else ref_before[1],
+                        trial_other=None if trial_before is None else trial_before[1],
+                        others_at_resume=resumed is not None and ref_other == trial_other == resumed)
+    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source)
+
+
+def _neighbour(held: dict[int, object], step: int | None, prefer: int | None) -> int | None:
+    """``prefer`` when held, else the latest checkpoint before ``step``, else the first after it."""
+    if step is None:
+        return None
+    if prefer in held and prefer != step:
+        return prefer
+    before = [s for s in held if s < step]
+    return max(before) if before else min((s for s in held if s > step), default=None)
 
 
 def describe(d: Divergence, against: str = "the reference") -> list[str]:
@@ -170,5 +186,5 @@ def describe(d: Divergence, against: str = "the reference") -> list[str]:
             lines.append(f"state at step {d.compared_step}: every entry equal")
     else:
         lines.append("no checkpoint step held by both runs to compare")
-    lines += [f"hint: {h}" for h in d.hints]
+    lines += [f"hint: {h.text}" for h in d.hints]
     return lines

@@ -3,11 +3,14 @@
 One uninterrupted run (the reference), then N trials: each is killed once, at an instant chosen in
 one of four phases of the run (between checkpoints, during a checkpoint write, before the first
 checkpoint, after ``completed``, in that order), and relaunched as a supervisor would (while the launch's
-code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial passes when it
-ends with the reference's code, publishes the reference's artifact bytes and leaves a PVC that
-``trainjob verify`` accepts. When one does not, ``divergence`` reads both PVCs: the first step
-whose logged loss differs, and the state entries that differ at the first checkpoint after the
-resume that both still hold. Pure decisions (targets, verdicts, hints) are apart from the launches.
+code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial whose signal
+never landed (the run had ended first) tested nothing: it is drawn again at an earlier instant, at
+most ``MAX_DRAWS`` times in all, then reported untested, and an untested trial is never PROVEN. A
+trial passes when its signal landed and it ends with the reference's code, publishes the
+reference's artifact bytes and leaves a PVC that ``trainjob verify`` accepts. When one does not,
+``divergence`` reads both PVCs: the first step whose logged loss differs, and the state that
+differs at the first checkpoint after the resume that both still hold, from which ``hints`` names
+the piece that did not resume. Pure decisions (draws, verdicts, hints) are apart from the launches.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ ORDER = (PHASES[1], PHASES[2], PHASES[0], PHASES[3])
 SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
 GRACE = 120  # seconds a signalled launch gets to checkpoint and exit before it is killed whole
 MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
+MAX_DRAWS = 3  # instants drawn for one trial whose signal the run keeps outrunning, before it is reported untested
 PVC = "{pvc}"
 
 
@@ -54,12 +58,19 @@ class Outcome:
     landed: str = ""  # the last logged event when the signal landed
     checkpoint_times: tuple[float, ...] = ()
     first_line: float = 0.0  # seconds until the log's first line: start-up (imports) before it
+    delivered: bool = True  # the signal reached a launch that had not ended by itself
+    draws: int = 1  # instants drawn until it was delivered (or MAX_DRAWS, when it never was)
 
 
 @attrs.frozen
 class Verdict:
     trial: int
     problems: tuple[str, ...]
+    untested: bool = False  # its signal was never delivered: it neither passes nor fails
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and not self.untested
 
 
 # --- the command -------------------------------------------------------------------------------------
@@ -80,31 +91,51 @@ def for_pvc(cmd: Sequence[str], pvc: Path) -> list[str]:
     return [arg.replace(PVC, str(pvc)) for arg in cmd]
 
 
-# --- targets: when a trial's signal goes (pure but for the clock and the PVC it watches) -----------
+# --- draws and targets: when a trial's signal goes (pure but for the clock and the PVC it watches) ------
 
-def target(phase: str, reference: Outcome, rng: random.Random, pvc: Path) -> Callable[[], bool]:
-    """A predicate that turns true at the instant to signal a trial in ``phase``, judged from the
-    trial's own log (so a loaded machine does not shift the phase) and the reference's pace."""
+@attrs.frozen
+class Draw:
+    """An instant within a phase: the checkpoint counted from (``nth``) and a delay after the phase's
+    start, in seconds; which of the two a phase reads is ``target``'s."""
+
+    nth: int
+    delay: float
+
+
+def draw(phase: str, reference: Outcome, rng: random.Random, outran: Draw | None = None) -> Draw:
+    """An instant for a trial in ``phase``, from the reference's pace. ``outran``: the instant the
+    previous draw of this trial took, which the run outran (it ended before the signal): the new
+    one is earlier (an earlier checkpoint, a shorter delay), never later. Pure but for ``rng``."""
     times = reference.checkpoint_times
     count = len(times)
     gap = (times[-1] - times[0]) / (count - 1) if count > 1 else reference.seconds / 2
+    if outran is not None:
+        return Draw(rng.randint(1, max(1, outran.nth - 1)), rng.uniform(0, outran.delay / 2))
     nth = rng.randint(1, max(1, count - 1))  # a checkpoint to resume from, not the last one
+    if phase == PHASES[0]:  # a delay after the run's first log line (start-up is not the run)
+        return Draw(nth, rng.uniform(0, max(0.0, (times[0] if times else reference.seconds) - reference.first_line)))
+    if phase == PHASES[1]:  # a delay after the nth checkpoint, within the reference's gap between two
+        return Draw(nth, rng.uniform(0, gap))
+    return Draw(nth, 0.0)
 
+
+def target(phase: str, at: Draw, pvc: Path) -> Callable[[], bool]:
+    """A predicate that turns true at the instant ``at`` of ``phase`` in a trial, judged from the
+    trial's own log, so a loaded machine does not shift the phase."""
     def checkpoints() -> int:
         return sum(e["event"] == "checkpointed" for e in events(pvc))
 
     def writing() -> bool:
         return any(p.name.startswith(".tmp-") for p in _listing(pvc / "checkpoints"))
 
-    if phase == PHASES[0]:  # a random delay after the run's first log line (start-up is not the run)
-        ready = _after(lambda: bool(events(pvc)), rng.uniform(0, (times[0] if times else reference.seconds)
-                                                             - reference.first_line))
+    if phase == PHASES[0]:
+        ready = _after(lambda: bool(events(pvc)), at.delay)
         return lambda: ready() or writing() or checkpoints() > 0  # at the latest, as the first one is written
-    if phase == PHASES[1]:  # a random delay after the nth checkpoint, and before the next one commits
-        ready = _after(lambda: checkpoints() >= nth, rng.uniform(0, gap))
-        return lambda: ready() or checkpoints() > nth
+    if phase == PHASES[1]:  # after the nth checkpoint, and before the next one commits
+        ready = _after(lambda: checkpoints() >= at.nth, at.delay)
+        return lambda: ready() or checkpoints() > at.nth
     if phase == PHASES[2]:
-        return lambda: checkpoints() >= nth and writing()
+        return lambda: checkpoints() >= at.nth and writing()
     return lambda: last_event(pvc) == "completed"
 
 
@@ -159,19 +190,33 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
 
 
 def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, reference: Outcome,
-              rng: random.Random) -> Outcome:
-    """Signal the first launch at the phase's instant, then relaunch while the job says relaunch."""
-    pvc = work / f"trial-{index:02d}" / "pvc"
+              rng: random.Random, progress: Callable[[str], None] = lambda _: None) -> Outcome:
+    """One trial: drawn again, earlier, while the run outruns its signal (at most ``MAX_DRAWS``
+    runs, each on a PVC of its own); the last outcome, with how many draws it took."""
+    at: Draw | None = None
+    for n in range(1, MAX_DRAWS + 1):
+        at = draw(phase, reference, rng, at)
+        folder = work / (f"trial-{index:02d}" if n == 1 else f"trial-{index:02d}-draw-{n}")
+        outcome = attrs.evolve(_signalled(cmd, folder / "pvc", phase, sig, at), draws=n)
+        if outcome.delivered:
+            return outcome
+        progress(f"prove: trial {index}: the run ended before its signal landed; "
+                 + (f"drawing an earlier instant ({n + 1} of {MAX_DRAWS})" if n < MAX_DRAWS else "untested"))
+    return outcome
+
+
+def _signalled(cmd: Sequence[str], pvc: Path, phase: str, sig: int, at: Draw) -> Outcome:
+    """Signal the first launch at the instant ``at``, then relaunch while the job says relaunch."""
     pvc.parent.mkdir(parents=True)
     started = time.monotonic()
-    ready = target(phase, reference, rng, pvc)
+    ready = target(phase, at, pvc)
     proc = _launch(for_pvc(cmd, pvc), pvc, 1)
     delivered = kill_when(proc, ready, sig)
     logged = events(pvc)
     landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
     writing = [m.group(1) for p in _listing(pvc / "checkpoints") if (m := re.match(r"\.tmp-step-0*(\d+)", p.name))]
     if not delivered:
-        landed = "not delivered: the launch had ended"
+        landed = "not delivered: the launch had ended before it"
     elif writing:
         landed += f", mid-write of step {writing[0]}"
     try:
@@ -188,10 +233,14 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
         codes.append(proc.wait())
         code = job_exit(codes[-1:])
     return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
-                   phase, signal.Signals(sig).name, landed)
+                   phase, signal.Signals(sig).name, landed, delivered=delivered)
 
 
 def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path], str | None]) -> Verdict:
+    """Whether the trial resumed to the reference; a trial whose signal never landed was an
+    uninterrupted run, which says nothing of a resume: untested, whatever it published."""
+    if not trial.delivered:
+        return Verdict(index, (), untested=True)
     problems = []
     if trial.code != reference.code:
         problems.append(f"ended {trial.code} (launches {list(trial.codes)}), the reference {reference.code}")
@@ -253,29 +302,43 @@ def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
             return 1, lines
     trials, verdicts = [], []
     for index, (phase, sig) in enumerate(plan(kills, signals), 1):
-        trial = run_trial(cmd, work, index, phase, sig, reference, rng)
+        trial = run_trial(cmd, work, index, phase, sig, reference, rng, progress)
         verdict = judge(index, trial, reference, verify_problem)
         trials.append(trial)
         verdicts.append(verdict)
         progress(f"prove: trial {index}/{kills} {trial.signal} {phase}: launches {list(trial.codes)}: "
-                 + ("ok" if not verdict.problems else "; ".join(verdict.problems)))
+                 + ("untested" if verdict.untested else "ok" if verdict.passed else "; ".join(verdict.problems)))
     lines = report(reference, trials, verdicts, work)
-    if any(v.problems for v in verdicts):
+    if not proven(verdicts):
         return 1, lines
     shutil.rmtree(work, ignore_errors=True)  # kept only when there is something to look at
     return 0, lines
 
 
+def proven(verdicts: Sequence[Verdict]) -> bool:
+    """PROVEN: every trial counted had its signal delivered and resumed to the reference."""
+    return bool(verdicts) and all(v.passed for v in verdicts)
+
+
 def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], work: Path) -> list[str]:
     failed = [v for v in verdicts if v.problems]
-    delivered = sum(not t.landed.startswith("not delivered") for t in trials)
+    untested = [v for v in verdicts if v.untested]
+    delivered = sum(t.delivered for t in trials)
     lines = [f"trainjob prove: {len(trials)} trials, {delivered} signals delivered, reference "
              f"{reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints",
              f"{'trial':<6}{'signal':<9}{'phase':<28}{'launches':<14}result"]
     for t, v in zip(trials, verdicts):
         lines.append(f"{v.trial:<6}{t.signal:<9}{t.phase:<28}{' '.join(map(str, t.codes)):<14}"
-                     + ("same bytes, verified" if not v.problems else "DIFFERS"))
-        lines.append(f"{'':<6}landed {t.landed}")
+                     + ("UNTESTED" if v.untested else "same bytes, verified" if v.passed else "DIFFERS"))
+        redrawn = f" (drawn {t.draws} times: the run outran the earlier instants)" if t.draws > 1 else ""
+        lines.append(f"{'':<6}landed {t.landed}" + (redrawn if t.delivered else f", in each of {t.draws} draws"))
+    if not failed and untested:
+        which = ", ".join(str(v.trial) for v in untested)
+        lines.append(f"verdict: UNPROVEN: the signal of trial {which} never landed (the run had ended each time, "
+                     f"{MAX_DRAWS} draws, each earlier), so those trials tested no resume; a run of a few "
+                     "seconds with a checkpoint at least every second gives the signals time to land")
+        lines.append(f"runs kept in {work}")
+        return lines
     if not failed:
         name, blob = next(iter(reference.artifacts.items()))
         lines.append(f"verdict: PROVEN: every trial resumed to the reference's {name} "
@@ -286,5 +349,5 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
     lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
                  + "; ".join(first.problems))
     lines += describe(divergence(reference.pvc, trial.pvc))
-    lines.append(f"runs kept in {work} (reference/pvc, trial-{first.trial:02d}/pvc, each launch's output)")
+    lines.append(f"runs kept in {work} (reference/pvc, {trial.pvc.relative_to(work)}, each launch's output)")
     return lines

@@ -44,6 +44,7 @@ from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
 from ..ranks.coordination import Coordinator
 from ..records import MANIFEST_SCHEMA, Artifact, CheckpointPointer, Manifest, NamedArray, RunState, dumps, load
+from ..checkpoint import snapshot
 from ..checkpoint.snapshot import Gathered, HostState
 from ..states import State as JobState
 
@@ -346,9 +347,7 @@ class Job(MachineModel, AsyncCheckpoints):
             stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
             self.artifact = {"sha256": self.pvc.write_artifact(name, stream), "path": f"artifacts/{name}"}
             return
-        exported = HostState().snapshot(kw["exported"], self.cfg.steps)  # checked and on the host
-        if exported.plain is not None or exported.local is not None:  # an artifact holds arrays only
-            raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
+        exported = snapshot.exported(kw["exported"], self.cfg.steps)  # checked and on the host
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
             record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
             name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()

@@ -38,7 +38,7 @@ INITIAL = State.pending
 # any of them. (In ``snapshotted``, --async-checkpoint's write is in flight; the loop lands it
 # before any other edge, so a logged kill always finds the write landed.)
 TRAINING = [State.started, State.resumed, State.checkpointed]
-FINAL = [State.killed, State.drift_failed, State.job_failed, State.completed, State.resharded]
+FINAL = [State.killed, State.refused, State.drift_failed, State.job_failed, State.completed, State.resharded]
 STATES = [INITIAL, *TRAINING, State.snapshotted, *FINAL]
 
 TRANSITIONS: list[dict[str, Any]] = [
@@ -71,6 +71,10 @@ TRANSITIONS: list[dict[str, Any]] = [
     dict(trigger="land", source=State.snapshotted, dest=State.checkpointed,
          conditions="commit_landed", before="persist_landed"),
     dict(trigger="kill", source=TRAINING, dest=State.killed, before="persist_state"),
+    # What the script handed over cannot be kept (an export that cannot be published): the
+    # process ends with exit 2, the attempt stays in flight, and a relaunch with the script
+    # mended resumes from the newest checkpoint (unmended, it is refused again).
+    dict(trigger="refuse", source=TRAINING, dest=State.refused, before="persist_state"),
     # The gate: publish only a model that holds up against the baseline.
     dict(trigger="gate", source=[State.resumed, State.checkpointed], dest=State.completed,
          conditions="drift_passes", before=["persist_artifact", "persist_state"],
@@ -134,6 +138,7 @@ DETAIL: dict[str, tuple[str, ...]] = {
     "checkpointed": ("step={step:int} loss_milli={loss_milli:int}",),
     "snapshotted": ("step={step:int} loss_milli={loss_milli:int}",),
     "killed": ("at_step={at_step:int} signal={signal}", "at_step={at_step:int}"),
+    "refused": ("at_step={at_step:int} reason={reason}",),
     "artifact_written": ("sha256={sha256} path={path}",),
     "completed": (_VERDICT,),
     "drift_failed": (_VERDICT + " (max drop {max_drop:int}%); refusing artifact",),

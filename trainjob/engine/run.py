@@ -120,7 +120,7 @@ class Run:
     ``<pvc>/log.jsonl``. ``idempotent``: a job that already completed, with an artifact that
     still verifies, ends at once with exit 0 (``completion`` says so) instead of exit 2.
     ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
-    background thread while the loop trains on (README: when to choose it; overlap.py).
+    background thread while the loop trains on (docs/howto/async.md: when to choose it; overlap.py).
     """
 
     def __init__(self, pvc: str | os.PathLike[str], *, state: Stateful, steps: int, ckpt_every: int,
@@ -450,6 +450,14 @@ class Run:
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
+        try:
+            self._gate(holdout, baseline, export)
+        except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
+            if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
+                self._job.refuse(at_step=self.cfg.steps, reason=one_line(str(exc))[:400])
+            raise
+
+    def _gate(self, holdout: Score, baseline: Score, export: State) -> None:
         if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
             if self.artifact_format != "safetensors":
                 raise UsageError("a sharded model (DTensors) is published as safetensors only; leave "

@@ -38,7 +38,10 @@ methods (``set``, ``get``, ``add``, ``check``, ``wait``, ``delete_key``, ``multi
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +51,7 @@ from typing import Any, TypeVar
 
 from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
-from ..exits import EXIT_RELAUNCH
+from ..exits import EXIT_RELAUNCH, exit_code_for
 from ..records import Outcome, RankNote, Session, ShardEntry, dumps, load
 from ..storage.pvc import Pvc
 from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
@@ -80,8 +83,41 @@ def wait_beside(kv: Any, keys: list[str], timeout: float, name: str, check: Call
     waiter = threading.Thread(target=wait, name=name, daemon=True)
     waiter.start()
     while waiter.join(CHECK_EVERY) or waiter.is_alive():
-        check()
+        try:
+            check()
+        except BaseException as exc:
+            _abandon(waiter, exc)
+            raise
     return waited[0]
+
+
+# Waits ``wait_beside`` left running, with the exit code of the error that abandoned each.
+_abandoned: list[tuple[threading.Thread, int]] = []
+
+
+def _abandon(waiter: threading.Thread, why: BaseException) -> None:
+    if not _abandoned:
+        atexit.register(_exit_before_abandoned_waits_end)
+    _abandoned.append((waiter, exit_code_for(type(why))))
+
+
+def _exit_before_abandoned_waits_end() -> None:
+    """(atexit) End the process now if a wait it abandoned is still inside the store's C++ call.
+
+    Once Python starts finalizing, a daemon thread that comes back from C++ is ended by a forced
+    unwind, which torch's noexcept frames turn into std::terminate: the rank died of SIGABRT (-6)
+    after it had decided to exit 75, as soon as --rank-timeout outlasted its way out. So it ends
+    here, before finalizing, with the exit code of the error that abandoned the wait (the code the
+    CLI and ``Run`` give that error); the streams are flushed first, and the log and checkpoints
+    are fsynced as they are written."""
+    codes = [code for waiter, code in _abandoned if waiter.is_alive()]
+    if codes:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed, or a broken pipe: nothing more can be said there
+                pass
+        os._exit(codes[0])
 
 
 @contextmanager

@@ -3,12 +3,14 @@
     from trainjob.torch import TrainingState
     state = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader, scaler=scaler)
 
-One module per part, each small: ``tensors`` (the model and optimizer state on
-torch.distributed.checkpoint's FQN-keyed helpers), ``optim`` (optimizer state torch has not
-created yet), ``rng`` (each rank's random streams), ``loader`` (a data loader's position), ``ddp``
-(what DDP keeps alike across ranks and what it does not: its buffers), ``workers``
+One module per part, each small: ``optim`` (optimizer state torch has not created yet, on
+torch.distributed.checkpoint's FQN-keyed helpers), ``rng`` (each rank's random streams), ``loader``
+(a data loader's position), ``ddp`` (what DDP keeps alike across ranks and what it does not: its
+buffers), ``workers``
 (its worker processes ignore a signal sent to the whole process group), and
-``state`` (``TrainingState``, which holds them together). Needs the optional ``torch`` extra
+``state`` (``TrainingState``, which holds them together); beside them, ``tensors``, the smaller
+tensors-only helpers (a module's and an SGD optimizer's live tensors by name). Users import all of
+it from ``trainjob.torch``, the one public path. Needs the optional ``torch`` extra
 (``trainjob[torch]``); ``torchdata`` for a ``StatefulDataLoader``.
 """
 

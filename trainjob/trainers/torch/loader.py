@@ -3,8 +3,9 @@
 torchdata's ``StatefulDataLoader`` hands out where it is (``state_dict()``: the sampler's
 generator as a uint8 tensor, counters, with workers a snapshot per worker) and takes it back
 before its next ``iter()``. Its shape changes as it runs (before the first batch, mid-epoch, with
-workers), so the checkpoint holds it as one JSON string: the loader checks its own state when it
-loads it; trainjob checks that the checkpoint has one.
+workers, each worker's random streams as bytes: ``worker_rng.py``), so the checkpoint holds it as
+one JSON string, tensors and bytes as hex: the loader checks its own state when it loads it;
+trainjob checks that the checkpoint has one.
 
 A trap, measured with torchdata 0.11: resumed mid-epoch, the loader rebuilds the epoch's
 permutation from its generator's state at the epoch's start, but draws from that generator more
@@ -23,9 +24,11 @@ from typing import Any
 
 import torch
 
+from . import worker_rng
 from ... import plain
 
 _TENSOR = "trainjob.tensor"  # not a name torchdata's state uses: marks a tensor in the text
+_BYTES = "trainjob.bytes"  # and bytes (the workers' random streams, worker_rng.py)
 
 
 def check(loader: object) -> None:
@@ -39,6 +42,8 @@ def _out(value: Any) -> Any:
         t = value.detach().cpu().contiguous()
         return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes().hex()
                           if t.numel() else ""]}
+    if isinstance(value, bytes):
+        return {_BYTES: value.hex()}
     if isinstance(value, dict):
         return {k: _out(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -52,6 +57,8 @@ def _in(value: Any) -> Any:
             dtype, shape, data = value[_TENSOR]
             raw = torch.frombuffer(bytearray.fromhex(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
             return raw.view(getattr(torch, dtype)).reshape(shape).clone()
+        if set(value) == {_BYTES}:
+            return bytes.fromhex(value[_BYTES])
         return {k: _in(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return type(value)(_in(v) for v in value)
@@ -68,6 +75,7 @@ def _generators(loader: Any) -> list[torch.Generator]:
 
 def state_dict(loader: Any) -> str:
     state = {"loader": loader.state_dict(), "generators": [g.get_state() for g in _generators(loader)]}
+    worker_rng.check_state(loader, state["loader"])
     return plain.encode(_out(state), "loader")
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from . import ddp, loader as loader_state, optim, rng as streams, workers
+from . import ddp, loader as loader_state, optim, rng as streams, worker_rng, workers
 from ...plain import PlainError
 from ...state_tree import RankLocal
 from ...errors import UsageError
@@ -66,8 +66,10 @@ class TrainingState:
         except (TypeError, ValueError) as exc:
             self._refusal = f"TrainingState: {exc}"
         else:
-            # Now, before the Run's first state_dict() starts the workers: a signal to the whole
-            # process group must not kill them in the middle of the stop checkpoint (workers.py).
+            # Now, before the Run's first state_dict() starts the workers: their random streams
+            # go into the loader's snapshot (worker_rng.py), and a signal to the whole process
+            # group must not kill them in the middle of the stop checkpoint (workers.py).
+            worker_rng.install(self.loader)
             workers.guard(self.loader)
 
     def _check(self) -> None:
@@ -78,6 +80,8 @@ class TrainingState:
                 raise TypeError(f"{name} is a {type(member).__name__}, which has no state_dict()/load_state_dict()")
         if self.loader is not None:
             loader_state.check(self.loader)
+            if (why := worker_rng.refusal(self.loader)) is not None:
+                raise ValueError(why)
         if self.optimizer is not None:
             self._layout = optim.Layout(self.model, self.optimizer)
 
@@ -114,6 +118,8 @@ class TrainingState:
                 local["loader"] = loader_state.state_dict(self.loader)
             except PlainError as exc:
                 raise UsageError(f"TrainingState: the loader's state_dict(): {exc}") from None
+            except ValueError as exc:  # worker_rng.check_state: what the workers' state shows
+                raise UsageError(f"TrainingState: {exc}") from None
         if local:
             out["rank"] = RankLocal(local)
         return out

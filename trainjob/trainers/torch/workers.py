@@ -11,7 +11,8 @@ checkpoint and exits 75. (Kubernetes signals PID 1 only, so it does not hit this
 ``guard(loader)``, which ``TrainingState`` calls, wraps the loader's ``worker_init_fn`` in
 ``StopOnOwner``. In each worker, before the user's own ``worker_init_fn`` runs, SIGTERM and
 SIGINT are blocked in its main thread (every thread started later inherits the mask) and a daemon
-thread takes them with ``sigwaitinfo``, which says who sent each one. What the worker does with a
+thread takes them with ``sigwaitinfo``, which says who sent each one. Another daemon thread ends
+the worker once that process is gone (``_leave_when_orphaned``). What the worker does with a
 signal depends on who sent it (``verdict``):
 
 - the process that started the worker (torch's ``_shutdown_workers`` and multiprocessing's exit
@@ -28,7 +29,8 @@ not covered. SIGINT is covered, because the fork server ignores it. A signal tha
 the guard is in place, between a worker's start and its ``worker_init_fn``, still acts as it did
 before.
 
-Owns: how the workers of a loader given to ``TrainingState`` take SIGTERM and SIGINT. Must not:
+Owns: how the workers of a loader given to ``TrainingState`` take SIGTERM and SIGINT, and that
+they end once the process that started them is gone. Must not:
 change the training process's own signal handling (``engine/job.py``'s ``StopFlag``), or
 anything else in a worker. Cannot reach workers started before ``guard`` (their
 ``worker_init_fn`` has already run), so build the ``TrainingState`` before the loader's first
@@ -40,10 +42,12 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 STOPS = frozenset({signal.SIGTERM, signal.SIGINT})
+ORPHAN_POLL = 0.5  # seconds between a worker's looks at whether the process that started it lives
 END, IGNORE, AS_WITHOUT = "end", "ignore", "as without"
 
 
@@ -87,6 +91,8 @@ class StopOnOwner:
         signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
         threading.Thread(target=_take_stops, args=(owner, parent), name="trainjob-worker-stops",
                          daemon=True).start()
+        threading.Thread(target=_leave_when_orphaned, args=(owner, parent), name="trainjob-worker-orphan",
+                         daemon=True).start()
         if self.inner is not None:
             self.inner(worker_id)
 
@@ -101,6 +107,17 @@ def _owner_alive(owner: int, parent: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _leave_when_orphaned(owner: int, parent: int) -> None:
+    """End the worker once the process that started it is gone (SIGKILLed, say), as torch's own
+    watchdog means it to. That watchdog returns from the worker's loop, but the worker's exit then
+    joins its result queue's feeder thread, which blocks forever on a full pipe no one reads: with
+    the workers' random streams in every result (``worker_rng.py``), a few unread results fill it.
+    Such an orphan held the killed run's stdout and stderr open, and its memory, indefinitely."""
+    while _owner_alive(owner, parent):
+        time.sleep(ORPHAN_POLL)
+    os._exit(0)
 
 
 def _take_stops(owner: int, parent: int) -> None:

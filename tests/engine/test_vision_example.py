@@ -1,0 +1,156 @@
+"""examples/vision.py, a typical vision script (a CNN with BatchNorm and Dropout, AdamW in two
+parameter groups, warm-up + cosine SequentialLR, a GradScaler, a shuffling StatefulDataLoader whose
+Dataset adds noise, flips and a brightness drawn from torch, random and numpy in its workers, one
+random and one numpy draw per step, ``export=net.state_dict()``), as a user runs it, with
+``--workers 0`` and ``--workers 2``: uninterrupted, it publishes the weights the script trains
+without trainjob, bit for bit; SIGKILLed at a checkpoint and again at a random instant, the
+relaunch publishes the uninterrupted bytes and prints the uninterrupted loss at every step after
+its resume point; ``trainjob prove`` says PROVEN. The control: without the workers' streams in the
+loader's snapshot, a resume with workers publishes other bytes. Under ``trainjob torchrun`` at
+W = 2 (DDP with BatchNorm) the script completes.
+
+Slow (a few minutes under load): each case runs the script two or three times, about 15 s each
+on a loaded 2-core machine; the references are built once per test run."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, built_once
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchdata")
+pytestmark = pytest.mark.process
+
+EXAMPLE = ROOT / "examples/vision.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
+STEPS = 48  # 3 epochs of 16 batches, a checkpoint every 4 steps
+
+
+def launch(script: Path, pvc: Path, workers: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), "--pvc", str(pvc), "--workers", str(workers)], env=ENV,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def losses(text: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+def finish(script: Path, pvc: Path, workers: int) -> dict[int, str]:
+    out, err = launch(script, pvc, workers).communicate(timeout=600)
+    assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
+    return losses(out)
+
+
+def killed(script: Path, pvc: Path, workers: int, at_line: int, then: float = 0.0) -> None:
+    """SIGKILL once the loss line of step ``at_line`` (or a later one) is printed, ``then`` seconds
+    later: a loss line comes just before its step's checkpoint, so at a checkpoint step with no
+    delay the kill lands in or around that checkpoint."""
+    proc = launch(script, pvc, workers)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if (step := losses(line)) and min(step) >= at_line:
+            break
+    time.sleep(then)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, f"not killed at step {at_line}: {err[-1000:]}"
+
+
+def artifact(pvc: Path) -> bytes:
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+def reference(factory: pytest.TempPathFactory, workers: int) -> tuple[bytes, dict[int, str]]:
+    def run(directory: Path) -> None:
+        lines = finish(EXAMPLE, directory / "pvc", workers)
+        assert sorted(lines) == list(range(1, STEPS + 1))
+        (directory / "losses.json").write_text(json.dumps(lines))
+
+    directory = built_once(factory, f"vision-reference-w{workers}", run)
+    lines = {int(step): loss for step, loss in json.loads((directory / "losses.json").read_text()).items()}
+    return artifact(directory / "pvc"), lines
+
+
+def resumed_matches(expected: tuple[bytes, dict[int, str]], script: Path, pvc: Path, workers: int) -> bool:
+    lines = finish(script, pvc, workers)
+    assert lines and max(lines) == STEPS and '"resumed"' in (pvc / "log.jsonl").read_text()
+    return artifact(pvc) == expected[0] and all(expected[1][s] == v for s, v in lines.items())
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_script_without_trainjob_reaches_the_same_weights(tmp_path_factory, tmp_path, workers):
+    """trainjob draws nothing, in the loop or in the workers: the same bits with and without it.
+    The published safetensors hold BatchNorm's 0-d num_batches_tracked as 0-d."""
+    from safetensors.torch import load
+    expected = reference(tmp_path_factory, workers)
+    done = subprocess.run([sys.executable, str(EXAMPLE), "--bare", str(tmp_path / "bare.pt"), "--workers", str(workers)],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    published, bare = load(expected[0]), torch.load(tmp_path / "bare.pt")
+    assert published.keys() == bare.keys() and "1.num_batches_tracked" in bare
+    for k in bare:
+        assert published[k].shape == bare[k].shape and published[k].dtype == bare[k].dtype, k
+        assert published[k].numpy().tobytes() == bare[k].numpy().tobytes(), k
+    assert published["1.num_batches_tracked"].shape == () and int(published["1.num_batches_tracked"]) == STEPS
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kills_at_a_checkpoint_and_at_a_random_instant_resume_to_the_uninterrupted_bytes(tmp_path_factory, tmp_path,
+                                                                                          workers):
+    """The first kill after step 12's loss line (its checkpoint is due: mid-epoch, the workers'
+    streams far from their seeds), the second at a random step of the second or third epoch."""
+    expected = reference(tmp_path_factory, workers)
+    rng, pvc = random.Random(SEED), tmp_path / "pvc"
+    killed(EXAMPLE, pvc, workers, at_line=12)
+    killed(EXAMPLE, pvc, workers, at_line=rng.randrange(17, 40), then=rng.uniform(0, 0.05))
+    assert resumed_matches(expected, EXAMPLE, pvc, workers), f"TRAINJOB_KILL_SEED={SEED}"
+
+
+def test_without_the_workers_streams_a_resume_with_workers_publishes_other_bytes(tmp_path_factory, tmp_path):
+    """The control: the same script with trainjob's worker streams switched off (worker_rng.install
+    made a no-op before the script runs); the loader's position and every other piece still resume."""
+    expected = reference(tmp_path_factory, 2)
+    script = tmp_path / "vision_without_worker_streams.py"
+    script.write_text("import runpy, sys\nfrom trainjob.trainers.torch import worker_rng\n"
+                      "worker_rng.install = lambda loader: None\n"
+                      f"sys.argv[0] = {str(EXAMPLE)!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    pvc = tmp_path / "pvc"
+    killed(script, pvc, 2, at_line=12)
+    assert not resumed_matches(expected, script, pvc, 2)
+
+
+@pytest.mark.killpoint
+@pytest.mark.parametrize("workers", [0, 2])
+def test_prove_says_proven(capsys, workers):
+    """One trial (between checkpoints, a resume) beside prove's own reference: the kills above
+    cover the rest."""
+    from trainjob import cli
+    code = cli.main(["prove", "--kills", "1", "--", sys.executable, str(EXAMPLE), "--pvc", "{pvc}",
+                     "--workers", str(workers)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 1 and "-9 0" in out
+
+
+@pytest.mark.torchrun
+def test_under_trainjob_torchrun_at_two_ranks_ddp_with_batchnorm_completes(tmp_path):
+    """Runnable at W = 2 (DDP broadcasts rank 0's BatchNorm statistics); whether a resume there
+    reaches the same bytes is the replicated-buffers work's (issue 44)."""
+    pvc = tmp_path / "pvc"
+    done = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", str(EXAMPLE), "--pvc", str(pvc), "--workers", "1"],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert '"completed"' in (pvc / "log.jsonl").read_text() and artifact(pvc)
