@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, events
+from conftest import ROOT, built_once, events, trainjob
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.process, pytest.mark.torchrun]
@@ -126,7 +126,7 @@ def local_buffers(checkpoint: Path, rank: int) -> dict:
 def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path):
     """``--disagree``: an ``extra`` module's buffer sums each rank's own inputs. The first
     checkpoint is refused on every rank (exit 2) with one line naming the entry and the ranks,
-    and nothing is committed."""
+    nothing is committed, and the log says so (``refused``), so ``status`` says 2 as well."""
     pvc = tmp_path / "pvc"
     code, err = finish(pvc, "--disagree")
     assert code == 2, err[-2000:]
@@ -134,3 +134,6 @@ def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_pa
     assert said and "extra.seen.total" in said[0] and "(rank 0 and rank 1 hold different values)" in said[0], err[-2000:]
     assert "model.1.running_mean" not in err  # DDP's buffers have their source: never the refusal
     assert committed(pvc) == []
+    last, detail = events(pvc / "log.jsonl")[-1]
+    assert last == "refused" and detail.startswith("at_step=4 ") and "extra.seen.total" in detail
+    assert trainjob("status", pvc / "log.jsonl").returncode == 2
