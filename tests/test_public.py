@@ -25,14 +25,15 @@ PUBLIC = [
     "Factory", "Score", "State", "Trainer",
     "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
     "PeerFailed", "PeerRefused", "PvcBusy", "RankTimeout",
-    "Refused", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
+    "Refused", "ReplicasDisagree", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
 # ``trainjob.trainers.torch_state`` is the tensors-only helpers' deprecated path: it still works, and
 # nothing shown to users imports it.
 PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits"}
-TORCH_PUBLIC = ["RankLocal", "TrainingState", "load_state_dict", "materialize_sgd", "state_dict"]
+TORCH_PUBLIC = ["FromRank0", "RankLocal", "Replicated", "TrainingState", "load_state_dict", "materialize_sgd",
+                "state_dict"]
 
 
 def test_all_is_pinned():

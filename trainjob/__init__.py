@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
-                     PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, StateMismatch, Superseded, TrainJobError,
-                     TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
+                     PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
+                     Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
@@ -44,6 +44,7 @@ __all__ = [
     "PvcBusy",
     "RankTimeout",
     "Refused",
+    "ReplicasDisagree",
     "StateMismatch",
     "Superseded",
     "TrainJobError",

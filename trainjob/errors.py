@@ -3,6 +3,7 @@
     TrainJobError                 base; raised bare, it is unclassified     -> exit 70
     ├── Refused(ValueError)       the request cannot work; retrying cannot help -> exit 2
     │   ├── UsageError            a flag or argument that cannot work
+    │   ├── ReplicasDisagree      an entry every rank holds differs between ranks (W > 1)
     │   └── InputError            a file trainjob reads is missing or wrong
     │       ├── AlreadyCompleted      the PVC holds a completed job
     │       ├── ArtifactUnverified    a completed job's artifact fails its logged hash
@@ -66,6 +67,13 @@ class Refused(TrainJobError, ValueError):
 
 class UsageError(Refused):
     """A command-line argument that cannot work (exit 2)."""
+
+
+class ReplicasDisagree(Refused):
+    """At W > 1, an entry of the state every rank holds, which nothing marks as one rank's or
+    each rank's own, differs between ranks at a checkpoint (checkpoint/replicas.py): written
+    from both it would be a mix, so nothing is committed (exit 2). The message names the entry
+    and the ranks."""
 
 
 class InputError(Refused):

@@ -8,6 +8,9 @@ is written as a one-key object whose key starts with ``$``:
                                  to print ints of more than 4300 digits, hex has no such limit)
     {"$float": "7ff8000000000000"}  a non-finite float, by its 64 bits (nan payloads included)
     {"$tuple": [...]}            a tuple (torch's ``betas``, python ``random``'s state)
+    {"$array": {"dtype": "float32", "shape": [3], "hex": "...", "torch": true}}
+                                 an ``Array``: an array's exact bytes, as a rank-local part holds
+                                 one (``state_tree.py`` makes it of a tensor or numpy array)
 
 A dict key that starts with ``$`` is written with one more ``$`` in front, so no user key can
 be read back as one of those. Finite floats are written by ``repr`` (exact, ``-0.0`` included).
@@ -32,6 +35,27 @@ class PlainError(ValueError):
     """A value that is not plain, or text that does not decode: the message names the path."""
 
 
+class Array:
+    """An array as a plain value: its dtype's name (numpy's, or torch's without ``torch.``),
+    shape, raw bytes (C order, the machine's little-endian), and whether it was a torch tensor.
+    Made and turned back into an array by ``state_tree.py``; here it is only written and read."""
+
+    __slots__ = ("dtype", "shape", "data", "torch")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], data: bytes, torch: bool) -> None:
+        self.dtype, self.shape, self.data, self.torch = dtype, tuple(shape), bytes(data), torch
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Array) and (self.dtype, self.shape, self.data, self.torch) == (
+            other.dtype, other.shape, other.data, other.torch)
+
+    def __repr__(self) -> str:
+        return f"Array({self.dtype}{list(self.shape)}, {len(self.data)} bytes)"
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)} {'tensor' if self.torch else 'array'}"
+
+
 def _bits(x: float) -> str:
     return struct.pack(">d", x).hex()
 
@@ -46,6 +70,9 @@ def _to_json(value: Any, path: str) -> Any:
         return float(value) if math.isfinite(value) else {"$float": _bits(value)}
     if isinstance(value, list):
         return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, Array):
+        return {"$array": {"dtype": value.dtype, "shape": list(value.shape), "hex": value.data.hex(),
+                           "torch": value.torch}}
     if isinstance(value, tuple):
         return {"$tuple": [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, dict):
@@ -83,6 +110,8 @@ def _from_json(value: Any, path: str) -> Any:
                 raise PlainError(f"{path}: {inner!r} is not the hex of a float's 64 bits") from None
         if key == "$tuple" and isinstance(inner, list):
             return tuple(_from_json(v, f"{path}[{i}]") for i, v in enumerate(inner))
+        if key == "$array":
+            return _array(inner, path)
     if any(k.startswith("$") and not k.startswith("$$") for k in value):
         raise PlainError(f"{path}: an object with a key starting with a single '$' that is not an encoded value")
     out = {}
@@ -90,6 +119,19 @@ def _from_json(value: Any, path: str) -> Any:
         name = k[1:] if k.startswith("$") else k
         out[name] = _from_json(v, f"{path}.{name}" if path else name)
     return out
+
+
+def _array(inner: Any, path: str) -> Array:
+    if not (isinstance(inner, dict) and set(inner) == {"dtype", "shape", "hex", "torch"}
+            and isinstance(inner["dtype"], str) and isinstance(inner["torch"], bool)
+            and isinstance(inner["hex"], str) and isinstance(inner["shape"], list)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in inner["shape"])):
+        raise PlainError(f"{path}: not an encoded array")
+    try:
+        data = bytes.fromhex(inner["hex"])
+    except ValueError:
+        raise PlainError(f"{path}: the array's bytes are not hex") from None
+    return Array(inner["dtype"], tuple(inner["shape"]), data, inner["torch"])
 
 
 def decode(text: str) -> Any:
@@ -109,6 +151,8 @@ def decode(text: str) -> Any:
 def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "bool"
+    if isinstance(value, Array):
+        return value.describe()  # an array fits only one of its dtype, shape and library
     if isinstance(value, int | float):
         return "number"  # an lr given as 1 becomes 0.5 once a scheduler scales it
     return type(value).__name__

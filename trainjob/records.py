@@ -31,6 +31,7 @@ T = TypeVar("T")
 
 # Formats that records and the modules beside them check, each written once here.
 SHA256_HEX = r"[0-9a-f]{64}"  # a sha256 as trainjob writes it: 64 lowercase hex digits
+DIGEST_HEX = r"[0-9a-f]{32}"  # a replicated entry's digest (checkpoint/replicas.py): 128 bits of a sha256
 # A file name that stays inside its directory: no separator, and no first dot (so never "." or "..").
 PLAIN_NAME = r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}"
 
@@ -140,6 +141,10 @@ class TensorSlice:
     offsets: tuple[int, ...] | None = attrs.field(
         default=None, converter=attrs.converters.optional(tuple),
         validator=[v.optional(v.deep_iterable(v.and_(v.instance_of(int), v.ge(0)))), _offsets_fit])
+    # At W > 1, of an entry every rank holds that nothing says is alike (checkpoint/replicas.py):
+    # the digest of the whole entry as this rank held it, which rank 0 compared with every other
+    # rank's before the commit. None (omitted) otherwise.
+    digest: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(DIGEST_HEX)))
 
     @property
     def rows(self) -> slice:

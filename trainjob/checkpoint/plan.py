@@ -90,15 +90,25 @@ class Local:
 
 
 def rank_holds(tensors: Sequence[TensorSpec], world_size: int, rank: int,
-               local: Mapping[str, Local] | None = None) -> tuple[TensorSlice, ...]:
+               local: Mapping[str, Local] | None = None,
+               sources: Mapping[str, int] | None = None) -> tuple[TensorSlice, ...]:
     """What rank ``rank``'s shard holds: of every tensor, its replica's row range of the box it
     holds (``local``, by name; a tensor not in it is held whole by every rank). So what several
     ranks hold alike is written once, split along its first axis as the documented rule says,
-    and a DTensor's shard is written by the ranks that hold it, never gathered."""
+    and a DTensor's shard is written by the ranks that hold it, never gathered.
+
+    ``sources``: tensors every rank holds but whose copies may differ (DDP's buffers), by name,
+    with the one rank whose copy the checkpoint keeps: that rank writes it whole and every other
+    an empty slice, so no checkpoint holds rows of one rank's copy beside another's."""
     out = []
     for t in tensors:
         box = (local or {}).get(t.name) or Local(origin=(0,) * len(t.shape), shape=t.shape, replica=rank,
                                                  replicas=world_size)
+        source = (sources or {}).get(t.name)
+        if source is not None and t.name not in (local or {}):
+            rows = t.shape[0] if rank == source else 0
+            out.append(TensorSlice(name=t.name, dtype=t.dtype, shape=(rows, *t.shape[1:]), start=0))
+            continue
         start, stop = split_rows(box.shape[0], box.replicas)[box.replica]
         origin = (box.origin[0] + start, *box.origin[1:])
         out.append(TensorSlice(name=t.name, dtype=t.dtype, shape=(stop - start, *box.shape[1:]), start=origin[0],

@@ -19,6 +19,10 @@ dtypes as at the first snapshot; dense, contiguous, at least one axis; plain val
 what to change, before anything is written. At a resume, ``live`` checks a checkpoint's plain
 values against the live state's (the same keys and kinds) before handing anything over.
 
+At W > 1 a snapshot also says, from the state's marks (``state_tree.py``), which arrays one rank
+writes whole (``HostArrays.sources``: DDP's buffers, from rank 0) and which are compared across
+ranks before a commit (``HostArrays.checked``, their digests: ``replicas.py``).
+
 A DTensor (FSDP2's parameters and optimizer state) is taken as its rank's local shard, with the
 place of that shard in the whole tensor (``dtensor_box``, from its placements): no rank gathers
 what it does not hold. ``live`` wraps a local shard read back into a DTensor of the same mesh
@@ -36,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from . import plan, shards
+from . import plan, replicas, shards
 from .. import plain, state_tree as tree
 from ..errors import InputError, UsageError
 from ..records import TensorSpec
@@ -57,11 +61,20 @@ class HostArrays(dict[str, np.ndarray]):
 
     def __init__(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
                  local_text: str | None = None, boxes: Mapping[str, plan.Local] | None = None,
-                 specs: tuple[TensorSpec, ...] | None = None) -> None:
+                 specs: tuple[TensorSpec, ...] | None = None, sources: Mapping[str, int] | None = None,
+                 checked: frozenset[str] = frozenset()) -> None:
         super().__init__(arrays)
         self.plain, self.local = plain_text, local_text
         self.boxes = dict(boxes or {})
         self.specs = specs  # the whole tensors (a DTensor's global shape), as the manifest lists them
+        # At W > 1 (replicas.py): the entries one rank writes whole, and those whose ranks' copies
+        # are compared before a commit (a DTensor's shard never is).
+        self.sources = dict(sources or {})
+        self.checked = frozenset(n for n in checked if n not in self.boxes)
+
+    def digests(self) -> dict[str, str]:
+        """This rank's digest of each checked entry (``replicas.digest``), by name."""
+        return {name: replicas.digest(self[name]) for name in sorted(self.checked)}
 
     def metadata(self, rank: int) -> dict[str, str]:
         """What rank ``rank``'s shard header holds besides its arrays."""
@@ -315,7 +328,8 @@ class HostState:
             out[spec.name] = buf
         if device_copies:
             _torch().cuda.synchronize()  # the non-blocking copies above must land before a write
-        return HostArrays(out, plain_text, local_text, boxes, specs)
+        return HostArrays(out, plain_text, local_text, boxes, specs, replicas.sources(parts.from_rank0),
+                          parts.checked)
 
     def live(self, arrays: Mapping[str, np.ndarray], plain_text: str | None = None,
              local_text: str | None = None, where: str = "the checkpoint",
@@ -338,6 +352,7 @@ class HostState:
             try:
                 found = plain.decode(text)
                 plain.check_like(like, found)
+                found = tree.arrays_back(found, _torch())  # a rank-local array: a tensor again where it was one
             except plain.PlainError as exc:
                 raise InputError(f"{where}: {name}: {exc}") from None
             docs.append(found)

@@ -337,7 +337,10 @@ class ShardWriter(CheckpointStore):
         ``fsync_later``: see ``write_slices``."""
         host = tensors if isinstance(tensors, HostArrays) else HostArrays(tensors)
         specs = host.specs or tensor_specs(tensors)
-        holds = plan.rank_holds(specs, world_size, rank, host.boxes)
+        holds = plan.rank_holds(specs, world_size, rank, host.boxes, host.sources)
+        if world_size > 1 and host.checked:  # rank 0 compares them before the commit (replicas.py)
+            digests = host.digests()
+            holds = tuple(attrs.evolve(h, digest=digests[h.name]) if h.name in digests else h for h in holds)
         return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank),
                                  fsync_later)
 

@@ -31,14 +31,14 @@ from transitions import EventData
 
 from . import decisions
 from ..checkpoint import plan
-from ..checkpoint import shards
+from ..checkpoint import replicas, shards
 from . import machine
 from .overlap import AsyncCheckpoints
 from ..checkpoint.store import Committer, Loaded
 from ..defaults import ASYNC_WRITE_TIMEOUT
 from .config import RunConfig
-from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, StateMismatch, UsageError,
-                      WorldSizeMismatch)
+from ..errors import (AlreadyCompleted, InputError, NoVerifiedCheckpoint, ReplicasDisagree, StateMismatch,
+                      UsageError, WorldSizeMismatch)
 from ..storage.eventlog import EventLog
 from ..checkpoint.plan import Ref
 from ..storage.pvc import Pvc
@@ -317,6 +317,8 @@ class Job(MachineModel, AsyncCheckpoints):
         entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, fsync_later=True)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)
+        if found := replicas.disagreements(entries):  # a checkpoint written from both copies would mix them
+            raise ReplicasDisagree(replicas.refusal(step, found))
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=ref.step, attempt=ref.attempt, world_size=world,
                             loss_milli=loss_milli, tensors=specs, shards=entries)
         if problems := plan.coverage_problems(manifest.tensors, manifest.shards):  # DTensors not spanning every rank

@@ -79,8 +79,8 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors, one_line,
-                      os_errors)
+from ..errors import (InputError, ReplicasDisagree, Superseded, TrainJobError, TryAgainLater, UsageError,
+                      memory_errors, one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, torchrun
@@ -370,7 +370,12 @@ class Run:
         arrays = self._host.snapshot(self.stateful.state_dict(), step)  # bad input writes nothing
         if self.rank == 0:
             assert self._job is not None
-            self._job.checkpoint(step=step, state=arrays, specs=self._host.specs, loss_milli=loss, force=force)
+            try:
+                self._job.checkpoint(step=step, state=arrays, specs=self._host.specs, loss_milli=loss, force=force)
+            except ReplicasDisagree as exc:  # nothing committed: said in the log, so `status` says 2
+                if self._job.state in machine.TRAINING:
+                    self._job.refuse(at_step=step, reason=one_line(str(exc))[:400])
+                raise
             return
         self._write_shard(step, arrays)
 

@@ -4,7 +4,9 @@
     state = TrainingState(model=model, optimizer=opt, scheduler=sched, loader=loader, scaler=scaler)
 
 One module per part, each small: ``optim`` (optimizer state torch has not created yet, on
-torch.distributed.checkpoint's FQN-keyed helpers), ``rng`` (each rank's random streams), ``loader`` (a data loader's position), ``workers``
+torch.distributed.checkpoint's FQN-keyed helpers), ``rng`` (each rank's random streams), ``loader``
+(a data loader's position), ``ddp`` (what DDP keeps alike across ranks and what it does not: its
+buffers), ``workers``
 (its worker processes ignore a signal sent to the whole process group), and
 ``state`` (``TrainingState``, which holds them together); beside them, ``tensors``, the smaller
 tensors-only helpers (a module's and an SGD optimizer's live tensors by name). Users import all of

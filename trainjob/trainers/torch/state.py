@@ -17,8 +17,9 @@
                 loader's position (``loader.py``), the named torch/numpy Generators in ``extra``
 
 ``load_state_dict`` puts each back where it came from, in that order. Under DDP every rank holds
-the same model, optimizer and scheduler: those are written once, split across ranks; the ``rank``
-part is each rank's own. Nothing here runs per step.
+the same parameters, optimizer and scheduler: those are written once, split across ranks; DDP's
+buffers (BatchNorm's statistics) are rank 0's, or each rank's own with ``broadcast_buffers=False``
+(``ddp.py``); the ``rank`` part is each rank's own. Nothing here runs per step.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from . import loader as loader_state, optim, rng as streams, worker_rng, workers
+from . import ddp, loader as loader_state, optim, rng as streams, worker_rng, workers
 from ...plain import PlainError
 from ...state_tree import RankLocal
 from ...errors import UsageError
@@ -59,6 +60,7 @@ class TrainingState:
         self.scaler, self.extra, self.rng = scaler, dict(extra or {}), rng
         self._layout: optim.Layout | None = None
         self._refusal: str | None = None
+        self._marks = ddp.Marks(model) if isinstance(model, torch.nn.Module) else None
         try:
             self._check()
         except (TypeError, ValueError) as exc:
@@ -89,15 +91,19 @@ class TrainingState:
 
     def state_dict(self) -> dict[str, Any]:
         self._refuse()
-        out: dict[str, Any] = {"model": {k: _axis(v) for k, v in get_model_state_dict(self.model).items()}}
+        assert self._marks is not None
+        tensors = {k: _axis(v) for k, v in get_model_state_dict(self.model).items()}
+        out: dict[str, Any] = {"model": self._marks.model(tensors)}
         if self.optimizer is not None:
             assert self._layout is not None
-            out["optim"] = optim.state_dict(self.model, self.optimizer, self._layout)
+            out["optim"] = self._marks.optim(optim.state_dict(self.model, self.optimizer, self._layout))
         if self.scheduler is not None:
             out["scheduler"] = self.scheduler.state_dict()
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         local: dict[str, Any] = {}
+        if (buffers := self._marks.rank_local(tensors)) is not None:
+            local["buffers"] = buffers
         shared = {k: _module_state(m) if isinstance(m, torch.nn.Module) else m.state_dict()
                   for k, m in self.extra.items() if not streams.is_generator(m)}
         if shared:
@@ -121,7 +127,12 @@ class TrainingState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._refuse()
         live = get_model_state_dict(self.model)
-        set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in state["model"].items()})
+        saved = dict(state["model"])
+        local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
+        if self._marks is not None and self._marks.per_rank:  # DDP's buffers: this rank's own, else the live ones
+            for k in self._marks.buffers & live.keys():
+                saved[k] = local["buffers"][k] if local is not None else live[k]
+        set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in saved.items()})
         if self.optimizer is not None:
             assert self._layout is not None
             optim.load_state_dict(self.model, self.optimizer, self._layout, state["optim"])
@@ -136,7 +147,6 @@ class TrainingState:
                                    for n, v in state["extra"][k].items()})
             elif not streams.is_generator(m):
                 m.load_state_dict(state["extra"][k])
-        local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
         if local is None:
             return
         for k, m in self.extra.items():
