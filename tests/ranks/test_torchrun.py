@@ -181,11 +181,14 @@ def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, *RUN, "--die-at", "100").returncode == 75  # a checkpoint for 1 rank
 
-    # Bad input: the checkpoint is for 1 rank. Rank 0 finds it; every pod says 2 (FailJob), none 1.
+    # Bad input: the checkpoint is for 1 rank. Rank 0 finds it; every pod says 2 (FailJob), none 1,
+    # and the PVC is as it was: not even the lock files of ranks 1 and 2, new to it, stay.
+    before = {str(p.relative_to(pvc)): p.read_bytes() if p.is_file() else None for p in sorted(pvc.rglob("*"))}
     pods = Pods(world, pvc)
     codes = pods.wait()
     assert set(codes.values()) == {2}, pods.told()
     assert sum("WorldSizeMismatch" in out or "trainjob reshard" in out for out in pods.output.values()) == world
+    assert {str(p.relative_to(pvc)): p.read_bytes() if p.is_file() else None for p in sorted(pvc.rglob("*"))} == before
     assert trainjob("reshard", "--pvc", pvc, "--world-size", world).returncode == 0
 
     # SIGTERM to one pod's process group (what the kubelet sends): every pod saves and exits 75.

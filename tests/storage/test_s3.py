@@ -75,6 +75,16 @@ def test_bad_bucket_credentials_and_urls_exit_2_with_one_line_naming_what(s3_pvc
     assert len(err.splitlines()) == 1 and "refused the credentials" in err and "AWS_SECRET_ACCESS_KEY" in err
 
 
+def test_verify_of_an_empty_prefix_is_nothing_to_verify_exit_2(s3_pvc, capsys):
+    """A prefix with nothing under it (a typo, another job's name): not "verdict: ok"."""
+    assert cli.main(["verify", "--pvc", s3_pvc]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (
+        f"trainjob verify: {s3_pvc}: nothing to verify: no checkpoints/, checkpoint.json or artifacts/ there, "
+        f"and {s3_pvc}/log.jsonl logs no artifact (it is empty); is this the job's --pvc?")
+    assert store_of(s3_pvc).list("") == []  # verify wrote nothing there
+
+
 def test_a_bucket_pvc_runs_resumes_and_verifies_like_a_directory(s3_pvc, tmp_path):
     """run (cut short at step 4, then resumed), status and verify on s3://; the prefix holds the
     layout of a PVC directory, and the artifact is byte for byte the directory's."""

@@ -84,6 +84,7 @@ from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, Usag
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, torchrun
+from ..ranks.peers import stopped_before_joining
 from ..records import Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
@@ -158,6 +159,7 @@ class Run:
         self._saver: BackgroundSaver[int] | None = None  # a follower's, with async_checkpoint (rank 0: the Job's)
         self._launch_open = False  # rank 0 leads a launch it has not finished (published or not)
         self._iterated = self._loop_over = self.gate_due = False
+        self._entered = False  # the launch began (or found its outcome): no longer refusable untouched
         self._step: int | None = None  # the step the loop body is training
         self._loss: int | None = None  # its reported loss, in thousandths
 
@@ -166,6 +168,7 @@ class Run:
     def __enter__(self) -> Run:
         try:
             self._enter()
+            self._entered = True
         except BaseException as exc:
             self._end_with(exc)
             if not isinstance(exc, Exception):
@@ -200,12 +203,17 @@ class Run:
         if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
             check_path(self.log_path)
         pvc = Pvc(self.pvc_path)
+        if self.rank != 0:  # stopped already (a launcher ending a refused launch): take nothing, leave nothing
+            stopped_before_joining(self.rank, self._signal)
         check_writable(self.log_path)
         pvc.create()
         if not isinstance(self.log_path, Url):
             with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
                 make_dir(self.log_path.parent)
-        self._stack.enter_context(pvc.lock(self.rank))  # stray tmp files are removed (and logged) by the start
+        # Stray tmp files are removed (and logged) by the start. A launch refused here, before it
+        # began (a world-size mismatch, a peer's refusal, a signal before joining), takes away the
+        # lock file it created: the PVC is left byte for byte as it was found.
+        self._stack.enter_context(pvc.lock(self.rank, tidy=lambda: not self._entered))
         if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
             if self.rank == 0:
                 # A kill the instant after `completed` was logged can leave a tmp file of the ranks'

@@ -419,11 +419,12 @@ class S3Backend:
     # --- the lease -----------------------------------------------------------------------------
 
     @contextmanager
-    def lock(self, rank: int = 0) -> Iterator[None]:
-        """A lease object, taken and renewed by conditional writes (module docstring)."""
+    def lock(self, rank: int = 0, tidy: Callable[[], bool] = lambda: False) -> Iterator[None]:
+        """A lease object, taken and renewed by conditional writes (module docstring). Let go with
+        ``tidy()`` true, a lease this holder created is deleted rather than released."""
         key = ".lease" if rank == 0 else f".lease.rank-{rank:05d}"
         me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
-        self._take(key, me)
+        created = self._take(key, me)
         stop = threading.Event()
         lost: list[BaseException] = []
 
@@ -446,7 +447,13 @@ class S3Backend:
             thread.join()
             if not lost:
                 try:  # released: expiry 0, which the next run takes quietly
-                    self._put_lease(key, me, 0.0)
+                    if created and tidy():
+                        import obstore as obs
+
+                        with _errors(self.where(key), "cannot delete"):
+                            obs.delete(self.store, key)
+                    else:
+                        self._put_lease(key, me, 0.0)
                 except (InputError, TryAgainLater):
                     pass  # it lapses by itself
 
@@ -454,7 +461,8 @@ class S3Backend:
         body = json.dumps({"holder": holder, "expires": expires}).encode() + b"\n"
         self.write(key, body)
 
-    def _take(self, key: str, me: str) -> None:
+    def _take(self, key: str, me: str) -> bool:
+        """Take the lease at ``key``: True when there was none (this holder created it)."""
         raw = self.read(key, 1 << 16)
         if raw is not None:
             try:
@@ -474,3 +482,4 @@ class S3Backend:
         except PvcBusy as exc:
             raise PvcBusy(f"{self.root}: another trainjob run took the lease at the same moment; relaunch "
                           "when it has exited") from exc
+        return raw is None
