@@ -66,7 +66,10 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'trainjob' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    from .errors import importing
+
+    with importing(f"trainjob.{name}"):
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     globals()[name] = value  # later lookups find it without this hook
     return value
 

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 from .backend import Backend, Data, Url, Written
 from .digest import Sha256Pipe
-from ..errors import InputError, PvcBusy, one_line, open_regular, os_errors, read_regular
+from ..errors import InputError, PvcBusy, importing, one_line, open_regular, os_errors, read_regular
 from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
@@ -647,7 +647,8 @@ class LocalBackend:
 def open_backend(root: Path | Url) -> Backend:
     """The backend for a ``--pvc``: a bucket for ``s3://``, else the directory."""
     if isinstance(root, Url):
-        from .s3 import S3Backend  # only here: a local run never imports an object-store client
+        with importing("the S3 backend"):
+            from .s3 import S3Backend  # only here: a local run never imports an object-store client
         return S3Backend(root)
     return LocalBackend(Path(root))
 

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from ..errors import InputError, PvcBusy, TryAgainLater, one_line
+from ..errors import InputError, PvcBusy, TryAgainLater, importing, one_line
 from .backend import SCHEME, ByteSource, Data, Url, Written
 from .digest import Sha256Pipe
 
@@ -161,7 +161,8 @@ class S3Backend:
     def store(self) -> Any:
         if self._store is None:
             try:
-                from obstore.store import S3Store
+                with importing("the S3 client"):  # the first of this module's obstore imports; the rest find it loaded
+                    from obstore.store import S3Store
             except ImportError as exc:
                 raise InputError(f"{self.root}: an s3:// PVC needs the S3 client: pip install 'trainjob[s3]'") \
                     from exc
