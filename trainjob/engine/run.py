@@ -21,6 +21,8 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
 
     an exception in the loop body, in  its exit code (a TrainJobError's; 70 for any other), no
     ``state_dict`` or ``load_state_dict``  checkpoint of the step it interrupted; a refused load is 2
+    a process group's error for a lost  PeerFailed, exit 75, one line naming the rank that left
+    peer, from any collective (W > 1)   (``ranks/lost.py``), without a ``try`` in the loop
     ``sys.exit()`` of any code, or a     SystemExit(75): the process ends, the step is not saved
     raised ``KeyboardInterrupt``, in the  (once the outcome is decided: SystemExit(its code))
     body or the state's methods
@@ -79,11 +81,11 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors, one_line,
-                      os_errors)
+from ..errors import (InputError, PeerFailed, Superseded, TrainJobError, TryAgainLater, UsageError, memory_errors,
+                      one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
-from ..ranks import connect, torchrun
+from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
 from ..records import Score, Session
 from ..states import State as JobState
@@ -96,6 +98,9 @@ from ..trainers.protocol import State, Stateful, check_loss, check_resumable, re
 NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 Progress = Callable[[int, int], None]
+# How long a rank whose collective failed waits for the other survivors to say so, to name the
+# rank that left (``ranks/store.py``'s ``absent``): survivors meet the failure within moments.
+LOST_GRACE = 3.0
 
 
 def resume_into(stateful: Stateful, host: HostState, loaded: Loaded, where: str, rank: int) -> None:
@@ -503,6 +508,11 @@ class Run:
         made: BaseException | None = None
         if exc is None and self.final is None and self.error is None:
             exc = made = self._unfinished()
+        elif exc is not None and (lost := self._lost_peer(exc)) is not None:
+            self._end_with(lost)  # the body's error was a peer leaving: 75, said in one line
+            if self.raise_errors:
+                raise lost from exc
+            return True
         if exc is not None:
             self._end_with(exc)
         else:
@@ -518,6 +528,24 @@ class Run:
         if made is not None and self.raise_errors:
             raise made
         return exc is not None and exc is not made and not self.raise_errors
+
+    def _lost_peer(self, exc: BaseException) -> PeerFailed | None:
+        """A collective that failed because a peer went away (``ranks/lost.py``), escaping the
+        body (a forward's all-gather, a backward's all-reduce, an optimizer's, the user's own)
+        or a run's own collective: PeerFailed naming the rank that left, as the transport tells
+        (within a grace of a few seconds), else None. Only with peers, only before an outcome or
+        another error; anything else in the body stays what it is (a bug: 70)."""
+        if (self.world_size or 1) < 2 or self.error is not None or not isinstance(exc, Exception) \
+                or isinstance(exc, TrainJobError) or (failed := lost.collective_failure(exc)) is None:
+            return None
+        absent = None
+        if self._peers is not None:
+            absent = self._peers.absent(min(self.cfg.rank_timeout, LOST_GRACE))
+        who = (f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}") if absent else "a peer"
+        error = PeerFailed(f"{who} left the launch {self._where()}: a collective failed ({failed}); "
+                           "nothing is wrong with the job, relaunch all ranks together")
+        error.__cause__ = exc
+        return error
 
     def _unfinished(self) -> UsageError:
         """The block ended with no outcome and no error: how the loop was misused."""
