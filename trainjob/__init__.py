@@ -10,12 +10,19 @@ command line is ``trainjob.cli.main``; the parts of the package are described in
 docs/explanation/code.md, "Reading the code".
 """
 
+import os
 from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
                      PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, StateMismatch, Superseded, TrainJobError,
                      TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
+
+if "TRAINJOB_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+    # A rank process started by a launcher dies with it (ranks/parent.py), from this first import on.
+    from .ranks.parent import die_with_launcher
+
+    die_with_launcher()
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
