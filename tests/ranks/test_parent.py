@@ -31,11 +31,17 @@ def test_no_launcher_in_the_environment_is_no_rank():
 
 def test_a_launcher_already_gone_is_0_and_the_rank_ends_75_at_once(capsys):
     assert launcher_of_this_rank({LAUNCHER_PID: NEVER}, parent=1) == 0
-    assert launcher_of_this_rank({"TORCHELASTIC_RUN_ID": "x"}, parent=1) == 0  # reparented to init
     with pytest.raises(SystemExit) as ended:
         parent.die_with_launcher({LAUNCHER_PID: NEVER})
     assert ended.value.code == 75 and "its launcher is gone" in capsys.readouterr().err
 
 
-def test_under_plain_torchrun_only_a_parent_running_torchrun_is_the_launcher():
-    assert launcher_of_this_rank({"TORCHELASTIC_RUN_ID": "x"}, parent=os.getpid()) is None  # pytest is no torchrun
+def test_under_plain_torchrun_a_worker_is_a_session_leader_and_one_not_under_torchrun_was_orphaned(monkeypatch):
+    """torchrun's workers lead sessions of their own; a DataLoader worker of theirs does not."""
+    env = {"TORCHELASTIC_RUN_ID": "x"}
+    monkeypatch.setattr(os, "getsid", lambda pid: os.getpid() + 1)  # not a session leader: a rank's child
+    assert launcher_of_this_rank(env, parent=1) is None
+    monkeypatch.setattr(os, "getsid", lambda pid: os.getpid())  # a session leader: a worker
+    assert launcher_of_this_rank(env, parent=os.getppid()) == 0  # its parent (pytest's) is no torchrun: reparented
+    monkeypatch.setattr(parent, "_is_torchrun", lambda pid: pid == 4242)
+    assert launcher_of_this_rank(env, parent=4242) == 4242

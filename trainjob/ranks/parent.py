@@ -12,9 +12,11 @@ would agree a last checkpoint through; every checkpoint already committed stands
 
 Which process is the launcher: ``$TRAINJOB_LAUNCHER_PID``, set by trainjob's own launchers (the
 local launcher, ``trainjob torchrun``) for the ranks they start; under plain torchrun
-(``$TORCHELASTIC_RUN_ID``, no pid), the parent if its command line is torchrun's. A process that
-inherited the environment but is not a rank (a DataLoader worker, a ``trainjob status`` a loop
-starts: its parent is alive and is not the launcher) is left alone. The race: a launcher that
+(``$TORCHELASTIC_RUN_ID``, no pid), a worker is a session leader (torchrun starts each in a
+session of its own) whose parent is torchrun, and one whose parent is not torchrun any more was
+reparented: its agent is gone. A process that inherited the environment but is not a rank (a
+DataLoader worker, a ``trainjob status`` a loop starts: its parent is alive and is not the
+launcher, or it leads no session) is left alone. The race: a launcher that
 died before the death signal was set cannot deliver it, so right after setting it the rank checks
 that its parent is still the launcher, and ends at once (75) when the launcher is gone.
 """
@@ -57,10 +59,11 @@ def launcher_of_this_rank(env: Mapping[str, str], parent: int) -> int | None:
         if pid == parent:
             return pid
         return None if _alive(pid) else 0  # alive but not the parent: a rank's child, not a rank
-    if env.get("TORCHELASTIC_RUN_ID"):
-        if parent == 1:
-            return 0  # reparented to init: the agent is gone
-        return parent if _is_torchrun(parent) else None
+    if env.get("TORCHELASTIC_RUN_ID") and os.getsid(0) == os.getpid():
+        # torchrun starts each worker as a session leader; a worker's own children are not (a
+        # DataLoader worker), so this is a rank: its parent is the agent, or it was reparented
+        # (to init, or to a subreaper: a container's init, a service manager) when the agent died.
+        return parent if _is_torchrun(parent) else 0
     return None
 
 
