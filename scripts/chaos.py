@@ -13,6 +13,7 @@ each in scripts/campaign/):
                   a torch trainer (``--torch``: scripts/bench_torch.py's model, sync and async)
   sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
   io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
+  import faults   libfiu makes open fail (EMFILE, ENOMEM, EIO) while `run` loads its command's modules
   full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
   hostile inputs  corrupted data, baseline, state, attempts, log and checkpoint files, or, in half
                   the trials, special files in their place (FIFOs, sockets, devices, links to
@@ -79,6 +80,7 @@ def main() -> int:
             signals.sigterm_storm(campaign, args.ranks, w2),
             races.reshard_kills(campaign, args.ranks * 2),
             faults.io_faults(campaign, args.faults),
+            faults.import_faults(campaign, max(1, args.faults // 4)),
             signals.kill_storm(campaign, args.asyncs, ASYNC_STEPS),
             signals.kill_storm(campaign, args.asyncs, W2_ASYNC_STEPS),
             signals.sigterm_storm(campaign, args.asyncs, ASYNC_STEPS),

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import pkgutil
 
 import pytest
 
 import trainjob
 from trainjob import cli, exits
-from trainjob.errors import (InputError, NoSpace, Refused, TrainJobError, TryAgainLater, UsageError,
+from trainjob.errors import (InputError, NoSpace, Refused, TrainJobError, TryAgainLater, UsageError, importing,
                              os_errors)
 
 EXIT_BASES = [base for base in exits.EXIT_FOR_ERROR if base is not TrainJobError]
@@ -88,6 +89,58 @@ def test_os_errors_lets_its_own_tree_and_other_exceptions_through():
     assert caught.value is busy
     with pytest.raises(KeyError), os_errors("x", "y", InputError):
         raise KeyError("not an OSError")
+
+
+@pytest.mark.parametrize("fault, becomes", [(errno.EMFILE, TryAgainLater), (errno.ENOMEM, TryAgainLater),
+                                            (errno.EIO, TryAgainLater), (errno.ENOSPC, NoSpace),
+                                            (errno.ENOENT, TryAgainLater)])  # a file of trainjob's own gone
+def test_a_lazy_import_failing_on_a_node_fault_is_retryable_however_it_is_wrapped(fault, becomes):
+    """An OSError raised by the import itself, or the ImportError a package (numpy) raises over
+    one, is the node's fault: exit 75, naming the file; never 70."""
+    os_error = OSError(fault, os.strerror(fault), "/site-packages/numpy/core/_multiarray_umath.py")
+    with pytest.raises(becomes) as plain, importing("the command's modules"):
+        raise os_error
+    assert str(plain.value) == (f"the command's modules: cannot load (/site-packages/numpy/core/_multiarray_umath.py): "
+                                f"{os.strerror(fault)}; a fault of this node, not of the job: relaunch")
+    assert plain.value.__cause__ is os_error and exits.exit_code_for(type(plain.value)) == 75
+
+    def numpy_like():
+        try:
+            raise os_error
+        except OSError as exc:
+            raise ImportError("numpy failed to import, please read this", name="numpy.core") from exc
+    with pytest.raises(becomes) as wrapped, importing("the command's modules"):
+        numpy_like()
+    assert "cannot load numpy.core (/site-packages/" in str(wrapped.value)
+    with pytest.raises(TryAgainLater, match="out of memory"), importing("x"):
+        raise MemoryError()
+
+
+def test_a_module_that_is_not_there_stays_an_import_error_for_its_caller():
+    missing = ModuleNotFoundError("No module named 'sklearn'", name="sklearn")
+    with pytest.raises(ModuleNotFoundError) as caught, importing("scikit-learn"):
+        raise missing
+    assert caught.value is missing
+
+
+def test_run_whose_modules_fail_to_load_on_emfile_exits_75_with_one_line(tmp_path, monkeypatch, capsys):
+    """What libfiu showed (``scripts/campaign/faults.py``'s import faults): ``open`` failing with
+    EMFILE while ``cmd_run`` loads the engine ended 70 with a traceback."""
+    import sys
+
+    class Failing:  # first on the import path: the module's source cannot be opened
+        def find_spec(self, name, path=None, target=None):
+            if name == "trainjob.engine.progress":
+                raise OSError(errno.EMFILE, "Too many open files", "/x/trainjob/engine/progress.py")
+            return None
+
+    monkeypatch.delitem(sys.modules, "trainjob.engine.progress", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [Failing(), *sys.meta_path])
+    assert cli.main(["run", "--pvc", str(tmp_path / "pvc")]) == 75
+    assert capsys.readouterr().err == ("trainjob run: the command's modules: cannot load (/x/trainjob/engine/"
+                                       "progress.py): Too many open files; a fault of this node, not of the job: "
+                                       "relaunch\n")
+    assert not (tmp_path / "pvc").exists()
 
 
 @pytest.mark.parametrize("codes, job", [

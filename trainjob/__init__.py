@@ -10,12 +10,19 @@ command line is ``trainjob.cli.main``; the parts of the package are described in
 docs/explanation/code.md, "Reading the code".
 """
 
+import os
 from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
 from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
                      PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
                      Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
+
+if "TRAINJOB_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+    # A rank process started by a launcher dies with it (ranks/parent.py), from this first import on.
+    from .ranks.parent import die_with_launcher
+
+    die_with_launcher()
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
@@ -67,7 +74,10 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'trainjob' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    from .errors import importing
+
+    with importing(f"trainjob.{name}"):
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     globals()[name] = value  # later lookups find it without this hook
     return value
 

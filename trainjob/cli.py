@@ -26,7 +26,7 @@ from typing import NoReturn
 from .defaults import VERSION
 from .deploy import k8s, policy
 from .engine.config import DEFAULT_LOG, RunConfig
-from .errors import InputError, TrainJobError, UsageError, one_line, open_regular, os_errors
+from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
@@ -213,7 +213,8 @@ def cmd_gen(args: argparse.Namespace) -> int:
     directory: Path = args.dir
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
-    from .storage.pvc import atomic_write, make_dir
+    with importing("the command's modules"):
+        from .storage.pvc import atomic_write, make_dir
 
     dataset = DATASETS[args.dataset]
     files = dataset.generate()  # before creating anything: a missing optional package is exit 2
@@ -258,17 +259,19 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .engine.job import ARTIFACT_FORMATS, StopFlag
-    from .engine.progress import Progress
-    from .engine.run import Run
-    from .ranks.identity import resolve_rank
-    from .trainers import protocol
+    with importing("the command's modules"):
+        from .engine.job import ARTIFACT_FORMATS, StopFlag
+        from .engine.progress import Progress
+        from .engine.run import Run
+        from .ranks.identity import resolve_rank
+        from .trainers import protocol
 
     spec = resolve_rank(args.rank, args.world_size, os.environ)
     cfg = _run_config(args, spec.world_size)
     cfg.check()
     if spec.rank is None:
-        from .ranks.connect import check_pvc
+        with importing("the command's modules"):
+            from .ranks.connect import check_pvc
         check_pvc(args.pvc, spec.world_size, os.environ)  # once, here, rather than once per rank
         return launch(spec.world_size, args.argv)
     stop = StopFlag()
@@ -307,7 +310,8 @@ def _run_settings(cfg: RunConfig) -> dict[str, object]:
 
 def launch(world_size: int, argv: Sequence[str]) -> int:
     """Run every rank here; the job's exit code is ``exits.job_exit`` of the ranks' codes."""
-    from .ranks.launcher import launch_local
+    with importing("the local launcher"):
+        from .ranks.launcher import launch_local
 
     received, codes = launch_local(world_size, argv, finished=(EXIT_OK, EXIT_FAILED),
                                    published=(EXIT_OK, EXIT_FAILED, EXIT_RELAUNCH))
@@ -324,9 +328,10 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     first checks the run's flags and the PVC, before any rendezvous: a bad flag is 2, and a job that
     has ended (completed, or failed with its budget spent) ends this launch at once with its code,
     without waiting for peers that may never come (a pod recreated alone)."""
-    from .engine.completion import ended_job
-    from .ranks import torchrun
-    from .storage.pvc import Pvc
+    with importing("the command's modules"):
+        from .engine.completion import ended_job
+        from .ranks import torchrun
+        from .storage.pvc import Pvc
 
     torchrun.stop_on_signals()
     argv = torchrun.run_args(args.torchrun_argv)
@@ -341,10 +346,10 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    import attrs
-
-    from .storage.pvc import Pvc
-    from .views.verify import verify_pvc
+    with importing("the command's modules"):
+        import attrs
+        from .storage.pvc import Pvc
+        from .views.verify import verify_pvc
 
     pvc = Pvc(args.pvc)
     report = verify_pvc(pvc, _log_path(args))
@@ -357,10 +362,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from .engine.reshard import Reshard
-    from .ranks.identity import resolve_rank
-    from .storage.eventlog import EventLog, check_writable
-    from .storage.pvc import Pvc
+    with importing("the command's modules"):
+        from .engine.reshard import Reshard
+        from .ranks.identity import resolve_rank
+        from .storage.eventlog import EventLog, check_writable
+        from .storage.pvc import Pvc
 
     spec = resolve_rank(0, args.world_size, {})
     if args.step is not None and args.step < 0:
@@ -413,8 +419,9 @@ def warn(text: str) -> None:
 
 
 def _print_path(log: Path) -> int:
-    from .storage.eventlog import more_skipped
-    from .views.history import replay
+    with importing("the command's modules"):
+        from .storage.eventlog import more_skipped
+        from .views.history import replay
 
     found = replay(log)
     skipped = [*map(str, found.skipped), *more_skipped(found.more_skipped)]
@@ -428,9 +435,9 @@ def _print_path(log: Path) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     if args.path:
         return _print_path(args.log)
-    import attrs
-
-    from .views.status import summarize
+    with importing("the command's modules"):
+        import attrs
+        from .views.status import summarize
 
     status = summarize(args.log)
     if args.json:
@@ -449,9 +456,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_supervise(args: argparse.Namespace) -> int:
-    from .deploy.supervise import SuperviseSettings, supervise
-    from .engine.job import StopFlag
-    from .storage.eventlog import EventLog, check_writable
+    with importing("the command's modules"):
+        from .deploy.supervise import SuperviseSettings, supervise
+        from .engine.job import StopFlag
+        from .storage.eventlog import EventLog, check_writable
 
     argv = _run_argv(args.child)
     run_args = _parse_run(argv)
@@ -473,7 +481,8 @@ def cmd_supervise(args: argparse.Namespace) -> int:
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
-    from .deploy.prove import prove
+    with importing("the command's modules"):
+        from .deploy.prove import prove
 
     code, lines = prove(args.cmd, args.kills, args.seed, args.signal, args.twice, warn)
     emit(lines)
@@ -507,8 +516,9 @@ def _write_output(data: bytes, output: Path | None) -> None:
 
 
 def cmd_diagram(args: argparse.Namespace) -> int:
-    from .views import diagram
-    from .views.history import legal_path
+    with importing("the command's modules"):
+        from .views import diagram
+        from .views.history import legal_path
 
     fmt = diagram.format_for(args.format, args.output)
     if args.output is None and fmt in diagram.BINARY and sys.stdout.isatty():
@@ -525,8 +535,9 @@ def cmd_diagram(args: argparse.Namespace) -> int:
 def cmd_plot(args: argparse.Namespace) -> int:
     if args.max_drop is not None and not 0 <= args.max_drop <= 100:
         raise UsageError(f"--max-drop is a percentage from 0 to 100, got {args.max_drop}")
-    from .views import plot
-    from .views.history import legal_path
+    with importing("the command's modules"):
+        from .views import plot
+        from .views.history import legal_path
 
     told = plot.story(legal_path(args.log))
     _write_output(plot.draw(told, f"trainjob: the run in {args.log.name}", args.max_drop), args.output)
@@ -534,8 +545,9 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .views import diagram, replay_page
-    from .views.history import replay
+    with importing("the command's modules"):
+        from .views import diagram, replay_page
+        from .views.history import replay
 
     found = replay(args.log)
     _write_output(replay_page.build(found, diagram.render("svg")), args.output)
@@ -590,8 +602,11 @@ def entry() -> NoReturn:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    from .ranks import torchrun  # after the command, so that start-up does not pay for it
-
+    try:
+        with importing("the exit report"):
+            from .ranks import torchrun  # after the command, so that start-up does not pay for it
+    except TrainJobError:  # a fault loading it costs the report's precision, never the code
+        sys.exit(code)
     torchrun.report(code)  # a worker of `trainjob torchrun`: the code it decided, whatever stops it now
     sys.exit(code)
 

@@ -34,6 +34,11 @@ read-only or failing disk) is always retryable, anything else is what the caller
 there (a bad path the user gave is ``InputError``; a failed write on the PVC is
 ``TryAgainLater``). The OSError stays chained as the cause.
 
+``importing`` is that translation for a lazy import (the modules a command loads inside its own
+function, numpy, torch, an object store's client): a resource or I/O fault while a module loads
+(EMFILE, ENOMEM, EIO, as an OSError, or as the cause of the ImportError a package raises over it)
+is ``TryAgainLater``, one line, exit 75; a module that is simply not there stays the caller's.
+
 ``open_regular`` (and ``read_regular`` on it) is the one way trainjob opens a file it reads or
 appends to: the PVC's files, artifacts, logs and data sets. Anything but a regular file (a FIFO,
 a socket, a device, a symlink unless asked to follow) is an InputError, found without blocking.
@@ -179,6 +184,41 @@ def os_errors(where: object, doing: str, otherwise: type[TrainJobError] = TryAga
         raise
     except OSError as exc:
         raise classify(exc, otherwise)(f"{where}: {doing}: {exc.strerror or exc}") from exc
+
+
+def _os_fault(exc: BaseException) -> OSError | None:
+    """The OSError an ImportError was raised over (its cause or context, a few links deep), if any:
+    numpy, for one, turns a failed submodule import into an ImportError of its own."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        if seen is None or isinstance(seen, OSError):
+            return seen
+    return None
+
+
+@contextmanager
+def importing(what: str) -> Iterator[None]:
+    """Around a lazy import of ``what`` (``with importing("the run command"): from .engine...``):
+    an OSError, or an ImportError over one, becomes this tree's error through ``classify``, as
+    ``WHAT: cannot load MODULE FILE: STRERROR``; a MemoryError is TryAgainLater too. Both are
+    faults of the node (too many open files, a failing disk, memory), never of the job, so
+    ``otherwise`` is TryAgainLater: nothing a user gave is being read. Any other ImportError (a
+    module that is not installed) passes through untouched, for the caller to name."""
+    try:
+        yield
+    except TrainJobError:
+        raise
+    except MemoryError as exc:
+        raise TryAgainLater(f"{what}: cannot load it: out of memory; relaunch where more is free") from exc
+    except (OSError, ImportError) as exc:
+        fault = exc if isinstance(exc, OSError) else _os_fault(exc)
+        if fault is None:
+            raise
+        module = f" {exc.name}" if isinstance(exc, ImportError) and exc.name else ""
+        file = f" ({fault.filename})" if fault.filename else ""
+        raise classify(fault, TryAgainLater)(f"{what}: cannot load{module}{file}: {fault.strerror or fault}; "
+                                             "a fault of this node, not of the job: relaunch") from exc
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -7,8 +7,10 @@
         no checkpoint verifies, world-size mismatch, a misused ``Run``; under ``--idempotent``, a
         completed PVC whose artifact fails its logged sha256)
     75  killed, preempted, PVC busy, storage trouble or full, out of memory while loading a
-        checkpoint, a rank that did not answer in time; in a ``Run``'s body, ``SystemExit`` (any
-        code) or ``KeyboardInterrupt``: safe to relaunch
+        checkpoint, a rank that did not answer in time; a resource or I/O fault (EMFILE, ENOMEM,
+        EIO) while a command loads its modules (``errors.importing``); a peer lost in a collective
+        of a step (``ranks/lost.py``: PeerFailed, whichever collective it was); in a ``Run``'s body,
+        ``SystemExit`` (any code) or ``KeyboardInterrupt``: safe to relaunch
     70  an unexpected internal error (a bug, never an honest failure), including an error no
         exit-code base classifies, and any other ``BaseException`` (``GeneratorExit``, a bare one)
 

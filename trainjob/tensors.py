@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from .errors import importing
 from .records import DTYPES, TensorSpec
 
 # numpy has no bfloat16: ml_dtypes registers one. Importing it costs most of a second, so it is
@@ -24,7 +25,8 @@ _CODE = {np.dtype(v): k for k, v in DTYPES.items() if k != _BF16}
 def np_dtype(code: str) -> np.dtype:
     """The numpy dtype of a safetensors dtype code (little-endian)."""
     if code == _BF16:
-        import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
+        with importing("bfloat16 support (ml_dtypes)"):
+            import ml_dtypes  # noqa: F401  (registers numpy's "bfloat16")
     return np.dtype(DTYPES[code])
 
 

@@ -1,13 +1,16 @@
-"""I/O faults: libfiu fails write, fsync, rename or open inside a running trainjob; a real tiny tmpfs
-fills up under one. Each run must end 0 or 75 with one line, and never leave a torn checkpoint.
+"""I/O faults: libfiu fails write, fsync, rename or open inside a running trainjob, or open while
+``trainjob run`` loads its own modules (``import_faults``); a real tiny tmpfs fills up under one.
+Each run must end 0 or 75 with one line, and never leave a torn checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 from trainjob.deploy.launches import last_event
@@ -60,6 +63,52 @@ def io_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> Sect
         campaign.recover(section, trial, pvc, flags)
     if ASYNC in flags:
         section.note = f"{in_writer} of the faults ended the run from the writer thread's checkpoint I/O"
+    return section
+
+
+# `trainjob run`, started so that the campaign arms libfiu after the interpreter and the command
+# line's own modules are loaded and before the command loads the rest (the engine, numpy): those
+# imports are trainjob's to map (errors.importing), the interpreter's start-up is not.
+ARMED_START = ("import sys, trainjob.cli; print('loaded', flush=True); sys.stdin.readline(); "
+               "sys.argv[0] = 'trainjob'; trainjob.cli.entry()")
+
+
+def import_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> Section:
+    """open() fails (EMFILE, ENOMEM or EIO, at a random probability) from the moment ``trainjob
+    run`` starts loading its command's modules: exit 75 with one line (or 0, if no fault struck),
+    never 70 with a traceback; then the PVC recovers as after any fault."""
+    section = Section("import faults")
+    if not shutil.which("fiu-run") or not shutil.which("fiu-ctrl"):
+        section.note = "skipped: fiu-run/fiu-ctrl not installed (apt-get install fiu-utils)"
+        return section
+    struck = 0
+    for trial in range(trials):
+        section.trials += 1
+        pvc, ctrl = campaign.pvc("fiu-import"), campaign.work / f"fiu-import-{trial}"
+        proc = subprocess.Popen(["fiu-run", "-x", "-f", str(ctrl), sys.executable, "-B", "-c", ARMED_START, "run",
+                                 "--pvc", str(pvc), *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        proc.stdout.readline()  # "loaded": the command line's modules are in
+        fault = campaign.rng.choice([errno.EMFILE, errno.ENOMEM, errno.EIO])
+        probability = campaign.rng.choice([0.1, 0.5, 1.0])
+        armed = subprocess.run(["fiu-ctrl", "-f", str(ctrl), "-c", f"enable_random name=posix/io/oc/open,"
+                                f"probability={probability},failinfo={fault}", str(proc.pid)], capture_output=True)
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        code = proc.wait(timeout=120)
+        stderr = proc.stderr.read()
+        if armed.returncode == 0:
+            section.injected += 1
+        struck += code == 75
+        lines = stderr.strip().splitlines()
+        if code not in (0, 75):
+            section.violation(trial, f"{errno.errorcode[fault]} p={probability}: exit {code}: {stderr.strip()[-300:]}")
+        elif code == 75 and (len(lines) != 1 or not lines[0].startswith("trainjob run: ")):
+            section.violation(trial, f"{errno.errorcode[fault]} p={probability}: expected one line, got "
+                                     f"{stderr.strip()[-300:]!r}")
+        campaign.recover(section, trial, pvc, flags)
+    section.note = f"{struck} of {trials} runs ended 75 on the fault"
     return section
 
 

@@ -254,3 +254,17 @@ def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(t
     assert captured.err.count("the run ended before its signal landed") == prove.MAX_DRAWS
     work = next(tmp_path.glob("trainjob-prove-*"))
     assert sorted(p.name for p in work.glob("trial-*")) == ["trial-01", "trial-01-draw-2", "trial-01-draw-3"]
+
+
+def test_a_trial_pvc_verify_refuses_is_named_by_its_first_bad_item_and_an_empty_one_by_verify(tmp_path, capsys):
+    """verify_problem read the items' ``status``, which they do not have (``verdict``): a trial
+    whose PVC failed verification would have ended prove in 70. An empty PVC has nothing to
+    verify (issue 48): that is a problem too, in verify's own words."""
+    pvc = tmp_path / "pvc"
+    assert cli.main(["run", "--pvc", str(pvc)]) == 0
+    capsys.readouterr()
+    assert prove.verify_problem(pvc) is None
+    (pvc / "artifacts/model-v1.json").write_text("{}\n")
+    assert prove.verify_problem(pvc).startswith("artifacts/model-v1.json: corrupt ")
+    (tmp_path / "empty").mkdir()
+    assert "nothing to verify" in prove.verify_problem(tmp_path / "empty")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from test_run_example import newest_step
+from test_run_example import assert_lost_peer_is_75_in_one_line, lost_in_forward, newest_step
 from trainjob.deploy.launches import kill_when
 
 torch = pytest.importorskip("torch")
@@ -148,3 +148,16 @@ def test_a_2d_mesh_state_is_saved_by_offsets_along_both_axes_and_resumes_to_the_
     published = load_file(pvc / "artifacts/model-v1.safetensors")
     assert (published["a"] == torch.arange(35.0).reshape(7, 5).numpy() + 4).all()
     assert (published["b"] == torch.arange(36.0).reshape(6, 6).numpy() * 16).all()
+
+
+def test_a_rank_killed_inside_the_forward_ends_the_launch_75_naming_it_and_a_relaunch_completes(tmp_path):
+    """Rank 1 dies in its forward at step 10 (15 module forwards a step: the first of step 10's),
+    before FSDP's all-gather of the root's parameters; rank 0, waiting in that all-gather, gets
+    gloo's "Connection closed by peer" out of the forward, which the example does not catch:
+    trainjob.Run ends the launch 75, naming rank 1, never 70. The relaunch resumes from step 8."""
+    pvc = tmp_path / "pvc"
+    code, err = lost_in_forward(str(EXAMPLE), pvc, 15 * 9 + 1)
+    assert_lost_peer_is_75_in_one_line(code, err)
+    assert newest_step(pvc) == 8
+    code, err = run(pvc)
+    assert code == 0, err[-2000:]

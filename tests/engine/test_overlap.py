@@ -175,8 +175,8 @@ def test_an_exception_in_the_loop_lets_the_write_in_flight_end_before_the_pvc_lo
     monkeypatch.setattr("trainjob.storage.pvc.commit_dir", slow)
     real_lock = Pvc.lock
 
-    def lock(self, rank):
-        held = real_lock(self, rank)
+    def lock(self, rank, **tidy):
+        held = real_lock(self, rank, **tidy)
 
         class Watched:
             def __enter__(self):

@@ -45,6 +45,22 @@ def test_world_size_mismatch_exits_2_naming_reshard_and_touches_nothing(pvc):
     assert snapshot(pvc) == before
 
 
+def tree(directory):
+    """Every name under ``directory``, a file's with its bytes, a directory's with None."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+            for p in sorted(directory.rglob("*"))}
+
+
+def test_a_refused_launch_of_more_ranks_leaves_the_pvc_as_it_was_not_even_a_lock_file(pvc):
+    """W=3 on a W=2 PVC: rank 0 refuses (2, naming reshard); ranks 1 and 2, stopped before they
+    joined, take away the lock files they made (rank 2's did not exist), as rank 0 its own."""
+    (pvc / ".lock.rank-00001").unlink()  # so that two ranks' lock files are new to the PVC
+    before = tree(pvc)
+    result = trainjob("run", "--pvc", pvc, "--world-size", 3)
+    assert result.returncode == 2 and "trainjob reshard --pvc" in result.stderr, result.stderr
+    assert tree(pvc) == before
+
+
 def test_reshard_then_resume_ends_with_the_uninterrupted_bytes(pvc, clean_artifact):
     source_manifest = (pvc / SOURCE / "manifest.json").read_bytes()
     result = trainjob("reshard", "--pvc", pvc, "--world-size", 1)

@@ -130,3 +130,38 @@ def test_torchrun_sigterm_to_either_rank_saves_one_agreed_step_and_every_rank_ex
         assert [s["rank"] for s in json.loads(manifest.read_text())["shards"]] == [0, 1]
         codes = re.findall(r"exitcode\s*:\s*(-?\d+)", err)
         assert codes and set(codes) == {"75"}, err[-2000:]  # torchrun's report of its ranks' exit codes
+
+
+def lost_in_forward(example: str, pvc: Path, die_at: int, *flags: str) -> tuple[int, str]:
+    """`trainjob torchrun` of ``example`` at W=2 whose rank 1 SIGKILLs itself in its ``die_at``-th
+    module forward (tests/helpers/die_in_forward.py): the launch's code and its stderr."""
+    env = {**ENV, "DIE_RANK": "1", "DIE_AT_FORWARD": str(die_at)}
+    done = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", str(ROOT / "tests/helpers/die_in_forward.py"), example,
+                           "--pvc", str(pvc), *flags], env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr
+
+
+def assert_lost_peer_is_75_in_one_line(code: int, err: str) -> None:
+    """Every rank 75 (rank 1 killed, rank 0 by the Run's mapping): rank 0 names rank 1, in one line,
+    no traceback, never 70."""
+    said = [line for line in err.splitlines() if "left the launch" in line]
+    assert code == 75 and "Traceback" not in err and "internal error" not in err, err[-3000:]
+    assert len(said) == 1 and said[0].startswith("trainjob: rank 1 left the launch at step "), err[-3000:]
+    assert "a collective failed (RuntimeError: " in said[0] and said[0].endswith("(exit 75)"), said
+    assert "workers' codes {0: 75, 1: -9}; the job's is 75" in err, err[-2000:]
+
+
+@pytest.mark.torchrun
+def test_a_rank_killed_inside_the_forward_ends_the_launch_75_naming_it_and_a_relaunch_completes(tmp_path):
+    """The example has no `try` around its collectives: rank 0, left in DDP's all-reduce when rank
+    1 dies in its forward at step 13, ends 75 through trainjob.Run alone. Two torchrun launches."""
+    pvc = tmp_path / "pvc"
+    code, err = lost_in_forward(EXAMPLE, pvc, 5 * 12 + 1)  # 5 module forwards per step: step 13's first
+    assert_lost_peer_is_75_in_one_line(code, err)
+    assert newest_step(pvc) == 10
+    final = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                            EXAMPLE, "--pvc", str(pvc)], env=ENV, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stderr[-3000:]
+    kinds = [e for e, _ in events(pvc / "log.jsonl")]
+    assert kinds.count("job_started") == 1 and kinds.count("resumed") == 1 and kinds[-1] == "completed"

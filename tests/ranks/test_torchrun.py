@@ -181,11 +181,14 @@ def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path):
     pvc = tmp_path / "pvc"
     assert trainjob("run", "--pvc", pvc, *RUN, "--die-at", "100").returncode == 75  # a checkpoint for 1 rank
 
-    # Bad input: the checkpoint is for 1 rank. Rank 0 finds it; every pod says 2 (FailJob), none 1.
+    # Bad input: the checkpoint is for 1 rank. Rank 0 finds it; every pod says 2 (FailJob), none 1,
+    # and the PVC is as it was: not even the lock files of ranks 1 and 2, new to it, stay.
+    before = {str(p.relative_to(pvc)): p.read_bytes() if p.is_file() else None for p in sorted(pvc.rglob("*"))}
     pods = Pods(world, pvc)
     codes = pods.wait()
     assert set(codes.values()) == {2}, pods.told()
     assert sum("WorldSizeMismatch" in out or "trainjob reshard" in out for out in pods.output.values()) == world
+    assert {str(p.relative_to(pvc)): p.read_bytes() if p.is_file() else None for p in sorted(pvc.rglob("*"))} == before
     assert trainjob("reshard", "--pvc", pvc, "--world-size", world).returncode == 0
 
     # SIGTERM to one pod's process group (what the kubelet sends): every pod saves and exits 75.
@@ -222,3 +225,62 @@ def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path):
     assert codes == {world - 1: 0}, pods.told()
     assert pods.ended[world - 1] - pods.started < 5, pods.told()
     assert "already completed (attempt 1)" in pods.output[world - 1]
+
+
+# --- a launcher SIGKILLed alone: its workers do not outlive it (ranks/parent.py) ---------------------
+
+def workers_of(launcher: int) -> list[int]:
+    """The launcher's children that are rank processes (torchrun sets RANK in each worker)."""
+    found = []
+    for task in Path(f"/proc/{launcher}/task").glob("*"):
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return [pid for pid in found if any(v.startswith(b"RANK=") for v in _environ(pid))]
+
+
+def _environ(pid: int) -> list[bytes]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.process
+@pytest.mark.torchrun
+@pytest.mark.parametrize("launcher", [["-m", "trainjob", "torchrun"], ["-m", "torch.distributed.run"]],
+                         ids=["trainjob-torchrun", "torchrun"])
+def test_workers_die_with_a_launcher_sigkilled_alone_during_start_up_and_a_relaunch_resumes(tmp_path, launcher):
+    """The launcher alone is SIGKILLed the moment both workers exist (importing, no step run):
+    they are in sessions of their own, so only the parent-death signal (or, when it came too late
+    to set, the check that the launcher is still there) ends them; none is alive 5 s later (a
+    bound on a kernel signal, not a timing), and the relaunch finds the PVC free: 0 at once, no
+    "busy", no wait for --rank-timeout. Two launches, the first ended early: about 15 s."""
+    pvc = tmp_path / "pvc"
+    args = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", "-m", "trainjob", "run",
+            "--pvc", str(pvc), "--steps", "20", "--ckpt-every", "5", "--rank-timeout", str(RANK_TIMEOUT)]
+    first = subprocess.Popen([sys.executable, *launcher, *args], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while len(workers := workers_of(first.pid)) < 2 and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(workers) == 2, "the launcher never started two workers"
+    os.kill(first.pid, signal.SIGKILL)  # the launcher alone: the workers are in sessions of their own
+    first.wait()
+    gone = time.monotonic() + 5
+    while any(map(alive, workers)) and time.monotonic() < gone:
+        time.sleep(0.05)
+    assert not any(map(alive, workers)), f"workers {[w for w in workers if alive(w)]} outlived their launcher"
+    assert not (pvc / "checkpoints").is_dir() or not any((pvc / "checkpoints").glob("step-*"))  # no step ran
+    relaunch = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", *args], capture_output=True, text=True,
+                              timeout=300)
+    assert relaunch.returncode == 0 and "busy" not in relaunch.stderr, relaunch.stderr[-2000:]
+    assert events(pvc / "log.jsonl")[-1][0] == "completed"

@@ -373,3 +373,19 @@ def test_rotation_hides_a_checkpoint_at_once_and_deletes_it_on_the_helper_thread
     freed.join(10)
     pvc.settle_deletions()
     assert backend.list("checkpoints") == []
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_tidy_release_takes_away_only_the_lock_file_it_created(tmp_path, rank):
+    """A refused launch (``tidy`` true) leaves the PVC as it found it: its own new lock file
+    goes, one that was there before stays, and an untidy release keeps what it made."""
+    name = ".lock" if rank == 0 else f".lock.rank-{rank:05d}"
+    with Pvc(tmp_path).lock(rank, tidy=lambda: True):
+        assert (tmp_path / name).is_file()
+    assert list(tmp_path.iterdir()) == []
+    with Pvc(tmp_path).lock(rank, tidy=lambda: False):
+        pass
+    inode = (tmp_path / name).stat().st_ino
+    with Pvc(tmp_path).lock(rank, tidy=lambda: True):
+        pass
+    assert [p.name for p in tmp_path.iterdir()] == [name] and (tmp_path / name).stat().st_ino == inode

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -73,6 +74,16 @@ def test_bad_bucket_credentials_and_urls_exit_2_with_one_line_naming_what(s3_pvc
     assert cli.main(["run", "--pvc", s3_pvc]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "refused the credentials" in err and "AWS_SECRET_ACCESS_KEY" in err
+
+
+def test_verify_of_an_empty_prefix_is_nothing_to_verify_exit_2(s3_pvc, capsys):
+    """A prefix with nothing under it (a typo, another job's name): not "verdict: ok"."""
+    assert cli.main(["verify", "--pvc", s3_pvc]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == (
+        f"trainjob verify: {s3_pvc}: nothing to verify: no checkpoints/, checkpoint.json or artifacts/ there, "
+        f"and {s3_pvc}/log.jsonl logs no artifact (it is empty); is this the job's --pvc?")
+    assert store_of(s3_pvc).list("") == []  # verify wrote nothing there
 
 
 def test_a_bucket_pvc_runs_resumes_and_verifies_like_a_directory(s3_pvc, tmp_path):
@@ -166,6 +177,71 @@ def test_a_server_stopped_mid_run_exits_75_and_the_restarted_one_resumes(tmp_pat
             (local / "artifacts/model-v1.json").read_bytes()
         assert cli.main(["verify", "--pvc", url]) == 0
     finally:
+        server.stop()
+
+
+def test_a_stalled_server_costs_one_request_timeout_then_75_and_a_relaunch_resumes(tmp_path, monkeypatch, capsys):
+    """SIGSTOP of the server (a hung node; a partition that keeps connections open) right after
+    the step-4 commit: connections are accepted, nothing is answered. Exactly one call of the run
+    waits out TRAINJOB_S3_TIMEOUT (3 s here; 30 by default, docs/checkpoints.md); every later call
+    fails at once, no lease renewal or release is waited for, and the run exits 75 in one line.
+    (Before: a failed rotation's delete let the run go on to its next write, a failed multipart
+    upload's abort and the lease's release each waited out a timeout of their own: 40 to 60 s.)
+    SIGCONT, and the relaunch resumes from step 4. About 10 s: a server start and the timeout."""
+    from s3server import BUCKET, WeedServer
+
+    server = WeedServer(tmp_path / "weed")
+    server.start()
+    try:
+        for name, value in {**server.env(), "TRAINJOB_S3_TIMEOUT": "3"}.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setattr(s3, "LEASE_SECONDS", 1.0)
+        url = f"s3://{BUCKET}/stalled"
+        real_publish, real_errors, real_put_lease = s3.S3Backend.publish, s3._errors, s3.S3Backend._put_lease
+        stalled: list[bool] = []
+        failed: list[str] = []  # every call of the run's own threads that failed once the server was stopped
+        released: list[float] = []
+
+        def publish_then_stall(self, staged, final, marker, data, *then_and_others):
+            written = real_publish(self, staged, final, marker, data, *then_and_others)
+            if final.endswith("step-00000004-a0001-w001"):
+                os.killpg(server.proc.pid, signal.SIGSTOP)
+                stalled.append(True)
+            return written
+
+        @s3.contextmanager
+        def recording(where, doing):
+            try:
+                with real_errors(where, doing):
+                    yield
+            except Exception as exc:
+                if stalled and threading.current_thread().name != "trainjob-lease":  # renewals run beside
+                    failed.append(str(exc))
+                raise
+
+        def put_lease(self, key, holder, expires):
+            if stalled and expires == 0.0:
+                released.append(expires)
+            return real_put_lease(self, key, holder, expires)
+
+        monkeypatch.setattr(s3.S3Backend, "publish", publish_then_stall)
+        monkeypatch.setattr(s3, "_errors", recording)
+        monkeypatch.setattr(s3.S3Backend, "_put_lease", put_lease)
+        assert cli.main(["run", "--pvc", url, "--steps", "1000", "--ckpt-every", "2"]) == 75
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the store is unreachable or failing" in err[0], err
+        assert len(failed) == 1 and " in 3.0" in failed[0], failed  # the one call that waited out the timeout
+        assert released == []  # the lease lapses by itself: nothing more waited for
+        os.killpg(server.proc.pid, signal.SIGCONT)
+        monkeypatch.setattr(s3.S3Backend, "publish", real_publish)
+        time.sleep(1.2)  # the lease the stalled run kept lapses
+        assert cli.main(["run", "--pvc", url, "--steps", "8", "--ckpt-every", "2"]) == 0
+        log = "".join(store_of(url).read(f"log.jsonl.d/{n}", 1 << 20).decode()
+                      for n in store_of(url).list("log.jsonl.d"))
+        assert '"event":"resumed","detail":"from_step=4"' in log, log
+    finally:
+        if server.proc is not None:
+            os.killpg(server.proc.pid, signal.SIGCONT)
         server.stop()
 
 

@@ -42,7 +42,7 @@ import numpy as np
 
 from . import plan, replicas, shards
 from .. import plain, state_tree as tree
-from ..errors import InputError, UsageError
+from ..errors import InputError, UsageError, importing
 from ..records import TensorSpec
 
 # torch dtype name -> safetensors code; the numpy side of each code is in shards.py.
@@ -107,8 +107,9 @@ def dtensor_box(name: str, t: Any) -> plan.Local:
     rank holds (the ranks along the mesh axes it is Replicate on hold it alike). UsageError naming
     the entry for a placement trainjob cannot store (Partial: pending sums, not values; a
     strided shard), before anything is written."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    with importing("torch.distributed.tensor"):
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     for p in t.placements:
         if not (type(p) is Shard or isinstance(p, Replicate)):  # _StridedShard subclasses Shard
@@ -360,7 +361,8 @@ class HostState:
         for n in self.scalars & tensors.keys():  # given back without the axis it was stored with (a view)
             tensors[n] = tensors[n].reshape(())
         for n, (mesh, placements, stride) in self.dtensors.items():  # a local shard back into its DTensor
-            from torch.distributed.tensor import DTensor
+            with importing("torch.distributed.tensor"):
+                from torch.distributed.tensor import DTensor
             spec = next(t for t in self.specs or () if t.name == n)
             tensors[n] = DTensor.from_local(tensors[n].to(mesh.device_type), mesh, placements, run_check=False,
                                             shape=_torch().Size(spec.shape), stride=stride)

@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 
 from .. import plain
-from ..errors import InputError
+from ..errors import InputError, importing
 from .hints import EntryDiff, Evidence, Hint, Snapshot, hints
 from .launches import events
 
@@ -58,8 +58,9 @@ def resumed_from(pvc: Path) -> int | None:
 
 
 def _checkpoints(pvc: Path) -> dict[int, object]:
-    from ..checkpoint.store import CheckpointStore
-    from ..storage.pvc import Pvc
+    with importing("the checkpoint store"):
+        from ..checkpoint.store import CheckpointStore
+        from ..storage.pvc import Pvc
     try:
         return {ref.step: ref for ref in CheckpointStore(Pvc(pvc)).committed()}
     except InputError:
@@ -69,8 +70,9 @@ def _checkpoints(pvc: Path) -> dict[int, object]:
 def _load(pvc: Path, ref) -> tuple[dict, Snapshot, int] | None:
     """A checkpoint's tensors, and its documents decoded (the replicated plain values and each
     rank's rank-local state), hashes verified; None when it does not load."""
-    from ..checkpoint.store import CheckpointStore
-    from ..storage.pvc import Pvc
+    with importing("the checkpoint store"):
+        from ..checkpoint.store import CheckpointStore
+        from ..storage.pvc import Pvc
     try:
         loaded = CheckpointStore(Pvc(pvc)).load(ref)
     except InputError:
@@ -93,7 +95,8 @@ def _decoded(text: str) -> object:
 
 
 def entry_diffs(reference: dict, trial: dict) -> list[EntryDiff]:
-    import numpy as np
+    with importing("numpy"):
+        import numpy as np
     found = []
     for name in sorted(set(reference) | set(trial)):
         a, b = reference.get(name), trial.get(name)

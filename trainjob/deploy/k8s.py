@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from ..defaults import BACKOFF_LIMIT, VERSION
-from ..errors import UsageError
+from ..errors import UsageError, importing
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
 CONTAINER = "trainjob"
@@ -66,7 +66,8 @@ class Target:
         if match is None or float(match[1]) == 0:
             raise UsageError(f"--storage must be a positive Kubernetes quantity such as 1Gi or 500Mi, "
                              f"got {self.storage!r}")
-        from ..checkpoint.plan import world_size_problem  # the run's own bound; records and cattrs, so late
+        with importing("the checkpoint plan"):
+            from ..checkpoint.plan import world_size_problem  # the run's own bound; records and cattrs, so late
 
         if (problem := world_size_problem(self.world_size)) is not None:  # run's own bound: no pod exits 2
             raise UsageError(problem)
@@ -234,6 +235,7 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
 
 def render(docs: Sequence[dict[str, Any]]) -> str:
     """Multi-document YAML, keys in the order built (reads like the Kubernetes docs)."""
-    import yaml  # only `k8s render` needs it
+    with importing("PyYAML"):
+        import yaml  # only `k8s render` needs it
 
     return yaml.safe_dump_all(docs, sort_keys=False, default_flow_style=False)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import InputError, UsageError
+from ..errors import InputError, UsageError, importing
 from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
 from .divergence import describe, divergence
 from .launches import artifacts, events, kill_launch, kill_when, last_event, spawn
@@ -257,16 +257,17 @@ def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path
 
 def verify_problem(pvc: Path) -> str | None:
     """What ``trainjob verify`` would say is wrong with the PVC, or None when it accepts it."""
-    from ..storage.pvc import Pvc
-    from ..views.verify import verify_pvc
+    with importing("trainjob verify"):
+        from ..storage.pvc import Pvc
+        from ..views.verify import verify_pvc
     try:
         report = verify_pvc(Pvc(pvc), pvc / "log.jsonl")
     except InputError as exc:
         return str(exc)
     if report.ok:
         return None
-    bad = [i for i in report.items if i.status not in ("ok", "partial")] or report.items
-    return f"{bad[0].path}: {bad[0].status} {bad[0].detail}" if bad else "not sound"
+    bad = [i for i in report.items if i.verdict not in ("ok", "partial")] or report.items
+    return f"{bad[0].path}: {bad[0].verdict} {bad[0].detail}" if bad else "not sound"
 
 
 # --- the whole proof -----------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
 
     an exception in the loop body, in  its exit code (a TrainJobError's; 70 for any other), no
     ``state_dict`` or ``load_state_dict``  checkpoint of the step it interrupted; a refused load is 2
+    a process group's error for a lost  PeerFailed, exit 75, one line naming the rank that left
+    peer, from any collective (W > 1)   (``ranks/lost.py``), without a ``try`` in the loop
     ``sys.exit()`` of any code, or a     SystemExit(75): the process ends, the step is not saved
     raised ``KeyboardInterrupt``, in the  (once the outcome is decided: SystemExit(its code))
     body or the state's methods
@@ -79,11 +81,12 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, ReplicasDisagree, Superseded, TrainJobError, TryAgainLater, UsageError,
+from ..errors import (InputError, PeerFailed, ReplicasDisagree, Superseded, TrainJobError, TryAgainLater, UsageError,
                       memory_errors, one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
-from ..ranks import connect, torchrun
+from ..ranks import connect, lost, torchrun
+from ..ranks.peers import stopped_before_joining
 from ..records import Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
@@ -95,6 +98,9 @@ from ..trainers.protocol import State, Stateful, check_loss, check_resumable, re
 NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
 Progress = Callable[[int, int], None]
+# How long a rank whose collective failed waits for the other survivors to say so, to name the
+# rank that left (``ranks/store.py``'s ``absent``): survivors meet the failure within moments.
+LOST_GRACE = 3.0
 
 
 def resume_into(stateful: Stateful, host: HostState, loaded: Loaded, where: str, rank: int) -> None:
@@ -158,6 +164,7 @@ class Run:
         self._saver: BackgroundSaver[int] | None = None  # a follower's, with async_checkpoint (rank 0: the Job's)
         self._launch_open = False  # rank 0 leads a launch it has not finished (published or not)
         self._iterated = self._loop_over = self.gate_due = False
+        self._entered = False  # the launch began (or found its outcome): no longer refusable untouched
         self._step: int | None = None  # the step the loop body is training
         self._loss: int | None = None  # its reported loss, in thousandths
 
@@ -166,6 +173,7 @@ class Run:
     def __enter__(self) -> Run:
         try:
             self._enter()
+            self._entered = True
         except BaseException as exc:
             self._end_with(exc)
             if not isinstance(exc, Exception):
@@ -200,12 +208,17 @@ class Run:
         if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
             check_path(self.log_path)
         pvc = Pvc(self.pvc_path)
+        if self.rank != 0:  # stopped already (a launcher ending a refused launch): take nothing, leave nothing
+            stopped_before_joining(self.rank, self._signal)
         check_writable(self.log_path)
         pvc.create()
         if not isinstance(self.log_path, Url):
             with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
                 make_dir(self.log_path.parent)
-        self._stack.enter_context(pvc.lock(self.rank))  # stray tmp files are removed (and logged) by the start
+        # Stray tmp files are removed (and logged) by the start. A launch refused here, before it
+        # began (a world-size mismatch, a peer's refusal, a signal before joining), takes away the
+        # lock file it created: the PVC is left byte for byte as it was found.
+        self._stack.enter_context(pvc.lock(self.rank, tidy=lambda: not self._entered))
         if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
             if self.rank == 0:
                 # A kill the instant after `completed` was logged can leave a tmp file of the ranks'
@@ -508,6 +521,11 @@ class Run:
         made: BaseException | None = None
         if exc is None and self.final is None and self.error is None:
             exc = made = self._unfinished()
+        elif exc is not None and (lost := self._lost_peer(exc)) is not None:
+            self._end_with(lost)  # the body's error was a peer leaving: 75, said in one line
+            if self.raise_errors:
+                raise lost from exc
+            return True
         if exc is not None:
             self._end_with(exc)
         else:
@@ -523,6 +541,24 @@ class Run:
         if made is not None and self.raise_errors:
             raise made
         return exc is not None and exc is not made and not self.raise_errors
+
+    def _lost_peer(self, exc: BaseException) -> PeerFailed | None:
+        """A collective that failed because a peer went away (``ranks/lost.py``), escaping the
+        body (a forward's all-gather, a backward's all-reduce, an optimizer's, the user's own)
+        or a run's own collective: PeerFailed naming the rank that left, as the transport tells
+        (within a grace of a few seconds), else None. Only with peers, only before an outcome or
+        another error; anything else in the body stays what it is (a bug: 70)."""
+        if (self.world_size or 1) < 2 or self.error is not None or not isinstance(exc, Exception) \
+                or isinstance(exc, TrainJobError) or (failed := lost.collective_failure(exc)) is None:
+            return None
+        absent = None
+        if self._peers is not None:
+            absent = self._peers.absent(min(self.cfg.rank_timeout, LOST_GRACE))
+        who = (f"rank {absent[0]}" if len(absent) == 1 else f"ranks {absent}") if absent else "a peer"
+        error = PeerFailed(f"{who} left the launch {self._where()}: a collective failed ({failed}); "
+                           "nothing is wrong with the job, relaunch all ranks together")
+        error.__cause__ = exc
+        return error
 
     def _unfinished(self) -> UsageError:
         """The block ended with no outcome and no error: how the loop was misused."""

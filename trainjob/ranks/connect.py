@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, importing
 from ..storage.backend import Url
 from ..storage.pvc import Pvc
 from .coordination import Coordinator, Follower
@@ -75,9 +75,10 @@ def check_pvc(pvc: Path | Url, world_size: int, env: Mapping[str, str]) -> None:
 
 def open_store(env: Mapping[str, str], timeout: float) -> Any:
     """The launch's store, under a prefix unique to the launch (module docstring)."""
-    import torch.distributed as dist  # only here: the files transport needs no torch
+    with importing("the store transport"):
+        import torch.distributed as dist  # only here: the files transport needs no torch
 
-    from .store import answering
+        from .store import answering
     scope = f"trainjob/{env.get('TORCHELASTIC_RUN_ID', 'none')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     with answering(f"connecting to {env.get('MASTER_ADDR')}:{env.get('MASTER_PORT')}"):
         if _agent_store(env):  # torchrun's agent hosts it; every worker is a client
@@ -94,7 +95,8 @@ def coordinator(pvc: Pvc, world_size: int, timeout: float, stop_signal: Callable
     """Rank 0's side of the launch, on the transport ``transport`` picks."""
     if transport(world_size, env) == "files":
         return PvcCoordinator(pvc, world_size, timeout, stop_signal)
-    from .store import StoreCoordinator
+    with importing("the store transport"):
+        from .store import StoreCoordinator
     return StoreCoordinator(open_store(env, timeout), pvc, world_size, timeout, stop_signal)
 
 
@@ -103,5 +105,6 @@ def follower(pvc: Pvc, rank: int, world_size: int, timeout: float, stop_signal: 
     """Rank ``rank``'s (>= 1) side of the launch, on the transport ``transport`` picks."""
     if transport(world_size, env) == "files":
         return PvcFollower(pvc, rank, world_size, timeout, stop_signal)
-    from .store import StoreFollower
+    with importing("the store transport"):
+        from .store import StoreFollower
     return StoreFollower(open_store(env, timeout), rank, world_size, timeout, stop_signal)

@@ -50,6 +50,10 @@ class Coordination(Protocol):
         """(all ranks) Once a stop is wanted: the step every rank stops after, the largest step
         any rank had reached when it noted the stop. Each rank trains on to it and saves it."""
 
+    def absent(self, grace: float) -> list[int] | None:
+        """(all ranks, once a collective of the step failed: ``lost.py``) The other ranks that
+        are gone, found within ``grace`` s; None when this transport cannot tell."""
+
 
 @runtime_checkable
 class Coordinator(Coordination, Protocol):

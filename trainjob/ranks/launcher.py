@@ -7,11 +7,14 @@ it reads are cli.py's.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Collection, Sequence
+
+from .parent import LAUNCHER_PID
 
 
 def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[int], published: Collection[int],
@@ -27,8 +30,9 @@ def launch_local(world_size: int, argv: Sequence[str], *, finished: Collection[i
     ``grace`` s to do so; after any other code they are stopped at once.
     SIGTERM/SIGINT to the launcher are forwarded to every rank.
     """
+    env = {**os.environ, LAUNCHER_PID: str(os.getpid())}  # each rank dies with this process (parent.py)
     procs = [subprocess.Popen([sys.executable, "-m", "trainjob", *argv, "--rank", str(r),
-                               "--world-size", str(world_size)]) for r in range(world_size)]
+                               "--world-size", str(world_size)], env=env) for r in range(world_size)]
     received: list[str] = []
 
     def forward(signum: int, _frame: object) -> None:

@@ -184,6 +184,11 @@ class PvcPeers:
         notes = wait_for(self._all_stop_notes, self.timeout, lambda: "every rank to note the stop", self.poll)
         return max(n.step for n in notes)
 
+    def absent(self, grace: float) -> list[int] | None:
+        """(all ranks, after a collective failed) Which ranks are gone: the files cannot tell
+        within a step's time (a rank writes nothing between checkpoints), so None."""
+        return None
+
     def _all_stop_notes(self) -> list[RankNote] | None:
         notes = [self.pvc.read_record(self._note_path("stop", r), RankNote) for r in range(self.world_size)]
         return None if any(n is None for n in notes) else notes  # type: ignore[return-value]

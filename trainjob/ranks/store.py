@@ -287,6 +287,22 @@ class StorePeers:
             self._rank_0_ended()
         return int(value)
 
+    def absent(self, grace: float) -> list[int] | None:
+        """(all ranks, after a collective failed) Which other ranks are gone: each rank that
+        survived says so under ``lost/RANK`` and waits at most ``grace`` s for the others; the
+        ranks that never say so are named. None when the store itself is gone (its host died)."""
+        mine, others = self.key(f"lost/{self.rank}"), [r for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + grace
+        try:
+            self.set(mine, b"1")
+            while True:
+                missing = [r for r in others if not self.has(self.key(f"lost/{r}"))]
+                if not missing or time.monotonic() >= deadline:
+                    return missing
+                time.sleep(CHECK_EVERY)
+        except RankTimeout:
+            return None
+
     def _stop_grace(self) -> float:
         """How long a signalled rank waits for a round: a live peer reaches it within about one
         step of this rank (the longest gap between this rank's votes), so twice that, at least

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..errors import TrainJobError, TryAgainLater
 from ..exits import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, job_exit
 from ..storage.pvc import atomic_write
+from .parent import LAUNCHER_PID
 
 REPORT_DIR = "TRAINJOB_EXIT_DIR"
 
@@ -92,6 +93,7 @@ def launch(argv: Sequence[str]) -> int:
     statuses: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="trainjob-exits-") as where:
         os.environ[REPORT_DIR] = where  # the workers inherit it
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # the agent runs here: its workers die with it (parent.py)
         succeeded = False
         try:
             torchrun.run(args)

@@ -179,6 +179,7 @@ class Backend(Protocol):
     def free_space(self) -> int | None:
         """Bytes free for the next checkpoint; None when the store has no such limit."""
 
-    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
+    def lock(self, rank: int = 0, tidy: Callable[[], bool] = ...) -> AbstractContextManager[None]:
         """Hold the single-writer lock (rank 0's job lock, or rank ``rank``'s own); PvcBusy at once
-        when another holder has it."""
+        when another holder has it. When ``tidy()`` is true as it is let go (a launch refused
+        before it wrote anything), a lock object this holder created is removed, not left behind."""

@@ -43,7 +43,7 @@ from typing import TypeVar
 
 from .backend import Backend, Data, Url, Written
 from .digest import Sha256Pipe
-from ..errors import InputError, PvcBusy, one_line, open_regular, os_errors, read_regular
+from ..errors import InputError, PvcBusy, importing, one_line, open_regular, os_errors, read_regular
 from ..records import CheckpointPointer, RunState, dumps, load
 
 T = TypeVar("T")
@@ -396,8 +396,12 @@ def refuse_symlink(path: Path) -> None:
         raise InputError(f"{path}: is a symlink; trainjob does not follow links on the PVC")
 
 
+def _no_trace() -> bool:
+    return False
+
+
 @contextmanager
-def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
+def lock_dir(root: Path, rank: int = 0, tidy: Callable[[], bool] = _no_trace) -> Iterator[None]:
     """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock.
 
     A second holder gets PvcBusy at once, never waits. Rank 0's lock is the job lock that
@@ -409,6 +413,11 @@ def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
     directory itself, which no unlink can replace (where the file system cannot lock a
     directory, e.g. NFS, the file lock stands alone), and every lock checks, once held,
     that its path still names the inode it locked.
+
+    ``tidy``, asked as the lock is let go: when true (a launch refused before it wrote anything),
+    a lock file this holder created is unlinked first, while still locked, so the PVC is left as
+    it was found. Safe while held: a process that opened the file meanwhile finds, once it has the
+    lock, that the path no longer names its inode, and says so (PvcBusy or TryAgainLater, 75).
     """
     path = root / (".lock" if rank == 0 else f".lock.rank-{rank:05d}")
 
@@ -421,7 +430,10 @@ def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
     refuse_symlink(path)
     with ExitStack() as held:  # closing a descriptor releases its lock, also on a kill
         with os_errors(path, "cannot open the lock file", InputError):
-            fd = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE)  # O_CLOEXEC
+            try:  # O_EXCL first, only to know whether this holder made the file (``tidy``)
+                fd, created = open_regular(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, mode=FILE_MODE), True
+            except FileExistsError:
+                fd, created = open_regular(path, os.O_RDWR | os.O_CREAT, mode=FILE_MODE), False  # O_CLOEXEC
         _hold(held, fd)
         with os_errors(path, "cannot lock"):
             if not _flock(fd) or os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino:
@@ -432,6 +444,8 @@ def lock_dir(root: Path, rank: int = 0) -> Iterator[None]:
                 _hold(held, directory)
                 if _flock(directory, unsupported_ok=True) is False:
                     raise busy(root)  # .lock was unlinked under a run that still holds the PVC
+        if created:  # runs first when ``held`` closes: while every lock above is still held
+            held.callback(lambda: tidy() and path.unlink(missing_ok=True))
         yield
 
 
@@ -626,14 +640,15 @@ class LocalBackend:
         with os_errors(root, "cannot check free space"):
             return shutil.disk_usage(root if root.is_dir() else self.root).free
 
-    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
-        return lock_dir(self.root, rank)
+    def lock(self, rank: int = 0, tidy: Callable[[], bool] = _no_trace) -> AbstractContextManager[None]:
+        return lock_dir(self.root, rank, tidy)
 
 
 def open_backend(root: Path | Url) -> Backend:
     """The backend for a ``--pvc``: a bucket for ``s3://``, else the directory."""
     if isinstance(root, Url):
-        from .s3 import S3Backend  # only here: a local run never imports an object-store client
+        with importing("the S3 backend"):
+            from .s3 import S3Backend  # only here: a local run never imports an object-store client
         return S3Backend(root)
     return LocalBackend(Path(root))
 
@@ -674,10 +689,11 @@ class Pvc:
         for entry in (self.state_path, self.attempts_path, self.checkpoint_path, self.artifacts):
             refuse_symlink(entry)
 
-    def lock(self, rank: int = 0) -> AbstractContextManager[None]:
+    def lock(self, rank: int = 0, tidy: Callable[[], bool] = _no_trace) -> AbstractContextManager[None]:
         """Hold the PVC's exclusive lock (rank 0) or rank ``rank``'s own lock (``lock_dir`` on a
-        directory, a lease on a bucket: ``s3.py``). A second holder gets PvcBusy at once."""
-        return self.backend.lock(rank)
+        directory, a lease on a bucket: ``s3.py``). A second holder gets PvcBusy at once.
+        ``tidy()`` true when it is let go: the lock file (or lease) this holder created goes too."""
+        return self.backend.lock(rank, tidy)
 
     def remove_stray_tmp(self) -> list[Path]:
         """Delete tmp files left by writers that were killed mid-write (call under the lock)."""

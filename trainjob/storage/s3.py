@@ -25,6 +25,7 @@ Must not decide anything about what a key means (that is above ``Backend``).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import queue
@@ -38,11 +39,12 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from ..errors import InputError, PvcBusy, TryAgainLater, one_line
+from ..errors import InputError, PvcBusy, TryAgainLater, importing, one_line
 from .backend import SCHEME, ByteSource, Data, Url, Written
 from .digest import Sha256Pipe
 
 LEASE_SECONDS = float(os.environ.get("TRAINJOB_LEASE_SECONDS", "30"))  # a holder renews at a third of it
+RELEASE_SECONDS = 8.0  # the most letting go of the lease may add to a run's end (``lock``)
 PART = 16 << 20  # multipart and ranged-GET part size: large parts, few requests
 WINDOW = 4  # ranged GETs in flight while a shard is read (memory: about two windows of parts)
 CONFLICT_RETRIES = 5
@@ -154,6 +156,8 @@ class S3Backend:
         self._etags: dict[str, str | None] = {}  # what this process last saw of each key (None: absent)
         self._lock = threading.Lock()
         self._lost: BaseException | None = None  # the lease's renewal failed: write nothing more
+        self._unanswered = ""  # what a call said after it waited out the request timeout (``_answering``)
+        self.request_timeout = float(os.environ.get("TRAINJOB_S3_TIMEOUT", "30"))  # seconds, each request
 
     # --- the client ---------------------------------------------------------------------------
 
@@ -161,7 +165,8 @@ class S3Backend:
     def store(self) -> Any:
         if self._store is None:
             try:
-                from obstore.store import S3Store
+                with importing("the S3 client"):  # the first of this module's obstore imports; the rest find it loaded
+                    from obstore.store import S3Store
             except ImportError as exc:
                 raise InputError(f"{self.root}: an s3:// PVC needs the S3 client: pip install 'trainjob[s3]'") \
                     from exc
@@ -171,13 +176,34 @@ class S3Backend:
                      "retry_timeout": timedelta(seconds=float(os.environ.get("TRAINJOB_S3_RETRY_SECONDS", "10"))),
                      "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2),
                                  "base": 2}}
-            options["timeout"] = timedelta(seconds=float(os.environ.get("TRAINJOB_S3_TIMEOUT", "30")))
+            options["timeout"] = timedelta(seconds=self.request_timeout)
             options["connect_timeout"] = timedelta(seconds=5)
-            with _errors(self.root, "cannot configure the S3 client"):
+            with self._answering(self.root, "cannot configure the S3 client"):
                 self._store = S3Store(self.bucket, prefix=self.prefix or None, client_options=options,
                                       retry_config=retry,
                                       **({"virtual_hosted_style_request": False} if endpoint else {}))
         return self._store
+
+    @contextmanager
+    def _answering(self, where: str, doing: str) -> Iterator[None]:
+        """``_errors`` for a call of this backend, noting a store that stopped answering: a call
+        that failed after waiting out the whole request timeout (a hung server, a partition that
+        keeps connections open; a refused connection or a 503 fails sooner and is not this). Every
+        later call of this backend then fails at once (75), and the lease is let go without
+        waiting (``lock``), so a run ends within one request timeout of the store going quiet,
+        not one per request still to make (a rotation's delete that failed used to let the run go
+        on into the next write, and its timeout)."""
+        if self._unanswered:  # one request timeout is all a run spends on a store that stopped answering
+            raise TryAgainLater(f"{where}: {doing}: not tried: the store stopped answering earlier in this run "
+                                f"({self._unanswered})")
+        started = time.monotonic()
+        try:
+            with _errors(where, doing):
+                yield
+        except TryAgainLater as exc:
+            if not isinstance(exc, PvcBusy) and time.monotonic() - started >= 0.9 * self.request_timeout:
+                self._unanswered = str(exc)  # it waited out a whole request timeout: nobody answers
+            raise
 
     def where(self, key: str) -> Url:
         return self.root / key if key else self.root
@@ -189,10 +215,10 @@ class S3Backend:
         honours ``If-None-Match`` (a second conditional create of one key must fail)."""
         import obstore as obs
 
-        with _errors(self.root, "cannot list the bucket"):
+        with self._answering(self.root, "cannot list the bucket"):
             obs.list_with_delimiter(self.store, None)
         probe = f".probe-{uuid.uuid4().hex}"
-        with _errors(self.where(probe), "cannot write"):
+        with self._answering(self.where(probe), "cannot write"):
             obs.put(self.store, probe, b"1", mode="create")
             try:
                 obs.put(self.store, probe, b"2", mode="create")
@@ -210,7 +236,7 @@ class S3Backend:
     def read(self, key: str, limit: int) -> bytes | None:
         import obstore as obs
 
-        with _errors(self.where(key), "cannot read"):
+        with self._answering(self.where(key), "cannot read"):
             try:
                 result = obs.get(self.store, key)
             except Exception as exc:
@@ -228,7 +254,7 @@ class S3Backend:
     def _head(self, key: str) -> dict[str, Any] | None:
         import obstore as obs
 
-        with _errors(self.where(key), "cannot read"):
+        with self._answering(self.where(key), "cannot read"):
             try:
                 return dict(obs.head(self.store, key))
             except Exception as exc:
@@ -259,7 +285,7 @@ class S3Backend:
         for _ in range(CONFLICT_RETRIES):
             expected = self._etags[key]
             mode: Any = "create" if expected is None else {"e_tag": expected}
-            with _errors(self.where(key), "write failed"):
+            with self._answering(self.where(key), "write failed"):
                 try:
                     result = obs.put(self.store, key, body, mode=mode)
                 except Exception as exc:
@@ -283,7 +309,7 @@ class S3Backend:
         import obstore as obs
 
         self._holding(key)
-        with _errors(self.where(key), "write failed"):
+        with self._answering(self.where(key), "write failed"):
             try:
                 result = obs.put(self.store, key, data, mode="create")
             except Exception as exc:
@@ -301,7 +327,7 @@ class S3Backend:
         """Every key below ``prefix`` (relative to the root), sorted."""
         import obstore as obs
 
-        with _errors(self.where(prefix), "cannot list"):
+        with self._answering(self.where(prefix), "cannot list"):
             return sorted(str(o["path"]) for batch in obs.list(self.store, prefix.rstrip("/") + "/" if prefix else None)
                           for o in batch)
 
@@ -320,7 +346,7 @@ class S3Backend:
         keys = self._all(prefix)
         keys.sort(key=lambda k: (not k.endswith("/manifest.json"), k))
         try:
-            with _errors(self.where(prefix), "cannot delete"):
+            with self._answering(self.where(prefix), "cannot delete"):
                 for key in keys:
                     obs.delete(self.store, key)
         except TryAgainLater:
@@ -341,7 +367,7 @@ class S3Backend:
         if not keys:
             return False
         keys.sort(key=lambda k: (k.endswith("/manifest.json"), k))
-        with _errors(self.where(src), "cannot set aside"):
+        with self._answering(self.where(src), "cannot set aside"):
             for key in keys:
                 obs.copy(self.store, key, dest + key[len(src):])
         return self.delete_tree(src)
@@ -353,8 +379,13 @@ class S3Backend:
         return final
 
     def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
-        """Upload in parallel parts, hashing each chunk as it goes (never by reading back). Every
-        completed upload is durable: ``sync`` changes nothing here."""
+        """Upload, hashing each chunk as it goes (never by reading back): up to one PART in one
+        PUT, anything larger in parallel parts. Every completed upload is durable: ``sync``
+        changes nothing here.
+
+        One PUT when it fits, because a multipart upload that fails is aborted, and the abort is
+        a request of its own: against a server that stopped answering it waits out a second
+        request timeout (docs/checkpoints.md, "A stalled store")."""
         import obstore as obs
 
         self._holding(key)
@@ -369,8 +400,18 @@ class S3Backend:
                 size += len(copy)
                 yield copy
 
-        with _errors(self.where(key), "upload failed"):
-            obs.put(self.store, key, hashed(), use_multipart=True, chunk_size=PART, max_concurrency=8)
+        chunks, head, held = hashed(), [], 0
+        for chunk in chunks:  # at most one PART held before deciding
+            head.append(chunk)
+            held += len(chunk)
+            if held > PART:
+                break
+        with self._answering(self.where(key), "upload failed"):
+            if held <= PART:
+                obs.put(self.store, key, b"".join(head), use_multipart=False)
+            else:
+                obs.put(self.store, key, itertools.chain(head, chunks), use_multipart=True, chunk_size=PART,
+                        max_concurrency=8)
         return Written(size=size, sha256=digest.hexdigest())
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
@@ -419,11 +460,12 @@ class S3Backend:
     # --- the lease -----------------------------------------------------------------------------
 
     @contextmanager
-    def lock(self, rank: int = 0) -> Iterator[None]:
-        """A lease object, taken and renewed by conditional writes (module docstring)."""
+    def lock(self, rank: int = 0, tidy: Callable[[], bool] = lambda: False) -> Iterator[None]:
+        """A lease object, taken and renewed by conditional writes (module docstring). Let go with
+        ``tidy()`` true, a lease this holder created is deleted rather than released."""
         key = ".lease" if rank == 0 else f".lease.rank-{rank:05d}"
         me = f"pid {os.getpid()} on {socket.gethostname()} ({uuid.uuid4().hex[:8]})"
-        self._take(key, me)
+        created = self._take(key, me)
         stop = threading.Event()
         lost: list[BaseException] = []
 
@@ -437,24 +479,43 @@ class S3Backend:
                     self._lost = exc
                     return
 
+        def release() -> None:
+            try:  # released: expiry 0, which the next run takes quietly
+                if created and tidy():
+                    import obstore as obs
+
+                    with self._answering(self.where(key), "cannot delete"):
+                        obs.delete(self.store, key)
+                else:
+                    self._put_lease(key, me, 0.0)
+            except (InputError, TryAgainLater):
+                pass  # it lapses by itself
+
         thread = threading.Thread(target=renew, name="trainjob-lease", daemon=True)
         thread.start()
         try:
             yield
         finally:
+            # Letting go is bounded (RELEASE_SECONDS for both steps): when the store stopped
+            # answering (a hung server, a partition that keeps connections open), a renewal in
+            # flight or the release would each wait out a whole request timeout after the one
+            # that already ended the run. Abandoned, they end with the process (daemon threads),
+            # and the lease lapses by itself.
+            bound = 0.0 if self._unanswered else RELEASE_SECONDS  # the store already failed a call: no wait
+            deadline = time.monotonic() + bound
             stop.set()
-            thread.join()
-            if not lost:
-                try:  # released: expiry 0, which the next run takes quietly
-                    self._put_lease(key, me, 0.0)
-                except (InputError, TryAgainLater):
-                    pass  # it lapses by itself
+            thread.join(bound)
+            if not lost and not thread.is_alive() and not self._unanswered:
+                releasing = threading.Thread(target=release, name="trainjob-lease-release", daemon=True)
+                releasing.start()
+                releasing.join(max(0.0, deadline - time.monotonic()))
 
     def _put_lease(self, key: str, holder: str, expires: float) -> None:
         body = json.dumps({"holder": holder, "expires": expires}).encode() + b"\n"
         self.write(key, body)
 
-    def _take(self, key: str, me: str) -> None:
+    def _take(self, key: str, me: str) -> bool:
+        """Take the lease at ``key``: True when there was none (this holder created it)."""
         raw = self.read(key, 1 << 16)
         if raw is not None:
             try:
@@ -474,3 +535,4 @@ class S3Backend:
         except PvcBusy as exc:
             raise PvcBusy(f"{self.root}: another trainjob run took the lease at the same moment; relaunch "
                           "when it has exited") from exc
+        return raw is None

@@ -12,6 +12,7 @@ from collections.abc import Callable
 import attrs
 
 from . import data
+from ..errors import importing
 
 
 # ``--trainer NAME``: the factory each name stands for (protocol.build imports it).
@@ -27,7 +28,8 @@ class Source:
 
 
 def _digits_files() -> dict[str, bytes]:
-    from .digits import generate_files  # numpy and safetensors, which the lab's data needs neither of
+    with importing("the digits data set"):
+        from .digits import generate_files  # numpy and safetensors, which the lab's data needs neither of
     return generate_files()
 
 

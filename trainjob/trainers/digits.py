@@ -22,7 +22,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from .data import files_sha256, read_data_file
-from ..errors import InputError, UsageError
+from ..errors import InputError, UsageError, importing
 from ..records import Score
 
 FILES = ("train.safetensors", "holdout.safetensors", "baseline.safetensors")
@@ -62,7 +62,8 @@ def accuracy(W: np.ndarray, b: np.ndarray, x: np.ndarray, y: np.ndarray) -> Scor
 def generate_files() -> dict[str, bytes]:
     """The three files, as bytes (the same on every call)."""
     try:
-        from sklearn.datasets import load_digits
+        with importing("scikit-learn"):
+            from sklearn.datasets import load_digits
     except ImportError:
         raise UsageError("--dataset digits needs scikit-learn: pip install 'trainjob[digits]'") from None
     bunch = load_digits()

@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, memory_errors, one_line
+from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, importing, memory_errors, one_line
 from ..records import Score, TensorSpec, is_sha256_hex
 from .builtin import BUILTIN
 
@@ -83,7 +83,8 @@ def resolve(spec: str) -> Factory:
     if not sep or not module_name or not attr:
         raise UsageError(f"--trainer {spec!r}: expected one of {', '.join(BUILTIN)} or package.module:factory")
     try:
-        module = importlib.import_module(module_name)
+        with importing(f"--trainer {spec!r}"):
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"--trainer {spec!r}: cannot import {module_name}: {exc}") from None
     obj: Any = module

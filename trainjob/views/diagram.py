@@ -21,7 +21,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import UsageError, importing
 from ..engine.machine import FINAL, GUARD_LABELS, INITIAL, STATES
 from .history import RunPath, guards, table_edges
 
@@ -113,7 +113,8 @@ def _require_engine(fmt: str) -> None:
     if ENGINE[fmt] != "graphviz":
         return
     try:
-        import graphviz  # noqa: F401  (imported only to fail here, not fall back to mermaid)
+        with importing("graphviz"):
+            import graphviz  # noqa: F401  (imported only to fail here, not fall back to mermaid)
     except ImportError:
         raise UsageError(
             f"--format {fmt} needs the graphviz Python package: pip install 'trainjob[diagrams]'"
@@ -127,7 +128,8 @@ def _require_engine(fmt: str) -> None:
 
 def _graph(engine: str, run: RunPath | None, title: str) -> Any:
     # Imported here: the diagram extension pulls in asyncio and more, which no other command needs.
-    from transitions.extensions import GraphMachine
+    with importing("transitions' diagrams"):
+        from transitions.extensions import GraphMachine
 
     machine = GraphMachine(
         states=[dict(name=s, final=s in FINAL) for s in STATES],

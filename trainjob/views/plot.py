@@ -17,7 +17,7 @@ from collections import Counter
 import attrs
 
 from ..engine.machine import parse_detail
-from ..errors import InputError, UsageError
+from ..errors import InputError, UsageError, importing
 from .history import RunPath, Step
 
 STEP_FIELDS = ("step", "at_step", "from_step")
@@ -96,11 +96,13 @@ def _attempt_name(attempt: int | None) -> str:
 def draw(told: Story, title: str, max_drop: int | None = None) -> bytes:
     """The story as PNG bytes: losses and events on the left, the verdicts on the right."""
     try:
-        import matplotlib
+        with importing("matplotlib"):
+            import matplotlib
     except ImportError:
         raise UsageError("plot needs matplotlib: pip install 'trainjob[plot]'") from None
     matplotlib.use("Agg")  # files only: no display, same pixels everywhere
-    from matplotlib import pyplot as plt
+    with importing("matplotlib"):
+        from matplotlib import pyplot as plt
 
     fig, (losses, gate) = plt.subplots(1, 2, figsize=(11, 4.5), width_ratios=(3, 1), layout="constrained")
     fig.suptitle(title)

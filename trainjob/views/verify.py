@@ -4,7 +4,9 @@ Every entry under ``checkpoints/`` (committed, partial, in flight, set aside), t
 ``checkpoint.json``, and every artifact against the sha256 the log recorded for it. Read-only:
 takes no lock and changes nothing, so it is safe beside a running job (whose in-flight staging
 directory it reports as such). The verdict for the exit code: the newest committed checkpoint,
-the pointer and every artifact must verify.
+the pointer and every artifact must verify. A PVC holding none of them (an empty directory, a
+bucket prefix with nothing under it, a mistyped path) has nothing to verify: that is an
+InputError (exit 2) naming where it looked, never "verdict: ok".
 
 Each artifact is checked by ``engine/completion.py``, which an idempotent relaunch asks too.
 """
@@ -87,4 +89,15 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
     for rel in sorted(set(logged) | set(on_disk)):
         items.append(check_artifact(pvc, rel, logged.get(rel)))
         ok = ok and items[-1].verdict == "ok"
+    if not items:
+        raise InputError(nothing_to_verify(pvc, log_path))
     return Report(items=items, ok=ok)
+
+
+def nothing_to_verify(pvc: Pvc, log_path: Path) -> str:
+    """The one line for a PVC without a checkpoint, a pointer or an artifact: where it looked,
+    and what it found there instead (so a mistyped prefix or a wrong directory shows as such)."""
+    entries = pvc.backend.list("")
+    held = f"it holds only {', '.join(entries[:5])}{' ...' if len(entries) > 5 else ''}" if entries else "it is empty"
+    return (f"{pvc.root}: nothing to verify: no checkpoints/, checkpoint.json or artifacts/ there, and "
+            f"{log_path} logs no artifact ({held}); is this the job's --pvc?")
