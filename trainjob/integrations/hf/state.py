@@ -62,6 +62,9 @@ class TrainerCheckpoint:
         assert self._torch is not None
         out = self._torch.state_dict()
         scheduler = self.trainer.lr_scheduler
+        if scheduler is None:  # before train() builds it: the groups as they will be once it has
+            for group in out["optim"]["param_groups"]:
+                group.setdefault("initial_lr", group["lr"])
         out["hf"] = {"scheduler": plain.encode(None if scheduler is None else scheduler.state_dict(), "scheduler"),
                      "trainer": plain.encode(trainer_state(self.trainer), "trainer_state")}
         out["rank"] = RankLocal({"rng": streams.capture()})
