@@ -42,7 +42,7 @@ training = TrainingArguments(
     output_dir=args.out or f"{args.bare or args.pvc}-trainer", per_device_train_batch_size=8,
     gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=3e-3, warmup_steps=4,
     weight_decay=0.01, save_strategy="steps", save_steps=args.save_steps, logging_steps=1, report_to="none",
-    disable_tqdm=True, seed=0, use_cpu=True)
+    disable_tqdm=True, seed=0, use_cpu=True, ddp_find_unused_parameters=False)
 
 
 class PrintLoss(Trainer):  # each step's loss on stdout, as `trainjob prove` reads it
