@@ -65,13 +65,13 @@ def test_the_hf_integration_imports_transformers_only_when_it_runs():
         assert early == [], path
 
 
+@pytest.mark.process
 def test_importing_trainjob_and_the_integration_loads_no_transformers():
-    before = set(sys.modules)
-    if any(m.split(".")[0] == "transformers" for m in before):
-        pytest.skip("transformers was imported by an earlier test in this process")
-    import trainjob.integrations.hf  # noqa: F401
-
-    assert not any(m.split(".")[0] == "transformers" for m in set(sys.modules) - before)
+    """A new interpreter: only transformers' own calls, inside ``run``, import it."""
+    code = ("import sys, trainjob, trainjob.torch, trainjob.integrations.hf\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('transformers', 'accelerate')]")
+    done = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 # --- slow: real launches --------------------------------------------------------------------------------
