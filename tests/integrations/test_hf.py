@@ -16,9 +16,11 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -144,7 +146,7 @@ def artifact(pvc: Path) -> bytes:
 
 
 @pytest.mark.process
-def test_uninterrupted_the_run_publishes_the_bare_trainers_weights_and_reads_as_any_run(reference):
+def test_uninterrupted_the_run_publishes_the_bare_trainers_weights_and_reads_as_any_run(reference, tmp_path):
     """The reference's two launches (shared), then the CLI on its PVC."""
     _, lines, directory = reference
     published = tensors(directory / "pvc/artifacts/model-v1.safetensors")
@@ -158,6 +160,12 @@ def test_uninterrupted_the_run_publishes_the_bare_trainers_weights_and_reads_as_
     assert status.returncode == 0 and "last_event: completed" in status.stdout
     verified = trainjob("verify", "--pvc", directory / "pvc")
     assert verified.returncode == 0, verified.stdout
+    path = trainjob("status", directory / "pvc/log.jsonl", "--path")
+    assert path.returncode == 0, path.stdout + path.stderr
+    if shutil.which("dot"):  # replay draws the machine with Graphviz
+        page = tmp_path / "replay.html"
+        replay = trainjob("replay", directory / "pvc/log.jsonl", "-o", page)
+        assert replay.returncode == 0 and "completed" in page.read_text(), replay.stderr
 
 
 @pytest.mark.process
@@ -248,3 +256,23 @@ def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys):
     assert code == 0, out
     assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 2
     assert "SIGKILL" in out and "SIGTERM" in out
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.torchrun
+def test_prove_finds_the_example_proven_at_two_ranks_under_trainjob_torchrun(capsys, tmp_path, monkeypatch):
+    """Five or more launches of two DDP workers each (the reference, a SIGKILL of the whole launch,
+    a SIGTERM to `trainjob torchrun`, which passes it on): the slowest test here, a few minutes."""
+    _needs_transformers()
+    from trainjob import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # prove's PVCs here: the check below sees only ours
+    code = cli.main(["prove", "--kills", "2", "--signal", "both", "--", sys.executable, "-m", "trainjob", "torchrun",
+                     "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE),
+                     "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 2
+    left = subprocess.run(["pgrep", "-f", f"hf_trainer.py --pvc {tmp_path}/trainjob-prove-"], capture_output=True)
+    assert left.stdout == b"", "a worker outlived its launch"
