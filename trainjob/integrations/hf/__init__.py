@@ -13,6 +13,7 @@ accelerate); docs/hf.md says how, and which versions are tested.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -79,7 +80,7 @@ def _plan(trainer: Any) -> tuple[int, int, str | None]:
          "DeepSpeed and FSDP keep their own checkpoint formats"),
         (trainer.model_init is not None, "model_init builds the model anew inside train()"),
         (args.load_best_model_at_end, "load_best_model_at_end needs the Trainer's own checkpoints"),
-        (str(args.save_strategy) in ("best", "SaveStrategy.BEST"), "save_strategy='best' saves when a metric improves"),
+        (_value(args.save_strategy) == "best", "save_strategy='best' saves when a metric improves"),
         (getattr(args, "enable_jit_checkpoint", False), "enable_jit_checkpoint: trainjob saves on SIGTERM itself"),
         (args.ignore_data_skip, "ignore_data_skip: a resume would train on other batches than the run it continues"),
     ) if bad]
@@ -92,11 +93,16 @@ def _plan(trainer: Any) -> tuple[int, int, str | None]:
         return 1, 1, f"the Trainer cannot train: {exc}".splitlines()[0]
     if unsupported:
         return steps, 1, f"this Trainer cannot run under trainjob: {'; '.join(unsupported)}"
-    strategy = getattr(args.save_strategy, "value", args.save_strategy)
-    if strategy == "steps":
-        every = int(args.save_steps) if args.save_steps >= 1 else max(1, -(-int(steps * args.save_steps * 1e9) // 10 ** 9))
+    strategy = _value(args.save_strategy)
+    if strategy == "steps":  # a save_steps below 1 is a fraction of the run, as the Trainer reads it
+        every = int(args.save_steps) if args.save_steps >= 1 else math.ceil(steps * args.save_steps)
     elif strategy == "epoch":
         every = per_epoch
     else:
         every = steps
     return steps, max(1, min(every, steps)), None
+
+
+def _value(strategy: Any) -> Any:
+    """A Trainer strategy (an enum of str, or the str itself) as its str."""
+    return getattr(strategy, "value", strategy)
