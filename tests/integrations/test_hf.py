@@ -276,3 +276,18 @@ def test_prove_finds_the_example_proven_at_two_ranks_under_trainjob_torchrun(cap
     assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 2
     left = subprocess.run(["pgrep", "-f", f"hf_trainer.py --pvc {tmp_path}/trainjob-prove-"], capture_output=True)
     assert left.stdout == b"", "a worker outlived its launch"
+
+
+@pytest.mark.process
+def test_a_trainer_trainjob_cannot_resume_exactly_is_refused_exit_2_before_the_pvc_holds_anything(tmp_path):
+    """One launch: ``ignore_data_skip=True`` would resume on other batches; one line names it."""
+    _needs_transformers()
+    script = tmp_path / "hf_noskip.py"
+    source = EXAMPLE.read_text()
+    assert 'report_to="none",' in source
+    script.write_text(source.replace('report_to="none",', 'report_to="none", ignore_data_skip=True,'))
+    code, _, err = finish(tmp_path / "pvc", script=script)
+    assert code == 2, err[-2000:]
+    assert "ignore_data_skip" in err.strip().splitlines()[-1]
+    assert not (tmp_path / "pvc/log.jsonl").exists() or not (tmp_path / "pvc/log.jsonl").read_text().strip()
+    assert not any((tmp_path / "pvc").glob("checkpoints/step-*"))
