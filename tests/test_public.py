@@ -28,7 +28,9 @@ PUBLIC = [
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
-PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}
+PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits",
+                  # the framework integrations: `from trainjob.integrations import hf` (docs/hf.md)
+                  "trainjob.integrations", "trainjob.integrations.hf"}
 
 
 def test_all_is_pinned():

@@ -4,8 +4,9 @@ What trainer authors and library users import comes from here, and only what ``_
 promised; every other module path may move (``tests/test_public.py`` pins the list). Optional
 modules are public too, because ``import trainjob`` must not need their extras:
 ``trainjob.torch`` (the PyTorch adapter: ``TrainingState``, ``trainjob[torch]``),
-``trainjob.trainers.torch_state`` (its older, tensors-only helpers) and
-``trainjob.trainers.digits`` (the built-in digits data and trainer). The command line is
+``trainjob.trainers.torch_state`` (its older, tensors-only helpers),
+``trainjob.trainers.digits`` (the built-in digits data and trainer) and ``trainjob.integrations.hf``
+(a transformers ``Trainer`` under trainjob, ``trainjob[hf]``; docs/hf.md). The command line is
 ``trainjob.cli.main``; the parts of the package are described in the README, "Reading the code".
 """
 
