@@ -291,3 +291,21 @@ def test_a_trainer_trainjob_cannot_resume_exactly_is_refused_exit_2_before_the_p
     assert "ignore_data_skip" in err.strip().splitlines()[-1]
     assert not (tmp_path / "pvc/log.jsonl").exists() or not (tmp_path / "pvc/log.jsonl").read_text().strip()
     assert not any((tmp_path / "pvc").glob("checkpoints/step-*"))
+
+
+@pytest.mark.process
+def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
+    """One launch of the example gated by ``hf.metric("eval_loss", ...)`` on its holdout set: the
+    trained loss (about 2.1) against a uniform guess's, ln 32 (lower is better)."""
+    _needs_transformers()
+    script = tmp_path / "hf_metric.py"
+    source = EXAMPLE.read_text()
+    for old in ("train_dataset=train)", "gate=next_token_accuracy)"):
+        assert old in source
+    script.write_text(source.replace("train_dataset=train)", "train_dataset=train, eval_dataset=holdout)").replace(
+        "gate=next_token_accuracy)", "gate=hf.metric('eval_loss', baseline=3.4657, higher_is_better=False))"))
+    code, _, err = finish(tmp_path / "pvc", script=script)
+    assert code == 0, err[-2000:]
+    last = events(tmp_path / "pvc")[-1]
+    holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
+    assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths

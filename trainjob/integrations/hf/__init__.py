@@ -20,11 +20,12 @@ from typing import Any
 
 from ...defaults import BACKOFF_LIMIT
 from ...engine.run import Run
+from ...errors import UsageError
 from ...records import Score
 from .hooks import Driver
 from .state import TrainerCheckpoint
 
-__all__ = ["run", "TrainerCheckpoint"]
+__all__ = ["run", "metric", "TrainerCheckpoint"]
 
 Gate = Callable[[Any], tuple[Score, Score]]
 
@@ -39,7 +40,7 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
 
     ``gate(trainer)`` returns ``(holdout, baseline)``, two ``trainjob.Score``s: the trained model's
     and a frozen reference's (the gate passes when ``holdout`` keeps within ``max_drop`` percent of
-    ``baseline``). ``export(trainer)`` chooses the published tensors (default: the model's
+    ``baseline``); ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the published tensors (default: the model's
     ``state_dict()``, a tied weight once). Checkpoints come every ``save_steps`` (the Trainer's
     ``save_strategy``: steps, epoch, or no: the last step only) and at the last step. The rest are
     ``trainjob.Run``'s settings (docs/trainers.md)."""
@@ -55,6 +56,35 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
                 job.gate(holdout=holdout, baseline=baseline,
                          export=dict(export(trainer)) if export is not None else model_tensors(trainer.model))
     return job.exit_code
+
+
+# An eval metric is gated in millionths: the gate's rule is over integer counts.
+PARTS = 10 ** 6
+
+
+def metric(name: str, baseline: float, *, higher_is_better: bool = True) -> Gate:
+    """A gate on one of ``trainer.evaluate()``'s metrics (``"eval_loss"``, an ``"eval_accuracy"``
+    your ``compute_metrics`` returns) against a frozen value, for ``run(gate=...)``. Higher is
+    better: the metric and the baseline are compared in millionths, so the gate passes when
+    ``metric >= baseline * (100 - max_drop) / 100``. Lower is better (a loss): it passes when
+    ``baseline / metric >= (100 - max_drop) / 100``, i.e. the metric is at most ``baseline`` grown by
+    ``max_drop`` percent of itself. A metric that is missing, not a finite number >= 0, or a
+    baseline that is not, is a UsageError (exit 2)."""
+    if not (isinstance(baseline, int | float) and 0 < baseline < float("inf")):
+        raise UsageError(f"metric({name!r}): the baseline must be a finite number above 0, got {baseline!r}")
+
+    def gate(trainer: Any) -> tuple[Score, Score]:
+        found = trainer.evaluate()
+        value = found.get(name)
+        if not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise UsageError(f"trainer.evaluate() gave {name}={value!r}, not a finite number >= 0 "
+                             f"(it gave {', '.join(sorted(found))})")
+        if higher_is_better:
+            return Score(correct=round(value * PARTS), total=PARTS), Score(correct=round(baseline * PARTS), total=PARTS)
+        ratio = baseline / value if value > 0 else float("inf")
+        return Score(correct=min(round(ratio * PARTS), 2 ** 53), total=PARTS), Score(correct=PARTS, total=PARTS)
+
+    return gate
 
 
 def model_tensors(model: Any) -> dict[str, Any]:
