@@ -19,6 +19,7 @@ cli = argparse.ArgumentParser()
 cli.add_argument("--pvc", default="pvc")
 cli.add_argument("--epochs", type=int, default=3)
 cli.add_argument("--save-steps", type=int, default=5)
+cli.add_argument("--workers", type=int, default=0, help="the data loader's worker processes")
 cli.add_argument("--out", default=None, help="the Trainer's output_dir (default: a folder beside --pvc)")
 cli.add_argument("--bare", metavar="FILE", help="train without trainjob; save the final weights to FILE")
 args = cli.parse_args()
@@ -42,7 +43,8 @@ training = TrainingArguments(
     output_dir=args.out or f"{args.bare or args.pvc}-trainer", per_device_train_batch_size=8,
     gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=3e-3, warmup_steps=4,
     weight_decay=0.01, save_strategy="steps", save_steps=args.save_steps, logging_steps=1, report_to="none",
-    disable_tqdm=True, seed=0, use_cpu=True, ddp_find_unused_parameters=False)
+    disable_tqdm=True, seed=0, use_cpu=True, ddp_find_unused_parameters=False,
+    dataloader_num_workers=args.workers)
 
 
 class PrintLoss(Trainer):  # each step's loss on stdout, as `trainjob prove` reads it

@@ -84,7 +84,7 @@ def _needs_transformers() -> None:
 
 def launch(pvc: Path, *flags: str, script: Path = EXAMPLE) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(script), "--pvc", str(pvc), *flags], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
 def losses(text: str) -> dict[int, str]:
@@ -97,16 +97,21 @@ def finish(pvc: Path, *flags: str, script: Path = EXAMPLE) -> tuple[int, dict[in
     return proc.returncode, losses(out), err
 
 
-def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, script: Path = EXAMPLE) -> tuple[int, str]:
+def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, script: Path = EXAMPLE,
+              flags: tuple[str, ...] = (), group: bool = False) -> tuple[int, str]:
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
-    ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)."""
-    proc = launch(pvc, script=script)
+    ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)
+    to the process, or with ``group`` to its whole process group (its loader's workers too)."""
+    proc = launch(pvc, *flags, script=script)
     assert proc.stdout is not None
     for line in proc.stdout:
         if (step := losses(line)) and min(step) >= at_line:
             break
     time.sleep(then)
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     return proc.returncode, err
 
@@ -309,3 +314,22 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     last = events(tmp_path / "pvc")[-1]
     holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
     assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_a_sigterm_to_the_whole_process_group_with_loader_workers_is_a_saved_step_and_75(reference, tmp_path):
+    """Two launches with 2 loader workers: SIGTERM to the process group (Slurm's scancel, Ctrl-C)
+    reaches the workers too (the integration guards them as TrainingState guards a script's
+    loader); the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes (the
+    workers change no batch). Not a control for the guard: without it this run also ended 75 once
+    (the Trainer prefetches a step's batches before training it); tests/trainers/test_workers.py
+    tests the guard itself."""
+    expected, _, _ = reference
+    pvc = tmp_path / "pvc"
+    code, err = signalled(pvc, signal.SIGTERM, 12, flags=("--workers", "2"), group=True)
+    assert code == 75, err[-2000:]
+    assert events(pvc)[-1]["event"] == "killed"
+    code, _, err = finish(pvc, "--workers", "2")
+    assert code == 0, err[-2000:]
+    assert artifact(pvc) == expected

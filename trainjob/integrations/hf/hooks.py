@@ -19,6 +19,9 @@ the checkpoint the Run loaded instead:
     _maybe_log_save_evaluate    after the step's logging and evaluation, the Run's step ends here:
                                 the loss is reported, a checkpoint taken when due, a stop obeyed
     training_step               sums the step's micro-batch losses for ``run.report``
+    get_train_dataloader        guards the loader's worker processes (``dataloader_num_workers``)
+                                against a SIGTERM or SIGINT sent to the whole process group, as
+                                ``TrainingState`` guards a script's own loader
 
 and one callback turns the Trainer's own saves off (``control.should_save``): trainjob's checkpoints
 replace them. Must not: write a file, or decide anything the Run decides (when to save, when to stop).
@@ -31,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...errors import UsageError
-from ...trainers.torch import rng as streams
+from ...trainers.torch import rng as streams, workers
 from .state import TrainerCheckpoint
 
 # What the Trainer's loop gets as its checkpoint "directory" on a resume: no path by that name is read.
@@ -161,6 +164,12 @@ def _load_rng_state(b: _Bound, checkpoint: Any) -> None:
     return None
 
 
+def _get_train_dataloader(b: _Bound) -> Any:
+    loader = b.originals["get_train_dataloader"]()
+    workers.guard(loader)  # its workers outlive a signal sent to the whole process group (TrainingState's guard)
+    return loader
+
+
 def _maybe_log_save_evaluate(b: _Bound, *args: Any, **kw: Any) -> Any:
     out = b.originals["_maybe_log_save_evaluate"](*args, **kw)
     b.driver.end_of_step()
@@ -176,7 +185,7 @@ def _training_step(b: _Bound, *args: Any, **kw: Any) -> Any:
 REPLACEMENTS = {"_inner_training_loop": _inner_training_loop, "_init_training_state": _init_training_state,
                 "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler, "_load_scaler": _load_scaler,
                 "_load_rng_state": _load_rng_state, "_maybe_log_save_evaluate": _maybe_log_save_evaluate,
-                "training_step": _training_step}
+                "training_step": _training_step, "get_train_dataloader": _get_train_dataloader}
 
 
 class _Bound:
