@@ -37,8 +37,8 @@ def sentences(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
 
 
 train, holdout = sentences(192, 1), sentences(64, 2)
-model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
-                                   resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
+model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=32, n_layer=2, n_head=2,
+                                   bos_token_id=0, eos_token_id=0, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1))
 training = TrainingArguments(
     output_dir=args.out or f"{args.bare or args.pvc}-trainer", per_device_train_batch_size=8,
     gradient_accumulation_steps=2, num_train_epochs=args.epochs, learning_rate=3e-3, warmup_steps=4,
