@@ -102,7 +102,8 @@ def under_trainjob(root: Path, a: argparse.Namespace) -> dict[str, float]:
     others = statistics.median(v for s, v in ends.items() if s % a.save_steps)
     due = [v - others for s, v in ends.items() if s % a.save_steps == 0]
     first = sorted((root / "pvc/checkpoints").glob("step-*"))[0]
-    return {"step": (clock.ends[-1] - clock.start) / a.steps, "save": statistics.median(due), "size": size(first)}
+    return {"step": (clock.ends[-1] - clock.start) / a.steps, "save": statistics.median(due), "size": size(first),
+            "between": others}
 
 
 def main() -> None:
@@ -135,6 +136,9 @@ def main() -> None:
     print(f"| ms per step, saves included | {show('trainer', 'step', 1e3)} | {show('trainjob', 'step', 1e3)} | "
           f"{ratio:.3f} |")
     print(f"| ms per save | {show('trainer', 'save', 1e3)} | {show('trainjob', 'save', 1e3)} | |")
+    between = [row["between"] * 1e3 for row in rows["trainjob"]]
+    print(f"| ms per step in the integration's end of step, no checkpoint due | | "
+          f"{statistics.median(between):.2f} ({min(between):.2f}..{max(between):.2f}) | |")
     print(f"| MB per checkpoint | {show('trainer', 'size', 1e-6)} | {show('trainjob', 'size', 1e-6)} | |")
 
 
