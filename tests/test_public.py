@@ -31,7 +31,9 @@ PUBLIC = [
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
 # ``trainjob.trainers.torch_state`` is the tensors-only helpers' deprecated path: it still works, and
 # nothing shown to users imports it.
-PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits"}
+PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits",
+                  # the framework integrations: `from trainjob.integrations import hf` (docs/hf.md)
+                  "trainjob.integrations", "trainjob.integrations.hf"}
 TORCH_PUBLIC = ["FromRank0", "RankLocal", "Replicated", "TrainingState", "load_state_dict", "materialize_sgd",
                 "state_dict"]
 

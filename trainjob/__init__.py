@@ -4,9 +4,10 @@ What trainer authors and library users import comes from here, and only what ``_
 promised; every other module path may move (``tests/test_public.py`` pins the list). Optional
 modules are public too, because ``import trainjob`` must not need their extras:
 ``trainjob.torch`` (the PyTorch adapter, its one public path: ``TrainingState`` and the
-tensors-only helpers, ``trainjob[torch]``) and ``trainjob.trainers.digits`` (the built-in digits
-data and trainer); ``trainjob.trainers.torch_state`` is the helpers' deprecated old path. The
-command line is ``trainjob.cli.main``; the parts of the package are described in
+tensors-only helpers, ``trainjob[torch]``), ``trainjob.trainers.digits`` (the built-in digits
+data and trainer) and ``trainjob.integrations.hf`` (a transformers ``Trainer`` under trainjob,
+``trainjob[hf]``; docs/hf.md); ``trainjob.trainers.torch_state`` is the helpers' deprecated old
+path. The command line is ``trainjob.cli.main``; the parts of the package are described in
 docs/explanation/code.md, "Reading the code".
 """
 
