@@ -2,7 +2,8 @@
 
 The order (README, "Reading the code"): the foundation (errors, records, and the other top-level
 modules that import nothing above them) < trainers < storage < checkpoint < ranks < engine < views
-< deploy < cli (with ``__main__`` and the public surface, ``trainjob/__init__.py``); ``trainers``
+< deploy < cli (with ``__main__`` and the public surface, ``trainjob/__init__.py``) < integrations
+(the framework adapters, over the engine and the torch adapter; nothing imports them); ``trainers``
 imports only the foundation and itself. Every import counts, including those inside functions and under
 ``TYPE_CHECKING``: a late import is still a dependency.
 """
@@ -19,7 +20,7 @@ FOUNDATION = ("errors", "exits", "records", "states", "tensors", "defaults", "pl
 # A module may import its own part and any part of a lower rank.
 RANK = {**dict.fromkeys(FOUNDATION, 0), "trainers": 1, "storage": 2, "checkpoint": 3, "ranks": 4,
         "engine": 5, "views": 6, "deploy": 7, "cli": 8, "__main__": 8, "": 8,
-        "torch": 8}
+        "torch": 8, "integrations": 9}
 
 
 def module_name(path: Path) -> str:

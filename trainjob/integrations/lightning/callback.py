@@ -128,6 +128,11 @@ class TrainJob(pl.Callback):
             self._next()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._step is not None:
+            with self._guard():
+                raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} (early "
+                                 "stopping, max_time, trainer.should_stop?): a trainjob run trains the steps it "
+                                 "was given; the steps since the last checkpoint are not saved")
         self._gate(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -68,8 +68,15 @@ class LightningState:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.script.load_state_dict(state)
-        fit_loop = self.trainer.fit_loop
-        fit_loop.load_state_dict(state["lightning"]["fit_loop"])
+        fit_loop, loops = self.trainer.fit_loop, state["lightning"]["fit_loop"]
+        fit_loop.load_state_dict(loops)
+        if loops["epoch_loop.batch_progress"]["is_last_batch"]:
+            # Saved after an epoch's last batch: Lightning's restart counts that epoch as done and
+            # trains the next one on the iterator below without calling iter() again, where the
+            # uninterrupted run built a new one. Resumed, the loader's iterator would be the
+            # spent one, and the next epoch would end at once (measured: a whole epoch skipped).
+            # So it starts afresh, drawing its order from the generators the load put back.
+            self.script.loader.load_state_dict({})
         # The fit loop set its data up (and built an iterator) before this load: it trains on
         # from the loader's resumed iterator, as Lightning's own restore would have it.
         assert fit_loop._data_fetcher is not None
