@@ -9,7 +9,7 @@ shuffling StatefulDataLoader over 3 epochs; DDP over gloo under torchrun (each r
 part of the data). trainjob's part is the TrainJob callback: four lines.
 """
 
-import argparse, math, os, sys  # noqa: E401
+import argparse, datetime, math, os, sys  # noqa: E401
 
 import lightning as L
 import torch
@@ -65,7 +65,8 @@ loader = StatefulDataLoader(torch.utils.data.Subset(train, range(rank, 480, worl
 model = Classifier()
 job = TrainJob(args.pvc, ckpt_every=args.ckpt_every, gate=score)
 trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=world, num_nodes=1,
-                    strategy="ddp" if world > 1 else "auto", use_distributed_sampler=False, deterministic=True,
+                    strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=30)) if world > 1 else
+                    "auto", use_distributed_sampler=False, deterministic=True,
                     gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, callbacks=[] if args.bare else [job])
 trainer.fit(model, loader)
