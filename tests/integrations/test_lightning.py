@@ -139,6 +139,8 @@ def test_sigterm_saves_the_step_logs_killed_exits_75_and_the_relaunch_completes(
     assert resumes_to(reference, pvc)
     after = [e["event"] for e in events(pvc)][len(log):]
     assert after[0] == "resumed" and after[-2:] == ["artifact_written", "completed"], after
+    code, lines, err = finish(EXAMPLE, pvc)  # once more: the job is over, and Lightning trains nothing
+    assert code == 2 and not lines and "already completed" in err, err[-2000:]
 
 
 def test_a_stop_right_after_an_epochs_last_batch_resumes_into_the_next_epoch(reference, tmp_path):

@@ -30,15 +30,16 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
 
 from .state import LightningState, script_state, train_loader
 from ...engine.run import Run
-from ...errors import PeerFailed, TrainJobError, UsageError, one_line
+from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
 from ...records import Score
 
@@ -97,7 +98,9 @@ class TrainJob(pl.Callback):
         assert self.run is not None
         self.run.__enter__()  # an error ends the Run here, with its code
         if self.run.final is not None or self.run.error is not None:
-            self._leave()
+            # Nothing to train (out of retries, an error, an idempotent relaunch of a completed
+            # job): the process ends here, before Lightning trains anything, 0 included.
+            self._leave(always=True)
         with self._guard():
             self._steps = iter(self.run)
             self._next()
@@ -168,10 +171,17 @@ class TrainJob(pl.Callback):
         assert self.run is not None
         return self.run.cfg.steps
 
-    def _guard(self) -> _Guard:
-        return _Guard(self)
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Every error in a hook ends the Run with its code (the callback's own SystemExit passes)."""
+        try:
+            yield
+        except _Ended:
+            raise
+        except BaseException as exc:
+            self._end_with(exc)
 
-    def _end_with(self, exc: BaseException) -> None:
+    def _end_with(self, exc: BaseException) -> NoReturn:
         """End the launch with ``exc`` and the process with its code."""
         if self.run is None:  # before the Run was entered: said here, as the Run would
             self._code = exit_code_for(type(exc))
@@ -187,8 +197,9 @@ class TrainJob(pl.Callback):
                 pass  # a BaseException ends in SystemExit(its code): the same code, raised below
         raise _Ended(self.run.exit_code) from None
 
-    def _leave(self) -> None:
-        """Leave the Run; any end but ``completed`` ends the process with its code."""
+    def _leave(self, always: bool = False) -> None:
+        """Leave the Run; any end but ``completed`` (with ``always``, any end) ends the process
+        with its code."""
         assert self.run is not None
         if not self._left:
             self._left = True
@@ -196,24 +207,8 @@ class TrainJob(pl.Callback):
                 self.run.__exit__(None, None, None)
             except SystemExit:
                 pass
-        if self.run.exit_code != 0:
+        if always or self.run.exit_code != 0:
             raise _Ended(self.run.exit_code)
-
-
-class _Guard:
-    """Every error in a hook ends the Run with its code (a SystemExit of the callback's own passes)."""
-
-    def __init__(self, job: TrainJob) -> None:
-        self.job = job
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: Any, exc: BaseException | None, _tb: Any) -> bool:
-        if exc is None or isinstance(exc, _Ended):
-            return False
-        self.job._end_with(exc)
-        return False
 
 
 def _loss(outputs: Any, step: int | None) -> Any:
