@@ -204,3 +204,23 @@ def test_import_trainjob_never_imports_lightning():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=ENV)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.killpoint
+@pytest.mark.torchrun
+def test_prove_finds_two_ddp_ranks_under_trainjob_torchrun_proven_under_sigterm(capsys, tmp_path, monkeypatch):
+    """Slower than 20 s: three launches of two DDP ranks (the reference; one trial SIGTERMed, which
+    trainjob torchrun passes to both ranks: they agree on the step to stop at, save it, exit 75;
+    then the relaunch). The launch's code is the job's, read by ``exits.job_exit``."""
+    import tempfile
+
+    from trainjob import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = cli.main(["prove", "--kills", "1", "--signal", "TERM", "--", sys.executable, "-m", "trainjob", "torchrun",
+                     "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE),
+                     "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "75 0" in out, out
