@@ -11,7 +11,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
                         broadcasts from inside the handler)
     on_train_batch_end  after a batch that stepped the optimizer: ``report`` its loss, and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
-                        saved, ``killed``)
+                        saved, ``killed``); when Lightning validates after the batch, that comes
+                        in ``on_validation_end`` instead
     on_train_end        the gate: ``gate(module)`` scores the holdout and the baseline, ``export``
                         what the artifact publishes (the module's state_dict by default)
     on_fit_end          the Run is left; ``on_exception``: an error ends it with its code
@@ -72,6 +73,7 @@ class TrainJob(pl.Callback):
         self._step: int | None = None  # the step Lightning trains next, or None: the Run's loop is over
         self._stepped_from = 0  # trainer.global_step when the batch began
         self._left = False  # the Run's ``with`` is over
+        self._after_validation = False  # the step's checkpoint waits for the validation after it
 
     @property
     def exit_code(self) -> int:
@@ -128,7 +130,19 @@ class TrainJob(pl.Callback):
         with self._guard():
             assert self.run is not None
             self.run.report(_loss(outputs, self._step))
+            if _validates_next(trainer):
+                # The step is saved once the validation that follows it is over, as Lightning's
+                # ModelCheckpoint saves then: a resume does not run that validation again, and
+                # the RNG streams it drew from are saved as they are after it.
+                self._after_validation = True
+                return
             self._next()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._after_validation and not trainer.sanity_checking:
+            self._after_validation = False
+            with self._guard():
+                self._next()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step is not None:
@@ -217,6 +231,15 @@ def _loss(outputs: Any, step: int | None) -> Any:
     if loss is None:
         raise UsageError(f"step {step}: training_step returned no loss (return the loss, or a dict with 'loss')")
     return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+
+def _validates_next(trainer: pl.Trainer) -> bool:
+    """Whether Lightning validates right after this batch: its epoch loop's own test, as its
+    ``on_advance_end`` makes it next."""
+    epoch_loop, fetcher = trainer.fit_loop.epoch_loop, trainer.fit_loop._data_fetcher
+    if fetcher is None or getattr(epoch_loop, "_skip_next_val", False):
+        return False
+    return bool(epoch_loop._should_check_val_fx(fetcher))
 
 
 def _from_a_peer(exc: BaseException) -> bool:
