@@ -5,8 +5,9 @@
     trainjob torchrun --standalone --nproc-per-node 2 examples/lightning_trainer.py --pvc pvc
 
 An MLP with dropout, AdamW, a warm-up + cosine LambdaLR stepped per batch, gradient clipping, a
-shuffling StatefulDataLoader over 3 epochs; DDP over gloo under torchrun (each rank shuffles its own
-part of the data). trainjob's part is the TrainJob callback: four lines.
+shuffling StatefulDataLoader over 3 epochs, a validation twice an epoch; DDP over gloo under
+torchrun (each rank shuffles its own part of the data). trainjob's part is the TrainJob callback:
+four lines.
 """
 
 import argparse, datetime, math, os, sys  # noqa: E401
@@ -44,6 +45,10 @@ class Classifier(L.LightningModule):
             print(f"step {self.global_step + 1} loss {loss.item()!r}", flush=True)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        inputs, labels = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(inputs), labels), sync_dist=True)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
         steps = self.trainer.estimated_stepping_batches
@@ -66,10 +71,11 @@ model = Classifier()
 job = TrainJob(args.pvc, ckpt_every=args.ckpt_every, gate=score)
 trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", devices=world, num_nodes=1,
                     strategy=L.pytorch.strategies.DDPStrategy(timeout=datetime.timedelta(seconds=30)) if world > 1 else
-                    "auto", use_distributed_sampler=False, deterministic=True,
-                    gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                    "auto", use_distributed_sampler=False, deterministic=True, gradient_clip_val=1.0,
+                    val_check_interval=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                     enable_model_summary=False, callbacks=[] if args.bare else [job])
-trainer.fit(model, loader)
+validation = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[480:], y[480:]), batch_size=40)
+trainer.fit(model, loader, validation)
 if args.bare:  # the same training without trainjob (a test compares the weights bit for bit)
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, args.bare) if rank == 0 else None
     sys.exit(0)

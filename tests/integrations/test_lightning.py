@@ -1,6 +1,6 @@
 """examples/lightning_trainer.py, a ``lightning.Trainer.fit`` script with trainjob's TrainJob callback,
 as a user runs it: the uninterrupted run publishes the bare script's weights bit for bit; SIGKILLed at
-random instants, SIGTERMed mid-run (75, ``killed``), stopped right after an epoch's last batch, each
+random instants, SIGTERMed mid-run (75, ``killed``), stopped at steps a validation follows, each
 relaunch ends with the uninterrupted run's bytes and losses; ``trainjob prove`` finds it PROVEN under
 both signals. A control (the same script with the RNG streams left out of the checkpoint) shows the
 comparison can fail; a plain DataLoader is refused with exit 2; ``import trainjob`` loads no lightning.
@@ -143,14 +143,18 @@ def test_sigterm_saves_the_step_logs_killed_exits_75_and_the_relaunch_completes(
     assert code == 2 and not lines and "already completed" in err, err[-2000:]
 
 
-def test_a_stop_right_after_an_epochs_last_batch_resumes_into_the_next_epoch(reference, tmp_path):
-    """Step 30 is epoch 0's last batch, and a checkpoint step: Lightning's restart counts the epoch
-    done and trains the next on the loader's current iterator; resumed, that was the spent one, and
-    a whole epoch was skipped (exit 2, the fit ended 30 steps early) until the loader was restarted."""
-    script = variant(tmp_path, CALLBACK, CALLBACK.replace("score)", "score, die_at=30)"))
+@pytest.mark.parametrize("step", [15, 30], ids=["mid-epoch-validation", "epoch-end-validation"])
+def test_a_stop_at_a_step_lightning_validates_after_resumes_to_the_same_bytes(reference, tmp_path, step):
+    """The example validates after steps 15 and 30 of each epoch (``val_check_interval=0.5``), both
+    checkpoint steps; the step's checkpoint is taken once that validation is over. Step 30 is also
+    epoch 0's last batch: saved before its validation (as it was until validation came into the
+    example), Lightning's restart counted the epoch done and trained the next one on the loader's
+    spent iterator, and a whole epoch was skipped (exit 2, the fit ended 30 steps early) until the
+    loader was restarted (state.py)."""
+    script = variant(tmp_path, CALLBACK, CALLBACK.replace("score)", f"score, die_at={step})"))
     pvc = tmp_path / "pvc"
     code, _, err = finish(script, pvc)
-    assert code == 75 and events(pvc)[-1]["detail"] == "at_step=30", err[-2000:]
+    assert code == 75 and events(pvc)[-1]["detail"] == f"at_step={step}", err[-2000:]
     assert resumes_to(reference, pvc, EXAMPLE)
 
 

@@ -70,12 +70,15 @@ class LightningState:
         self.script.load_state_dict(state)
         fit_loop, loops = self.trainer.fit_loop, state["lightning"]["fit_loop"]
         fit_loop.load_state_dict(loops)
-        if loops["epoch_loop.batch_progress"]["is_last_batch"]:
-            # Saved after an epoch's last batch: Lightning's restart counts that epoch as done and
-            # trains the next one on the iterator below without calling iter() again, where the
-            # uninterrupted run built a new one. Resumed, the loader's iterator would be the
-            # spent one, and the next epoch would end at once (measured: a whole epoch skipped).
-            # So it starts afresh, drawing its order from the generators the load put back.
+        batches = loops["epoch_loop.batch_progress"]
+        if batches["is_last_batch"] and batches["total"]["completed"] == batches["total"]["processed"] - 1:
+            # Saved in on_train_batch_end after an epoch's last batch: Lightning's restart counts
+            # that epoch as done and trains the next one on the iterator below without calling
+            # iter() again, where the uninterrupted run built a new one. Resumed, the loader's
+            # iterator would be the spent one, and the next epoch would end at once (measured: a
+            # whole epoch skipped). So it starts afresh, drawing its order from the generators the
+            # load put back. (Saved after the validation that followed the batch, the batch is
+            # counted completed, and Lightning calls iter() at the next epoch itself.)
             self.script.loader.load_state_dict({})
         # The fit loop set its data up (and built an iterator) before this load: it trains on
         # from the loader's resumed iterator, as Lightning's own restore would have it.
