@@ -228,3 +228,13 @@ def test_prove_finds_two_ddp_ranks_under_trainjob_torchrun_proven_under_sigterm(
     out = capsys.readouterr().out
     assert code == 0, out
     assert "verdict: PROVEN" in out and "75 0" in out, out
+
+
+def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
+    """scripts/bench_lightning.py at a toy size: it runs and reports, never a speed asserted."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_lightning.py"), "--steps", "4", "--ckpt-every",
+                           "2", "--blocks", "1", "--dim", "8", "--json", str(tmp_path / "out.json")], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratios = json.loads((tmp_path / "out.json").read_text())["ratios"]
+    assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
