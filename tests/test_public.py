@@ -28,7 +28,8 @@ PUBLIC = [
     "WriteTimeout",
 ]
 # Public modules beside the package itself (optional extras, so not imported by `import trainjob`).
-PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits"}
+PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.torch_state", "trainjob.trainers.digits",
+                  "trainjob.integrations.lightning"}
 
 
 def test_all_is_pinned():
