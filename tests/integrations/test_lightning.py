@@ -238,3 +238,21 @@ def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     ratios = json.loads((tmp_path / "out.json").read_text())["ratios"]
     assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+
+
+def test_with_gradient_accumulation_a_step_is_a_window_and_resumes_to_the_same_bytes(tmp_path):
+    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; stopped at step 15
+    (epoch 0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's
+    bytes. Three launches: the variant uninterrupted, stopped, relaunched."""
+    accumulate = ("gradient_clip_val=1.0,", "gradient_clip_val=1.0, accumulate_grad_batches=2,")
+    whole = variant(tmp_path, *accumulate, name="accumulate")
+    text = whole.read_text()
+    stops = tmp_path / "lightning_accumulate_stop.py"
+    stops.write_text(text.replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=15)")))
+    reference = tmp_path / "reference"
+    code, _, err = finish(whole, reference)
+    assert code == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    pvc = tmp_path / "pvc"
+    assert finish(stops, pvc)[0] == 75 and events(pvc)[-1]["detail"] == "at_step=15"
+    code, _, err = finish(whole, pvc)
+    assert code == 0 and artifact(pvc) == artifact(reference), err[-2000:]
