@@ -2,8 +2,8 @@
 
 The order (docs/explanation/code.md, "Reading the code"): the foundation (errors, records, and the other top-level
 modules that import nothing above them) < trainers < storage < checkpoint < ranks < engine < views
-< deploy < cli (with ``__main__`` and the public surface, ``trainjob/__init__.py``) < integrations (framework
-adapters, which nothing imports); ``trainers``
+< deploy < cli (with ``__main__`` and the public surface, ``trainjob/__init__.py``) < integrations
+(the framework adapters, over the engine and the torch adapter; nothing imports them); ``trainers``
 imports only the foundation and itself. Every import counts, including those inside functions and under
 ``TYPE_CHECKING``: a late import is still a dependency.
 """

@@ -32,8 +32,8 @@ PUBLIC = [
 # ``trainjob.trainers.torch_state`` is the tensors-only helpers' deprecated path: it still works, and
 # nothing shown to users imports it.
 PUBLIC_MODULES = {"trainjob", "trainjob.torch", "trainjob.trainers.digits",
-                  # the framework integrations: `from trainjob.integrations import hf` (docs/hf.md)
-                  "trainjob.integrations", "trainjob.integrations.hf"}
+                  # the framework integrations (docs/hf.md, docs/lightning.md)
+                  "trainjob.integrations", "trainjob.integrations.hf", "trainjob.integrations.lightning"}
 TORCH_PUBLIC = ["FromRank0", "RankLocal", "Replicated", "TrainingState", "load_state_dict", "materialize_sgd",
                 "state_dict"]
 

@@ -5,8 +5,9 @@ promised; every other module path may move (``tests/test_public.py`` pins the li
 modules are public too, because ``import trainjob`` must not need their extras:
 ``trainjob.torch`` (the PyTorch adapter, its one public path: ``TrainingState`` and the
 tensors-only helpers, ``trainjob[torch]``), ``trainjob.trainers.digits`` (the built-in digits
-data and trainer) and ``trainjob.integrations.hf`` (a transformers ``Trainer`` under trainjob,
-``trainjob[hf]``; docs/hf.md); ``trainjob.trainers.torch_state`` is the helpers' deprecated old
+data and trainer), ``trainjob.integrations.hf`` (a transformers ``Trainer`` under trainjob,
+``trainjob[hf]``; docs/hf.md) and ``trainjob.integrations.lightning`` (a Lightning ``Callback``,
+``trainjob[lightning]``; docs/lightning.md); ``trainjob.trainers.torch_state`` is the helpers' deprecated old
 path. The command line is ``trainjob.cli.main``; the parts of the package are described in
 docs/explanation/code.md, "Reading the code".
 """

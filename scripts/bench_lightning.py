@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Per-step cost of trainjob's Lightning callback against plain Lightning saving at the same cadence.
+
+    OMP_NUM_THREADS=1 python scripts/bench_lightning.py [--steps 120] [--ckpt-every 10] [--blocks 5]
+                                                        [--dim 1024] [--json FILE]
+
+One process, one model shape: an MLP ``Linear(DIM, DIM) -> GELU -> Dropout -> Linear(DIM, DIM)``
+with AdamW (the state: two DIM x DIM weights and their two moments, 24 MiB at the default), batch
+64 from a shuffling StatefulDataLoader over synthetic data, trained by ``Trainer.fit`` for STEPS
+steps. Four contenders in alternating blocks (A B C D A B C D ...), each a fresh model and a fresh
+directory:
+
+    none        plain Lightning, no checkpoint (for scale)
+    lightning   plain Lightning with ModelCheckpoint(every_n_train_steps=EVERY, save_top_k=1): its own
+                torch.save of the model, optimizer, scheduler and loops every EVERY steps, the
+                previous file removed (what a Lightning user runs)
+    trainjob    trainjob's TrainJob callback, ckpt_every=EVERY (hashed shards, manifest, pointer,
+                rotation to 3, the RNG streams and the loader's position), each write fsynced
+    async       the same with async_checkpoint=True: the state is copied into host buffers at the
+                step, and a background thread writes, hashes and fsyncs while training goes on
+
+What is timed: the fit loop, from ``on_train_start`` to ``on_train_end`` (a timing callback
+listed first), divided by STEPS: every step's work and every checkpoint's, without start-up and
+without the end (trainjob's gate and artifact, Lightning's teardown), in wall time and in the
+process's CPU time (steadier on a shared machine, but blind to waiting on the disk's fsync).
+Printed: the median and range of each contender's per-step milliseconds over the blocks, and
+trainjob's (and async's) over lightning's by the medians and by the fastest blocks (the target:
+<= 1.05).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import trainjob  # noqa: E402
+from trainjob.integrations.lightning import TrainJob  # noqa: E402
+
+
+class Net(L.LightningModule):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.Dropout(0.1),
+                                       torch.nn.Linear(dim, dim))
+
+    def training_step(self, batch, batch_idx):
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Clock(L.Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.start, self.cpu_start = time.perf_counter(), time.process_time()
+
+    def on_train_end(self, trainer, pl_module):
+        self.seconds, self.cpu = time.perf_counter() - self.start, time.process_time() - self.cpu_start
+
+
+def fit(kind: str, args: argparse.Namespace, directory: Path) -> tuple[float, float]:
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(64 * args.steps, args.dim), torch.randn(64 * args.steps, args.dim))
+    loader = StatefulDataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    clock = Clock()
+    callbacks: list[L.Callback] = [clock]
+    if kind == "lightning":
+        callbacks.append(L.pytorch.callbacks.ModelCheckpoint(dirpath=directory, every_n_train_steps=args.ckpt_every,
+                                                            save_top_k=1))
+    elif kind in ("trainjob", "async"):
+        callbacks.append(TrainJob(directory, ckpt_every=args.ckpt_every, async_checkpoint=kind == "async",
+                                  gate=lambda m: (trainjob.Score(1, 1), trainjob.Score(1, 1))))
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=kind == "lightning", callbacks=callbacks)
+    trainer.fit(Net(args.dim), loader)
+    return clock.seconds / args.steps, clock.cpu / args.steps
+
+
+def main() -> None:
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("--steps", type=int, default=120)
+    cli.add_argument("--ckpt-every", type=int, default=10)
+    cli.add_argument("--blocks", type=int, default=5)
+    cli.add_argument("--dim", type=int, default=1024)
+    cli.add_argument("--json", type=Path)
+    args = cli.parse_args()
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    kinds = ("none", "lightning", "trainjob", "async")
+    wall: dict[str, list[float]] = {k: [] for k in kinds}
+    cpu: dict[str, list[float]] = {k: [] for k in kinds}
+    with tempfile.TemporaryDirectory(prefix="bench-lightning-") as tmp:
+        fit("none", args, Path(tmp) / "warm-up")  # imports, first allocations
+        for block in range(args.blocks):
+            for kind in kinds:
+                seconds, cpu_seconds = fit(kind, args, Path(tmp) / f"{kind}-{block}")
+                wall[kind].append(seconds)
+                cpu[kind].append(cpu_seconds)
+    state_mib = 4 * 3 * 2 * args.dim * (args.dim + 1) / 2 ** 20
+    print(f"{args.steps} steps, a checkpoint every {args.ckpt_every}, model + AdamW state {state_mib:.0f} MiB, "
+          f"{args.blocks} blocks")
+    ratios = {}
+    for clock, times in (("wall", wall), ("cpu", cpu)):
+        print(f"{clock:<5} ms per step: median (min..max)")
+        for kind in kinds:
+            ms = [s * 1000 for s in times[kind]]
+            print(f"  {kind:<10} {statistics.median(ms):.1f} ({min(ms):.1f}..{max(ms):.1f})")
+        for kind in ("trainjob", "async"):
+            ratios[f"{clock} {kind}"] = ratio = {
+                "median": statistics.median(times[kind]) / statistics.median(times["lightning"]),
+                "fastest": min(times[kind]) / min(times["lightning"])}
+            print(f"  {kind} / lightning: {ratio['median']:.3f} by the medians, {ratio['fastest']:.3f} by the "
+                  "fastest blocks (target <= 1.05)")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall,
+                                         "cpu_s": cpu, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""examples/lightning_trainer.py, a ``lightning.Trainer.fit`` script with trainjob's TrainJob callback,
+as a user runs it: the uninterrupted run publishes the bare script's weights bit for bit; SIGKILLed at
+random instants, SIGTERMed mid-run (75, ``killed``), stopped at steps a validation follows, each
+relaunch ends with the uninterrupted run's bytes and losses; ``trainjob prove`` finds it PROVEN under
+both signals. A control (the same script with the RNG streams left out of the checkpoint) shows the
+comparison can fail; a plain DataLoader is refused with exit 2; ``import trainjob`` loads no lightning.
+
+Slow (a few minutes under load): each launch imports lightning (about 3 s of CPU) and trains 90
+steps; the tests share one uninterrupted reference (built_once) and check several things per launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, built_once, skip_without
+
+skip_without("lightning", "lightning (the lightning extra) is not installed")
+skip_without("torchdata", "torchdata (the torch extra) is not installed")
+pytestmark = pytest.mark.process
+
+EXAMPLE = ROOT / "examples/lightning_trainer.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
+CALLBACK = "job = TrainJob(args.pvc, ckpt_every=args.ckpt_every, gate=score)"
+
+
+def launch(script: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(script), *args], env=ENV, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def losses(text: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
+
+
+def finish(script: Path, pvc: Path) -> tuple[int, dict[int, str], str]:
+    proc = launch(script, "--pvc", str(pvc))
+    out, err = proc.communicate(timeout=600)
+    return proc.returncode, losses(out), err
+
+
+def stopped(script: Path, pvc: Path, at_line: int, sig: signal.Signals, then: float = 0.0) -> tuple[int, str]:
+    """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send ``sig``."""
+    proc = launch(script, "--pvc", str(pvc))
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if (step := losses(line)) and min(step) >= at_line:
+            break
+    time.sleep(then)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, err
+
+
+def artifact(pvc: Path) -> bytes:
+    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+def events(pvc: Path) -> list[dict[str, str]]:
+    return [json.loads(line) for line in (pvc / "log.jsonl").read_text().splitlines()]
+
+
+def variant(tmp_path: Path, old: str, new: str, *, prelude: str = "", name: str = "variant") -> Path:
+    """The example with ``old`` replaced by ``new`` and ``prelude`` run before it parses its flags."""
+    text = EXAMPLE.read_text()
+    assert text.count(old) == 1
+    script = tmp_path / f"lightning_{name}.py"
+    script.write_text(text.replace(old, new).replace("\ncli = argparse", f"\n{prelude}\ncli = argparse", 1))
+    return script
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[bytes, dict[int, str]]:
+    """The uninterrupted run's artifact and loss lines (one run per test run: built_once)."""
+
+    def run(directory: Path) -> None:
+        code, lines, err = finish(EXAMPLE, directory / "pvc")
+        assert code == 0 and len(lines) == 90, err[-2000:]
+        (directory / "losses.json").write_text(json.dumps(lines))
+
+    directory = built_once(tmp_path_factory, "lightning-reference", run)
+    lines = {int(step): loss for step, loss in json.loads((directory / "losses.json").read_text()).items()}
+    return artifact(directory / "pvc"), lines
+
+
+def resumes_to(reference, pvc: Path, script: Path = EXAMPLE) -> bool:
+    """Relaunch: it completes, and its artifact and each step's loss after the resume point are the
+    uninterrupted run's."""
+    expected_bytes, expected_lines = reference
+    code, lines, err = finish(script, pvc)
+    assert code == 0 and lines and max(lines) == 90, err[-2000:]
+    return artifact(pvc) == expected_bytes and all(expected_lines[s] == v for s, v in lines.items())
+
+
+def test_the_uninterrupted_run_publishes_the_bare_scripts_weights_bit_for_bit(reference, tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load
+
+    proc = launch(EXAMPLE, "--bare", str(tmp_path / "bare.pt"))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    assert losses(out) == reference[1]
+    published, bare = load(reference[0]), torch.load(tmp_path / "bare.pt")
+    assert published.keys() == bare.keys()
+    assert all(torch.equal(published[k].view(torch.int32), bare[k].view(torch.int32)) for k in bare)
+
+
+def test_sigkills_at_random_instants_resume_to_the_uninterrupted_bytes_and_losses(reference, tmp_path):
+    rng = random.Random(SEED)
+    pvc = tmp_path / "pvc"
+    first = rng.randrange(2, 40)
+    for at in (first, rng.randrange(first + 1, 85)):
+        code, err = stopped(EXAMPLE, pvc, at, signal.SIGKILL, then=rng.uniform(0, 0.05))
+        assert code == -signal.SIGKILL, err[-1000:]
+    assert resumes_to(reference, pvc), f"TRAINJOB_KILL_SEED={SEED}"
+
+
+def test_sigterm_saves_the_step_logs_killed_exits_75_and_the_relaunch_completes(reference, tmp_path):
+    """Lightning alone ends a SIGTERMed fit with its own exit and no save; here the step finishes,
+    its checkpoint lands, ``killed`` is logged and the exit is 75."""
+    pvc = tmp_path / "pvc"
+    code, err = stopped(EXAMPLE, pvc, 20, signal.SIGTERM)
+    assert code == 75, err[-2000:]
+    log = events(pvc)
+    assert log[-1]["event"] == "killed" and "signal=SIGTERM" in log[-1]["detail"], log[-3:]
+    at_step = re.search(r"at_step=(\d+)", log[-1]["detail"])[1]
+    assert log[-2]["event"] == "checkpointed" and log[-2]["detail"].startswith(f"step={at_step} "), log[-3:]
+    assert resumes_to(reference, pvc)
+    after = [e["event"] for e in events(pvc)][len(log):]
+    assert after[0] == "resumed" and after[-2:] == ["artifact_written", "completed"], after
+    code, lines, err = finish(EXAMPLE, pvc)  # once more: the job is over, and Lightning trains nothing
+    assert code == 2 and not lines and "already completed" in err, err[-2000:]
+
+
+@pytest.mark.parametrize("step", [15, 30], ids=["mid-epoch-validation", "epoch-end-validation"])
+def test_a_stop_at_a_step_lightning_validates_after_resumes_to_the_same_bytes(reference, tmp_path, step):
+    """The example validates after steps 15 and 30 of each epoch (``val_check_interval=0.5``), both
+    checkpoint steps; the step's checkpoint is taken once that validation is over. Step 30 is also
+    epoch 0's last batch: saved before its validation (as it was until validation came into the
+    example), Lightning's restart counted the epoch done and trained the next one on the loader's
+    spent iterator, and a whole epoch was skipped (exit 2, the fit ended 30 steps early) until the
+    loader was restarted (state.py)."""
+    script = variant(tmp_path, CALLBACK, CALLBACK.replace("score)", f"score, die_at={step})"))
+    pvc = tmp_path / "pvc"
+    code, _, err = finish(script, pvc)
+    assert code == 75 and events(pvc)[-1]["detail"] == f"at_step={step}", err[-2000:]
+    assert resumes_to(reference, pvc, EXAMPLE)
+
+
+def test_control_a_resume_without_the_rng_streams_goes_elsewhere(reference, tmp_path):
+    """The control: dropout draws from torch's global stream, which Lightning's own checkpoints do
+    not hold; left out of trainjob's too, the resumed run publishes other weights."""
+    prelude = ("import trainjob.integrations.lightning.callback as _callback\n"
+               "_state = _callback.script_state\n"
+               "def _without_rng(trainer, loader):\n"
+               "    state = _state(trainer, loader)\n"
+               "    state.rng = False\n"
+               "    return state\n"
+               "_callback.script_state = _without_rng\n")
+    stops = variant(tmp_path, CALLBACK, CALLBACK.replace("score)", "score, die_at=12)"), prelude=prelude, name="stop")
+    resumes = variant(tmp_path, CALLBACK, CALLBACK, prelude=prelude, name="resume")
+    pvc = tmp_path / "pvc"
+    assert finish(stops, pvc)[0] == 75
+    assert not resumes_to(reference, pvc, resumes)
+
+
+def test_a_plain_dataloader_is_refused_in_one_line_with_exit_2_before_the_pvc_is_touched(tmp_path):
+    script = variant(tmp_path, "loader = StatefulDataLoader(", "loader = torch.utils.data.DataLoader(")
+    code, lines, err = finish(script, tmp_path / "pvc")
+    said = [line for line in err.splitlines() if line.startswith("trainjob:")]
+    assert code == 2 and not lines, err[-2000:]
+    assert len(said) == 1 and "StatefulDataLoader" in said[0] and said[0].endswith("(exit 2)"), said
+    assert not (tmp_path / "pvc").exists()
+
+
+@pytest.mark.killpoint
+def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys, tmp_path, monkeypatch):
+    """Slower than 20 s: the reference and two trials, each killed once (SIGKILL, then SIGTERM) and
+    relaunched: five launches or more."""
+    import tempfile
+
+    from trainjob import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = cli.main(["prove", "--kills", "2", "--signal", "both", "--", sys.executable, str(EXAMPLE),
+                     "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "2 signals delivered" in out, out
+
+
+def test_import_trainjob_never_imports_lightning():
+    probe = ("import sys, trainjob, trainjob.integrations\n"
+             "assert trainjob.Run and trainjob.Score\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning')))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=ENV)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+@pytest.mark.killpoint
+@pytest.mark.torchrun
+def test_prove_finds_two_ddp_ranks_under_trainjob_torchrun_proven_under_sigterm(capsys, tmp_path, monkeypatch):
+    """Slower than 20 s: three launches of two DDP ranks (the reference; one trial SIGTERMed, which
+    trainjob torchrun passes to both ranks: they agree on the step to stop at, save it, exit 75;
+    then the relaunch). The launch's code is the job's, read by ``exits.job_exit``."""
+    import tempfile
+
+    from trainjob import cli
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = cli.main(["prove", "--kills", "1", "--signal", "TERM", "--", sys.executable, "-m", "trainjob", "torchrun",
+                     "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", str(EXAMPLE),
+                     "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "verdict: PROVEN" in out and "75 0" in out, out
+
+
+def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
+    """scripts/bench_lightning.py at a toy size: it runs and reports, never a speed asserted."""
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_lightning.py"), "--steps", "4", "--ckpt-every",
+                           "2", "--blocks", "1", "--dim", "8", "--json", str(tmp_path / "out.json")], env=ENV,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratios = json.loads((tmp_path / "out.json").read_text())["ratios"]
+    assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+
+
+def test_with_gradient_accumulation_a_step_is_a_window_and_resumes_to_the_same_bytes(tmp_path):
+    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; stopped at step 15
+    (epoch 0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's
+    bytes. Three launches: the variant uninterrupted, stopped, relaunched."""
+    accumulate = ("gradient_clip_val=1.0,", "gradient_clip_val=1.0, accumulate_grad_batches=2,")
+    whole = variant(tmp_path, *accumulate, name="accumulate")
+    text = whole.read_text()
+    stops = tmp_path / "lightning_accumulate_stop.py"
+    stops.write_text(text.replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=15)")))
+    reference = tmp_path / "reference"
+    code, _, err = finish(whole, reference)
+    assert code == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    pvc = tmp_path / "pvc"
+    assert finish(stops, pvc)[0] == 75 and events(pvc)[-1]["detail"] == "at_step=15"
+    code, _, err = finish(whole, pvc)
+    assert code == 0 and artifact(pvc) == artifact(reference), err[-2000:]

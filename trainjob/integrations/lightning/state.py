@@ -1,0 +1,86 @@
+"""What a checkpoint of a Lightning fit holds, as one trainjob Stateful.
+
+    script      ``trainjob.torch.TrainingState`` over what the Trainer built: the LightningModule's
+                tensors, its optimizer (one; from step 0), its LR schedulers, the precision
+                plugin's grad scaler, the train loader's position (a torchdata StatefulDataLoader,
+                with the generator fixes of ``trainers/torch/loader.py``) and each rank's RNG streams
+    lightning   the fit loop's counters, ``fit_loop.state_dict()`` (epochs, batches, optimizer and
+                scheduler steps, ``_batches_that_stepped``) as plain values, without the loader's
+                state, which ``script`` holds
+
+Lightning's own checkpoints hold no RNG state and, with a plain DataLoader, no position inside an
+epoch; this state holds both. A load hands everything back in the order Lightning's own
+``fit(ckpt_path=...)`` would have by the time the fit loop starts: the loop then restarts from its
+counters, as after a checkpoint that Lightning's ModelCheckpoint saved in ``on_train_batch_end``.
+
+Must not: run anything per step, or know about the PVC (the callback and the Run do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+
+from ...errors import UsageError
+from ...torch import TrainingState
+
+
+def train_loader(trainer: pl.Trainer) -> Any:
+    """The one loader the fit loop trains on, once its data is set up; UsageError for anything a
+    checkpoint cannot resume mid-epoch (exit 2)."""
+    combined = trainer.fit_loop._combined_loader
+    loaders = [] if combined is None else list(combined.flattened)
+    if len(loaders) != 1:
+        raise UsageError(f"trainjob's Lightning callback trains on one train loader; this fit has {len(loaders)}")
+    loader = loaders[0]
+    if not (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))):
+        raise UsageError(f"the train loader is a {type(loader).__name__}, which cannot say where it is inside an "
+                         "epoch; build it with torchdata.stateful_dataloader.StatefulDataLoader (the same arguments)")
+    return loader
+
+
+def script_state(trainer: pl.Trainer, loader: Any) -> TrainingState:
+    """The TrainingState of what ``trainer`` built for this fit (after its strategy's setup)."""
+    if len(trainer.optimizers) != 1:
+        raise UsageError(f"trainjob's Lightning callback resumes one optimizer; configure_optimizers gave "
+                         f"{len(trainer.optimizers)}")
+    schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return TrainingState(model=trainer.lightning_module, optimizer=trainer.optimizers[0],
+                         scheduler=schedulers[0] if schedulers else None, loader=loader, scaler=scaler,
+                         extra={f"scheduler{i}": s for i, s in enumerate(schedulers) if i})
+
+
+class LightningState:
+    """The Stateful a ``trainjob.Run`` checkpoints for a Lightning fit (module docstring)."""
+
+    def __init__(self, trainer: pl.Trainer, script: TrainingState) -> None:
+        self.trainer, self.script = trainer, script
+
+    def state_dict(self) -> dict[str, Any]:
+        out = dict(self.script.state_dict())
+        loops = self.trainer.fit_loop.state_dict()
+        loops["state_dict"].pop("combined_loader", None)  # the loader's position is the script's
+        out["lightning"] = {"fit_loop": loops}
+        return out
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.script.load_state_dict(state)
+        fit_loop, loops = self.trainer.fit_loop, state["lightning"]["fit_loop"]
+        fit_loop.load_state_dict(loops)
+        batches = loops["epoch_loop.batch_progress"]
+        if batches["is_last_batch"] and batches["total"]["completed"] == batches["total"]["processed"] - 1:
+            # Saved in on_train_batch_end after an epoch's last batch: Lightning's restart counts
+            # that epoch as done and trains the next one on the iterator below without calling
+            # iter() again, where the uninterrupted run built a new one. Resumed, the loader's
+            # iterator would be the spent one, and the next epoch would end at once (measured: a
+            # whole epoch skipped). So it starts afresh, drawing its order from the generators the
+            # load put back. (Saved after the validation that followed the batch, the batch is
+            # counted completed, and Lightning calls iter() at the next epoch itself.)
+            self.script.loader.load_state_dict({})
+        # The fit loop set its data up (and built an iterator) before this load: it trains on
+        # from the loader's resumed iterator, as Lightning's own restore would have it.
+        assert fit_loop._data_fetcher is not None
+        iter(fit_loop._data_fetcher)
