@@ -97,10 +97,11 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
     assert bool(service) == (world_size > 1), "a Service only for ranks to meet through"
 
 
-def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
+def check_rendezvous(service: list[dict], job: dict, world_size: int, tail: tuple[str, ...] = ("-m", "trainjob")) -> None:
     """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d
     rendezvous at index 0, reached by its stable DNS name through a headless Service whose name is
-    the pods' subdomain (Kubernetes' documented pattern)."""
+    the pods' subdomain (Kubernetes' documented pattern); ``tail``: what torchrun runs (an own
+    loop's script and its arguments)."""
     assert len(service) == 1, "one headless Service for the ranks to meet through"
     (svc,) = service
     pod = job["spec"]["template"]
@@ -111,8 +112,8 @@ def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
     assert pod["spec"].get("subdomain") == svc["metadata"]["name"], "pods get DNS names under the Service"
     command = container["command"]
     assert command[:2] == ["trainjob", "torchrun"], "plain torchrun exits 1 or by a signal: not the job's code"
-    assert command[-2:] == ["-m", "trainjob"], "one trainjob rank per torchrun"
-    launcher = torchrun_parser().parse_args(command[2:])
+    assert command[-len(tail):] == list(tail), "one trainjob rank per torchrun"
+    launcher = torchrun_parser().parse_args(command[2:-len(tail)])
     assert (launcher.rdzv_backend, launcher.nnodes, launcher.nproc_per_node) == ("c10d", str(world_size), "1")
     host, port = launcher.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}", "the rendezvous is index 0's pod"
@@ -122,14 +123,13 @@ def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
 
 
 def torchrun_parser():
-    """torchrun's own command-line parser, with the script part cut off (``-m trainjob`` is last)."""
+    """torchrun's own command-line parser, for the flags before the script part (``-m trainjob``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="torchrun")
     for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--max-restarts", type=int, required=True)
-    parser.add_argument("-m", dest="module", required=True)
     return parser
 
 
@@ -145,14 +145,24 @@ CASES = {
 }
 
 
+# An own loop (a script around trainjob.Run) in place of `trainjob run`: its PVC said by {pvc},
+# by an absolute --pvc (the claim is mounted there) or by an s3:// one (no claim).
+OWN_LOOPS = {
+    "own loop": ["--", "python", "examples/own_loop.py", "--pvc", "{pvc}", "--steps", "4"],
+    "own loop at its path": ["--", "python3", "examples/own_loop.py", "--pvc=/data/job"],
+    "own loop indexed": ["--world-size", "3", "--", "python", "examples/own_loop.py", "--pvc", "{pvc}"],
+    "own loop module in a bucket": ["--world-size", "2", "--", "python", "-m", "train.loop", "--pvc", "s3://jobs/e"],
+}
+
+
 def test_claimed_versions_are_shipped_by_the_validator():
     assert SUPPORTED[0] == OLDEST and len(SUPPORTED) >= 2
 
 
 @pytest.mark.parametrize("version", SUPPORTED)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *OWN_LOOPS])
 def test_every_manifest_validates_strictly_on_every_supported_version(case, version):
-    for doc in manifests(*CASES[case]):
+    for doc in manifests(*{**CASES, **OWN_LOOPS}[case]):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -375,3 +385,88 @@ def test_a_bucket_pvc_renders_a_job_without_a_claim_its_credentials_from_a_named
     assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "trainjob-s3"}}]
     assert pod["containers"][0]["command"][:2] == ["trainjob", "torchrun"]
+
+
+# --- own loops: a script around trainjob.Run, made idempotent by the pod's environment -------------
+
+def pod_env(container: dict) -> dict[str, str]:
+    """The container's plain environment variables (the downward-API ones left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def check_own_loop(docs: list[dict], script: list[str], *, world_size: int, mount: str | None) -> None:
+    """An own loop's pods: the Job's contract unchanged (the policy, the budgets, one writer, the
+    rendezvous at W > 1), the script as the command (under `trainjob torchrun` at W > 1), its
+    --pvc where the claim is mounted (or the bucket), and its Run made idempotent."""
+    *volume, job = docs
+    assert (job["kind"], [d["kind"] for d in volume]) == (
+        "Job", [*(["PersistentVolumeClaim"] if mount else []), *(["Service"] if world_size > 1 else [])])
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert _rules(job) == manifests()[1]["spec"]["podFailurePolicy"]["rules"]
+    assert spec["backoffLimit"] == 3 and spec["podReplacementPolicy"] == "Failed" and pod["restartPolicy"] == "Never"
+    assert pod_env(container) == {"TRAINJOB_IDEMPOTENT": "1"}, "a relaunch after `completed` must exit 0, not 2"
+    command = [*container["command"], *container.get("args", [])]
+    python, *program = script
+    if world_size > 1:  # torchrun runs the script with its own interpreter
+        tail = tuple(p.replace("{pvc}", mount or "") for p in program)
+        check_rendezvous(volume[-1:], job, world_size, tail)
+        assert "args" not in container and "--world-size" not in command  # torchrun's WORLD_SIZE
+        index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index}}} in container["env"]
+    else:
+        assert command == [python, *(p.replace("{pvc}", mount or "") for p in program)]
+    if mount:
+        (claim_volume,) = pod["volumes"]
+        assert claim_volume["persistentVolumeClaim"]["claimName"] == volume[0]["metadata"]["name"]
+        assert container["volumeMounts"] == [{"name": claim_volume["name"], "mountPath": mount}]
+        assert mount in command or f"--pvc={mount}" in command, "the script writes where the claim is"
+    else:
+        assert "volumes" not in pod and container["envFrom"] == [{"secretRef": {"name": "trainjob-s3"}}]
+
+
+@pytest.mark.parametrize(("case", "mount"), [("own loop", k8s.MOUNT), ("own loop at its path", "/data/job"),
+                                             ("own loop indexed", k8s.MOUNT), ("own loop module in a bucket", None)])
+def test_an_own_loop_renders_the_same_job_with_its_script_made_idempotent(case, mount):
+    argv = OWN_LOOPS[case]
+    world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
+    check_own_loop(manifests(*argv), argv[argv.index("--") + 1:], world_size=world, mount=mount)
+
+
+def test_the_pods_of_trainjob_run_keep_their_flag_and_get_no_idempotent_environment():
+    for argv in ([], ["--world-size", "2"]):
+        container = manifests(*argv)[-1]["spec"]["template"]["spec"]["containers"][0]
+        assert "--idempotent" in container["args"] and "TRAINJOB_IDEMPOTENT" not in pod_env(container)
+
+
+def test_own_loop_checks_catch_a_pod_without_the_idempotent_environment():
+    docs = manifests(*OWN_LOOPS["own loop"])
+    docs[-1]["spec"]["template"]["spec"]["containers"][0].pop("env")
+    with pytest.raises(AssertionError, match="must exit 0"):
+        check_own_loop(docs, OWN_LOOPS["own loop"][1:], world_size=1, mount=k8s.MOUNT)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["python"], "got no script"),
+    (["python", "loop.py"], "cannot tell where loop.py keeps the job's files"),
+    (["python", "loop.py", "--pvc", "pvc"], "must be an absolute path"),
+    (["python", "loop.py", "--pvc", "/"], "must be an absolute path other than /"),
+    (["python", "-u", "loop.py", "--pvc", "{pvc}"], "only -m of Python's options"),
+    (["python", "-m"], "needs a module name"),
+    (["python", "-m", "trainjob", "run"], "render `-- run ARGS...`"),
+    (["python", "loop.py", "--pvc", "s3://Bad_Bucket/x"], "not a valid S3 bucket name"),
+    (["gen", "data"], "expected `-- run ARGS...` or `-- python SCRIPT ARGS...`"),
+])
+def test_an_own_loop_whose_pod_could_not_run_as_the_job_is_refused_with_exit_2(argv, says, capsys):
+    assert render("--", *argv) == (2, "")
+    assert says in capsys.readouterr().err
+
+
+def test_an_own_loop_and_render_pvc_must_name_the_same_bucket():
+    loop = ["--", "python", "loop.py", "--pvc"]
+    assert render("--pvc", "s3://jobs/a", *loop, "s3://jobs/b")[0] == 2
+    assert render("--pvc", "s3://jobs/a", *loop, "/data")[0] == 2
+    (job,) = manifests("--pvc", "s3://jobs/a", *loop, "{pvc}")
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["loop.py", "--pvc", "s3://jobs/a"]
+    (job,) = manifests("--pvc", "s3://jobs/a", *loop, "s3://jobs/a")
+    assert "volumes" not in job["spec"]["template"]["spec"]
