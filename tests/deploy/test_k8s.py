@@ -3,9 +3,13 @@ controller's view of the real program's exit codes."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from hypothesis import strategies as st
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from conftest import io_calls, killpoint, trainjob
+from conftest import ROOT, events, io_calls, killpoint, trainjob
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 from trainjob.errors import UsageError
@@ -470,3 +474,43 @@ def test_an_own_loop_and_render_pvc_must_name_the_same_bucket():
     assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["loop.py", "--pvc", "s3://jobs/a"]
     (job,) = manifests("--pvc", "s3://jobs/a", *loop, "s3://jobs/a")
     assert "volumes" not in job["spec"]["template"]["spec"]
+
+
+@pytest.mark.process
+def test_an_own_loop_pod_relaunched_after_completed_exits_0_with_the_rendered_environment(tmp_path):
+    """The issue's failure for own loops: examples/own_loop.py run as the rendered pod runs it, to
+    completion; a replacement pod (an OOM kill after `completed`) with the rendered environment
+    verifies the artifact and exits 0 (the Job succeeds); the same command without it is the lab's
+    refusal, 2, which the policy turns into FailJob. A damaged artifact is still 2 with it. Slower
+    than 20 s under load: four launches of a torch script (about 14 s of CPU, torch's import in
+    each), each a pod of its own, which one launch could not show."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("examples/own_loop.py is a torch script (trainjob[torch])")
+    _, job = manifests("--", "python", "examples/own_loop.py", "--pvc", "{pvc}", "--steps", "4", "--ckpt-every", "2")
+    rules = _rules(job)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    pvc = tmp_path / "pvc"
+    # The pod's command here: this interpreter, the repository as the image's working directory,
+    # the claim's mount at the test's PVC.
+    argv = [sys.executable, *(str(pvc) if a == k8s.MOUNT else a for a in container["args"])]
+    bare = {k: v for k, v in os.environ.items() if k != "TRAINJOB_IDEMPOTENT"}
+    pod = {**bare, **pod_env(container)}
+
+    def launch(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    first = launch(pod)
+    assert first.returncode == 0 and events(pvc / "log.jsonl")[-1][0] == "completed", first.stderr[-2000:]
+    log = (pvc / "log.jsonl").read_bytes()
+
+    replacement = launch(pod)
+    assert replacement.returncode == 0, replacement.stderr[-2000:]  # the Job is Complete
+    assert "already completed (attempt 1): artifacts/model-v1.safetensors verified" in replacement.stderr
+    refused = launch(bare)  # the same pod without the rendered environment
+    assert refused.returncode == 2 and job_action(rules, 2, set()) == "FailJob", refused.stderr[-2000:]
+    assert "already completed" in refused.stderr and (pvc / "log.jsonl").read_bytes() == log
+
+    artifact = pvc / "artifacts/model-v1.safetensors"
+    artifact.write_bytes(artifact.read_bytes()[:-1] + b"?")
+    damaged = launch(pod)
+    assert damaged.returncode == 2 and "cannot be trusted" in damaged.stderr, damaged.stderr[-2000:]
