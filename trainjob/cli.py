@@ -330,9 +330,10 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     """torchrun whose exit code is the job's (ranks/torchrun.py). Running ``-m trainjob run``, it
     first checks the run's flags and the PVC, before any rendezvous: a bad flag is 2, and a job that
     has ended (completed, or failed with its budget spent) ends this launch at once with its code,
-    without waiting for peers that may never come (a pod recreated alone)."""
+    without waiting for peers that may never come (a pod recreated alone). A script (an own loop)
+    gets the completion check when its pod names the PVC (``k8s.PVC_ENV``) and is idempotent."""
     with importing("the command's modules"):
-        from .engine.completion import ended_job
+        from .engine.completion import completed_job, ended_job
         from .ranks import torchrun
         from .storage.pvc import Pvc
 
@@ -346,6 +347,16 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
         if over is not None:
             emit(f"trainjob run: {over.line}")
             return over.code
+    elif (where := os.environ.get(k8s.PVC_ENV)) and idempotent_from(os.environ):
+        # A rendered own loop's pod: its Run would find the job completed once its ranks met;
+        # a pod recreated alone would wait for peers that finished. Completion only: the script's
+        # own budget is not known here, and a log elsewhere than PVC/log.jsonl is not found
+        # (the launch then goes ahead, and the Run decides).
+        location = _storage_location(where)
+        check_path(location)
+        if (done := completed_job(Pvc(location), location / DEFAULT_LOG)) is not None:
+            emit(f"trainjob: {done.line()}")
+            return EXIT_OK
     return torchrun.launch(args.torchrun_argv)
 
 

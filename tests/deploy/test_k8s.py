@@ -409,7 +409,10 @@ def check_own_loop(docs: list[dict], script: list[str], *, world_size: int, moun
     (container,) = pod["containers"]
     assert _rules(job) == manifests()[1]["spec"]["podFailurePolicy"]["rules"]
     assert spec["backoffLimit"] == 3 and spec["podReplacementPolicy"] == "Failed" and pod["restartPolicy"] == "Never"
-    assert pod_env(container) == {"TRAINJOB_IDEMPOTENT": "1"}, "a relaunch after `completed` must exit 0, not 2"
+    # At W > 1 the launcher also learns the PVC, to find a completed job before any rendezvous.
+    where = {"TRAINJOB_PVC": mount or script[-1]} if world_size > 1 else {}
+    assert pod_env(container) == {"TRAINJOB_IDEMPOTENT": "1", **where}, \
+        "a relaunch after `completed` must exit 0, not 2"
     command = [*container["command"], *container.get("args", [])]
     python, *program = script
     if world_size > 1:  # torchrun runs the script with its own interpreter

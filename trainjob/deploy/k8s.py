@@ -37,6 +37,10 @@ CONTAINER = "trainjob"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 RDZV_PORT = 29400  # torchrun's default c10d rendezvous port, served by index 0's torchrun agent
+# At W > 1, an own loop's pods name its PVC here: `trainjob torchrun` reads it to find a job that
+# already completed before any rendezvous, as it does for `-m trainjob run` (a pod recreated alone
+# must not wait for peers that finished).
+PVC_ENV = "TRAINJOB_PVC"
 PVC_PLACEHOLDER = "{pvc}"  # in an own loop's arguments: where the job's files are (as `trainjob prove` has it)
 # Exit-code rules in this order, after the DisruptionTarget rule that always comes first. Any code
 # no rule names (a signal, 137 from an OOM kill) is counted: the Job's default.
@@ -224,6 +228,8 @@ class Target:
         env: list[dict[str, Any]] = []
         if self.loop is not None:
             env.append({"name": IDEMPOTENT_ENV, "value": "1"})
+            if self.world_size > 1:
+                env.append({"name": PVC_ENV, "value": self.pvc})
         if self.world_size > 1:
             # The control plane injects this too; declaring it (the same downward-API field) makes
             # the rank's source explicit in the manifest and independent of that convenience.
