@@ -10,9 +10,10 @@ random instant, into one launch:
             0.5-8 s, then SIGCONT: shorter and longer than the request timeout set here
 
 during saves (a fresh run, every step a checkpoint: the instant drawn after the run's first
-event) or during a load (a run stopped by ``--die-at`` is relaunched; the instant drawn around
-when its ``resumed`` line comes, which follows the checkpoint's download and hash check; the note
-counts the faults that struck before it).
+event) or during a load (a run stopped by ``--die-at`` is relaunched; the instant drawn within
+50 ms of its taking the lease, after which it reads the state, downloads and checks the
+checkpoint and logs ``resumed``; the note counts the faults that ended the launch before that
+line).
 
 The oracle, as for the PVC sections: the faulted launch exits 75 with its cause in one line, or 0
 only with ``completed`` in the log (never 70, 1, 2 or a signal); what it left verifies (no
@@ -173,6 +174,10 @@ class Bucket:
     def artifact(self) -> bytes | None:
         return settled(lambda: self.pvc.read_bytes(self.pvc.root / "artifacts/model-v1.json"))
 
+    def lease(self) -> bytes | None:
+        """The lease object's bytes: a launch that takes it writes its own holder there."""
+        return settled(lambda: self.pvc.backend.read(".lease", 1 << 16))
+
     def attempts(self) -> int:
         return settled(self.pvc.read_attempts)
 
@@ -220,7 +225,7 @@ def s3_storm(campaign: Campaign, trials: int) -> Section:
     stalls: list[float] = []
     kinds = {kind: 0 for kind in FAULTS}
     phases = {phase: 0 for phase in PHASES}
-    loading = 0  # load faults that struck before the launch's `resumed`
+    loading = 0  # load faults that ended the launch before it logged `resumed`
     try:
         with environment(server):
             reference = campaign.reference_for(S3_STEPS)
@@ -250,15 +255,14 @@ def s3_storm(campaign: Campaign, trials: int) -> Section:
                         section.violation(trial, f"--die-at ended {prepared.returncode}: "
                                                  f"{prepared.stderr.strip()[-200:]}")
                         continue
-                    before = len(bucket.events())
+                    before, lease = len(bucket.events()), bucket.lease()
                     launched = time.monotonic()
                     proc = spawn(bucket, AS_DEPLOYED)
-                    # A resume logs `resumed` about when a fresh run logs its first event (start-up,
-                    # the lease, the state, the checkpoint's download): strike around then.
-                    wait_for(proc, lambda: False, launched + campaign.rng.uniform(0.5 * first, 1.2 * first))
+                    # The relaunch takes the lease, then reads the state and downloads and checks
+                    # the checkpoint, then logs `resumed`: strike just after it took the lease.
+                    wait_for(proc, lambda: bucket.lease() != lease, launched + 120)
+                    wait_for(proc, lambda: False, time.monotonic() + campaign.rng.uniform(0, 0.05))
                     landed = proc.poll() is None
-                    # Still loading when struck: its `resumed` not yet logged.
-                    loading += landed and "resumed" not in bucket.events()[before:]
                 else:
                     launched = time.monotonic()
                     proc = spawn(bucket, AS_DEPLOYED)
@@ -280,6 +284,8 @@ def s3_storm(campaign: Campaign, trials: int) -> Section:
                     code = proc.wait()
                 ended = time.monotonic()
                 stderr = proc.stderr.read() if proc.stderr else ""
+                if landed and phase == "load" and "resumed" not in bucket.events()[before:]:
+                    loading += 1  # the fault ended the launch before its resume was logged
                 if landed and kind == "SIGSTOP" and code == 75:
                     stalls.append(ended - struck)
                 check_launch(section, trial, f"{kind} during {phase}", bucket, code, stderr)
@@ -292,7 +298,7 @@ def s3_storm(campaign: Campaign, trials: int) -> Section:
     finally:
         server.stop()
     section.note = (f"{', '.join(f'{n} {k}' for k, n in kinds.items())}; {phases['save']} during saves, "
-                    f"{phases['load']} during resumes ({loading} before `resumed`)"
+                    f"{phases['load']} during resumes ({loading} ended them before `resumed`)"
                     + (f"; SIGSTOP to exit 75 at most {max(stalls):.1f} s" if stalls else "")
                     + (f"; {server.forced} SIGTERM(s) needed a SIGKILL" if server.forced else ""))
     return section
