@@ -61,11 +61,32 @@ class Server:
         self.bucket = BUCKET
         self.weed = WeedServer(work / "weed" / "data")
         self.forced = 0  # SIGTERMs the server did not obey within TERM_WAIT
+        self.moved = 0  # restarts that found a port taken and moved to new ones
 
     def start(self) -> None:
         """Start it, and wait until it serves an object: a restarted ``weed mini`` lists the bucket
-        before its volume server has registered, and answers reads 500 meanwhile."""
-        self.weed.start(timeout=60)
+        before its volume server has registered, and answers reads 500 meanwhile.
+
+        The ports were free when first chosen, but once the server is down one of them may serve as
+        a client's ephemeral port (they come from the same range): a start that fails is tried again
+        on new ports, and the launches started after it are given the new endpoint (a launch still
+        running keeps the old one, and meets a server that is gone: 75)."""
+        from s3server import PORT_FLAGS, free_ports
+
+        for tries in range(3):
+            try:
+                self.weed.start(timeout=60)
+                break
+            except RuntimeError:
+                log = self.weed.data.parent / f"{self.weed.data.name}.log"
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.exists() else []
+                print(f"chaos: weed mini did not start again: {' | '.join(tail)[-400:]}", file=sys.stderr)
+                if tries == 2:
+                    raise
+                self.weed.proc = None
+                self.moved += 1
+                self.weed.ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+                os.environ["AWS_ENDPOINT_URL"] = self.weed.endpoint
         import obstore as obs
         from obstore.store import S3Store
         from s3server import KEY, SECRET
@@ -85,7 +106,10 @@ class Server:
 
     def _signal(self, sig: int) -> None:
         assert self.weed.proc is not None
-        os.killpg(self.weed.proc.pid, sig)
+        try:
+            os.killpg(self.weed.proc.pid, sig)
+        except ProcessLookupError:  # it exited by itself (then `fault` and `stop` find it gone)
+            pass
 
     def fault(self, kind: str, hold: float) -> None:
         """Inject ``kind``; return once the server answers again."""
@@ -109,7 +133,10 @@ class Server:
     def stop(self) -> None:
         if self.weed.proc is not None:
             self._signal(signal.SIGCONT)  # a stopped server cannot obey SIGTERM
-        self.weed.stop()
+            try:
+                self.weed.stop()
+            except ProcessLookupError:
+                self.weed.proc = None
 
 
 @contextmanager
@@ -149,11 +176,17 @@ class Bucket:
 
     def __init__(self, url: str) -> None:
         from trainjob.storage.backend import location
-        from trainjob.storage.pvc import Pvc
 
         self.url = url
         self.location = location(url)
-        self.pvc = Pvc(self.location)
+
+    @property
+    def pvc(self):
+        """A backend made now: it reads the server's endpoint from the environment, which a
+        restart on new ports changes."""
+        from trainjob.storage.pvc import Pvc
+
+        return Pvc(self.location)
 
     @property
     def log(self):
@@ -179,7 +212,7 @@ class Bucket:
         return settled(lambda: self.pvc.backend.read(".lease", 1 << 16))
 
     def attempts(self) -> int:
-        return settled(self.pvc.read_attempts)
+        return settled(lambda: self.pvc.read_attempts())
 
     def unsound(self) -> list[str]:
         """What ``verify`` finds wrong: a committed checkpoint that does not verify, a pointer or
@@ -300,7 +333,8 @@ def s3_storm(campaign: Campaign, trials: int) -> Section:
     section.note = (f"{', '.join(f'{n} {k}' for k, n in kinds.items())}; {phases['save']} during saves, "
                     f"{phases['load']} during resumes ({loading} ended them before `resumed`)"
                     + (f"; SIGSTOP to exit 75 at most {max(stalls):.1f} s" if stalls else "")
-                    + (f"; {server.forced} SIGTERM(s) needed a SIGKILL" if server.forced else ""))
+                    + (f"; {server.forced} SIGTERM(s) needed a SIGKILL" if server.forced else "")
+                    + (f"; {server.moved} restart(s) moved to new ports" if server.moved else ""))
     return section
 
 
