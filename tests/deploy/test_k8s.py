@@ -101,7 +101,8 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
     assert bool(service) == (world_size > 1), "a Service only for ranks to meet through"
 
 
-def check_rendezvous(service: list[dict], job: dict, world_size: int, tail: tuple[str, ...] = ("-m", "trainjob")) -> None:
+def check_rendezvous(service: list[dict], job: dict, world_size: int,
+                     tail: tuple[str, ...] = ("-m", "trainjob")) -> None:
     """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d
     rendezvous at index 0, reached by its stable DNS name through a headless Service whose name is
     the pods' subdomain (Kubernetes' documented pattern); ``tail``: what torchrun runs (an own
