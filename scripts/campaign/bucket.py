@@ -43,7 +43,7 @@ from trainjob.deploy import launches
 
 from .harness import ROOT, AS_DEPLOYED, Campaign, Section, command
 
-S3_STEPS = ["--steps", "30", "--ckpt-every", "1"]
+S3_STEPS = ["--steps", "60", "--ckpt-every", "1"]  # long enough to strike while it saves
 FAULTS = ("SIGKILL", "SIGTERM", "SIGSTOP")
 PHASES = ("save", "load")
 SETTINGS = {"TRAINJOB_S3_TIMEOUT": "5", "TRAINJOB_LEASE_SECONDS": "5"}
