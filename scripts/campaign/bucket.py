@@ -222,12 +222,16 @@ class Bucket:
     def unsound(self) -> list[str]:
         """What ``verify`` finds wrong: a committed checkpoint that does not verify, a pointer or
         an artifact that fails. In-flight and partial ones (never committed) are not counted."""
+        from trainjob.errors import InputError
         from trainjob.views.verify import verify_pvc
 
-        report = settled(lambda: verify_pvc(self.pvc, self.log))
+        try:
+            report = settled(lambda: verify_pvc(self.pvc, self.log))
+        except InputError as exc:  # struck before anything was written: nothing counted, nothing to check
+            return [] if "nothing to verify" in str(exc) else [f"verify: {exc}"[:200]]
         return [f"{i.kind} {i.path}: {i.verdict} {i.detail}"[:200] for i in report.items
                 if i.verdict not in ("ok", "partial", "in-flight", "set-aside")] + \
-            ([] if report.ok or not report.items else ["verify's verdict: FAILED"])
+            ([] if report.ok else ["verify's verdict: FAILED"])
 
 
 def run(bucket: Bucket, *flags: str) -> subprocess.CompletedProcess:
