@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Reliability campaign: inject real faults into real trainjob processes, many times, and count.
 
-    python scripts/chaos.py [--kills N] [--sigterms N] [--faults N] [--inputs N] [--races N] [--seed S]
-                            [--launcher local|torchrun]
+    python scripts/chaos.py [--kills N] [--sigterms N] [--faults N] [--inputs N] [--races N] [--s3 N]
+                            [--seed S] [--launcher local|torchrun]
 
 Sections (each trial is a fresh PVC; everything is seeded, so a failure can be replayed; one module
 each in scripts/campaign/):
@@ -20,6 +20,9 @@ each in scripts/campaign/):
                   /dev/zero, sparse gigabytes), absurd manifest sizes, hostile log lines
   races           several runs started at once on one PVC
   security        no unpickling or eval, no group/world-writable files, no forged log lines
+  s3 faults       a run on ``--pvc s3://BUCKET/PREFIX`` while its server (a local SeaweedFS) is
+                  SIGKILLed, SIGTERMed (and restarted) or SIGSTOPped (and SIGCONTed) during saves
+                  and loads (skipped, with a note, without the ``weed`` binary)
 
 ``--launcher torchrun`` runs the two-rank kill and SIGTERM sections (launches and recoveries)
 under torchrun, whose ranks agree through its store, as a W > 1 pod runs it: ``trainjob torchrun``,
@@ -39,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from campaign import faults, inputs, races, security, signals
+from campaign import bucket, faults, inputs, races, security, signals
 from campaign.harness import ASYNC, ASYNC_STEPS, ROOT, TORCH_DIM, TORCH_STEPS, W2_ASYNC_STEPS, W2_STEPS, \
     W2_TORCHRUN_STEPS, Campaign
 
@@ -57,6 +60,8 @@ def main() -> int:
                         help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
     parser.add_argument("--torch", type=int, default=2,
                         help="kill storms on a torch trainer (skipped, with a note, without torch)")
+    parser.add_argument("--s3", type=int, default=3,
+                        help="S3 server-fault trials (SIGKILL, SIGTERM, SIGSTOP in turn; saves and loads in turn)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--launcher", choices=("local", "torchrun"), default="local",
                         help="how the two-rank sections start their ranks (torchrun: they agree through its store)")
@@ -93,6 +98,7 @@ def main() -> int:
             races.races(campaign, args.races),
             races.reshard_races(campaign, args.races),
             security.security(campaign),
+            bucket.s3_storm(campaign, args.s3),
         ]
     print(f"{'section':<28}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
     for s in sections:

@@ -25,7 +25,7 @@ from typing import NoReturn
 
 from .defaults import VERSION
 from .deploy import k8s, policy
-from .engine.config import DEFAULT_LOG, RunConfig
+from .engine.config import DEFAULT_LOG, RunConfig, idempotent_from
 from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of the state in host memory; docs/howto/async.md: when to choose it)")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
-                        "(what supervise and the k8s Job pass); without it, such a relaunch is refused (exit 2)")
+                        "(what supervise and the k8s Job pass; TRAINJOB_IDEMPOTENT=1 does the same); without it, "
+                        "such a relaunch is refused (exit 2)")
 
     v = sub.add_parser("verify", help="check every checkpoint and artifact on a PVC; exit 0 only if sound")
     v.add_argument("--pvc", type=location_arg, required=True, help="the PVC directory (or s3://BUCKET/PREFIX) to check")
@@ -189,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="s3://BUCKET/PREFIX: keep the job's files in a bucket instead of a claim (no PVC rendered)")
     kr.add_argument("--s3-secret", default="",
                     help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default NAME-s3)")
-    kr.add_argument("child", **child)
+    kr.add_argument("child", nargs="*", metavar="-- run ARGS | -- python SCRIPT ARGS",
+                    help="extra `trainjob run` flags, or an own loop (a script around trainjob.Run, with "
+                         "--pvc {pvc}) that the pods run made idempotent (docs/kubernetes.md)")
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
@@ -327,9 +330,10 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     """torchrun whose exit code is the job's (ranks/torchrun.py). Running ``-m trainjob run``, it
     first checks the run's flags and the PVC, before any rendezvous: a bad flag is 2, and a job that
     has ended (completed, or failed with its budget spent) ends this launch at once with its code,
-    without waiting for peers that may never come (a pod recreated alone)."""
+    without waiting for peers that may never come (a pod recreated alone). A script (an own loop)
+    gets the completion check when its pod names the PVC (``k8s.PVC_ENV``) and is idempotent."""
     with importing("the command's modules"):
-        from .engine.completion import ended_job
+        from .engine.completion import completed_job, ended_job
         from .ranks import torchrun
         from .storage.pvc import Pvc
 
@@ -338,10 +342,21 @@ def cmd_torchrun(args: argparse.Namespace) -> int:
     if argv is not None:
         run_args = _parse_run(argv)
         check_path(run_args.pvc)
-        over = ended_job(Pvc(run_args.pvc), _log_path(run_args), run_args.backoff_limit, run_args.idempotent)
+        idempotent = run_args.idempotent or idempotent_from(os.environ)  # as the run's own Run would be
+        over = ended_job(Pvc(run_args.pvc), _log_path(run_args), run_args.backoff_limit, idempotent)
         if over is not None:
             emit(f"trainjob run: {over.line}")
             return over.code
+    elif (where := os.environ.get(k8s.PVC_ENV)) and idempotent_from(os.environ):
+        # A rendered own loop's pod: its Run would find the job completed once its ranks met;
+        # a pod recreated alone would wait for peers that finished. Completion only: the script's
+        # own budget is not known here, and a log elsewhere than PVC/log.jsonl is not found
+        # (the launch then goes ahead, and the Run decides).
+        location = _storage_location(where)
+        check_path(location)
+        if (done := completed_job(Pvc(location), location / DEFAULT_LOG)) is not None:
+            emit(f"trainjob: {done.line()}")
+            return EXIT_OK
     return torchrun.launch(args.torchrun_argv)
 
 
@@ -490,12 +505,24 @@ def cmd_prove(args: argparse.Namespace) -> int:
 
 
 def cmd_k8s(args: argparse.Namespace) -> int:
-    target = k8s.Target(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
-                        backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
-                        run_args=tuple(_run_argv(args.child) if args.child else ()),
-                        bucket=str(args.pvc) if isinstance(args.pvc, Url) else "", secret=args.s3_secret)
-    if args.pvc is not None and not target.bucket:
+    bucket = str(args.pvc) if isinstance(args.pvc, Url) else ""
+    if args.pvc is not None and not bucket:
         raise UsageError("k8s render --pvc takes an s3://BUCKET/PREFIX; a claim is rendered without it")
+    settings = dict(name=args.name, image=args.image, storage=args.storage, world_size=args.world_size,
+                    backoff_limit=args.backoff_limit, grace=args.grace, deadline=args.deadline,
+                    secret=args.s3_secret)
+    if args.child and k8s.is_python(args.child[0]):  # an own loop: its Run is made idempotent by the pod's env
+        loop = k8s.own_loop(args.child, bucket)
+        if loop.bucket:
+            _storage_location(loop.bucket)  # a malformed URL: the same one line as render --pvc's
+        target = k8s.Target(**settings, loop=loop, bucket=loop.bucket, mount=loop.mount or k8s.MOUNT)
+        target.check()
+        emit(k8s.render(k8s.manifests(target, JOB_ACTION_FOR_EXIT)).splitlines())
+        return EXIT_OK
+    if args.child and args.child[0] != "run":
+        raise UsageError(f"expected `-- run ARGS...` or `-- python SCRIPT ARGS...` after the flags, got "
+                         f"{' '.join(args.child)}")
+    target = k8s.Target(**settings, run_args=tuple(args.child[1:]), bucket=bucket)
     target.check()
     # Every pod's command line must pass run's own checks. The Job owns --pvc and --backoff-limit;
     # argparse lets a later flag win, so the user's arguments after -- must not override them.

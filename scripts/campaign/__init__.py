@@ -5,6 +5,7 @@
     faults.py    libfiu I/O faults, a full disk
     inputs.py    hostile inputs: corrupted bytes, special files, absurd manifests, hostile log lines
     races.py     runs started at once on one PVC, reshards beside a run, reshards killed
+    bucket.py    S3: the bucket's server SIGKILLed, SIGTERMed or SIGSTOPped during saves and loads
     security.py  no evaluation of stored data, no loose file modes, no forged log lines, no symlink escape
 
 Every section is a function of a ``Campaign`` returning a ``Section``: trials, faults delivered and

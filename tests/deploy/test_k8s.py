@@ -3,9 +3,13 @@ controller's view of the real program's exit codes."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -17,7 +21,7 @@ from hypothesis import strategies as st
 from kubernetes_validate.utils import all_versions
 from packaging.version import Version
 
-from conftest import io_calls, killpoint, trainjob
+from conftest import ROOT, events, io_calls, killpoint, trainjob
 from trainjob.deploy import k8s
 from trainjob.cli import JOB_ACTION_FOR_EXIT, build_parser, main
 from trainjob.errors import UsageError
@@ -97,10 +101,12 @@ def check_semantics(docs: list[dict], *, world_size: int = 1, backoff_limit: int
     assert bool(service) == (world_size > 1), "a Service only for ranks to meet through"
 
 
-def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
+def check_rendezvous(service: list[dict], job: dict, world_size: int,
+                     tail: tuple[str, ...] = ("-m", "trainjob")) -> None:
     """W > 1: trainjob's torchrun in every pod (the job's exit code, not torchrun's), the c10d
     rendezvous at index 0, reached by its stable DNS name through a headless Service whose name is
-    the pods' subdomain (Kubernetes' documented pattern)."""
+    the pods' subdomain (Kubernetes' documented pattern); ``tail``: what torchrun runs (an own
+    loop's script and its arguments)."""
     assert len(service) == 1, "one headless Service for the ranks to meet through"
     (svc,) = service
     pod = job["spec"]["template"]
@@ -111,8 +117,8 @@ def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
     assert pod["spec"].get("subdomain") == svc["metadata"]["name"], "pods get DNS names under the Service"
     command = container["command"]
     assert command[:2] == ["trainjob", "torchrun"], "plain torchrun exits 1 or by a signal: not the job's code"
-    assert command[-2:] == ["-m", "trainjob"], "one trainjob rank per torchrun"
-    launcher = torchrun_parser().parse_args(command[2:])
+    assert command[-len(tail):] == list(tail), "one trainjob rank per torchrun"
+    launcher = torchrun_parser().parse_args(command[2:-len(tail)])
     assert (launcher.rdzv_backend, launcher.nnodes, launcher.nproc_per_node) == ("c10d", str(world_size), "1")
     host, port = launcher.rdzv_endpoint.rsplit(":", 1)
     assert host == f"{job['metadata']['name']}-0.{svc['metadata']['name']}", "the rendezvous is index 0's pod"
@@ -122,14 +128,13 @@ def check_rendezvous(service: list[dict], job: dict, world_size: int) -> None:
 
 
 def torchrun_parser():
-    """torchrun's own command-line parser, with the script part cut off (``-m trainjob`` is last)."""
+    """torchrun's own command-line parser, for the flags before the script part (``-m trainjob``)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="torchrun")
     for flag in ("--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"):
         parser.add_argument(flag, required=True)
     parser.add_argument("--max-restarts", type=int, required=True)
-    parser.add_argument("-m", dest="module", required=True)
     return parser
 
 
@@ -145,14 +150,24 @@ CASES = {
 }
 
 
+# An own loop (a script around trainjob.Run) in place of `trainjob run`: its PVC said by {pvc},
+# by an absolute --pvc (the claim is mounted there) or by an s3:// one (no claim).
+OWN_LOOPS = {
+    "own loop": ["--", "python", "examples/own_loop.py", "--pvc", "{pvc}", "--steps", "4"],
+    "own loop at its path": ["--", "python3", "examples/own_loop.py", "--pvc=/data/job"],
+    "own loop indexed": ["--world-size", "3", "--", "python", "examples/own_loop.py", "--pvc", "{pvc}"],
+    "own loop module in a bucket": ["--world-size", "2", "--", "python", "-m", "train.loop", "--pvc", "s3://jobs/e"],
+}
+
+
 def test_claimed_versions_are_shipped_by_the_validator():
     assert SUPPORTED[0] == OLDEST and len(SUPPORTED) >= 2
 
 
 @pytest.mark.parametrize("version", SUPPORTED)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *OWN_LOOPS])
 def test_every_manifest_validates_strictly_on_every_supported_version(case, version):
-    for doc in manifests(*CASES[case]):
+    for doc in manifests(*{**CASES, **OWN_LOOPS}[case]):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
@@ -375,3 +390,131 @@ def test_a_bucket_pvc_renders_a_job_without_a_claim_its_credentials_from_a_named
     assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
     assert pod["containers"][0]["envFrom"] == [{"secretRef": {"name": "trainjob-s3"}}]
     assert pod["containers"][0]["command"][:2] == ["trainjob", "torchrun"]
+
+
+# --- own loops: a script around trainjob.Run, made idempotent by the pod's environment -------------
+
+def pod_env(container: dict) -> dict[str, str]:
+    """The container's plain environment variables (the downward-API ones left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def check_own_loop(docs: list[dict], script: list[str], *, world_size: int, mount: str | None) -> None:
+    """An own loop's pods: the Job's contract unchanged (the policy, the budgets, one writer, the
+    rendezvous at W > 1), the script as the command (under `trainjob torchrun` at W > 1), its
+    --pvc where the claim is mounted (or the bucket), and its Run made idempotent."""
+    *volume, job = docs
+    assert (job["kind"], [d["kind"] for d in volume]) == (
+        "Job", [*(["PersistentVolumeClaim"] if mount else []), *(["Service"] if world_size > 1 else [])])
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert _rules(job) == manifests()[1]["spec"]["podFailurePolicy"]["rules"]
+    assert spec["backoffLimit"] == 3 and spec["podReplacementPolicy"] == "Failed" and pod["restartPolicy"] == "Never"
+    # At W > 1 the launcher also learns the PVC, to find a completed job before any rendezvous.
+    where = {"TRAINJOB_PVC": mount or script[-1]} if world_size > 1 else {}
+    assert pod_env(container) == {"TRAINJOB_IDEMPOTENT": "1", **where}, \
+        "a relaunch after `completed` must exit 0, not 2"
+    command = [*container["command"], *container.get("args", [])]
+    python, *program = script
+    if world_size > 1:  # torchrun runs the script with its own interpreter
+        tail = tuple(p.replace("{pvc}", mount or "") for p in program)
+        check_rendezvous(volume[-1:], job, world_size, tail)
+        assert "args" not in container and "--world-size" not in command  # torchrun's WORLD_SIZE
+        index = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+        assert {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {"fieldPath": index}}} in container["env"]
+    else:
+        assert command == [python, *(p.replace("{pvc}", mount or "") for p in program)]
+    if mount:
+        (claim_volume,) = pod["volumes"]
+        assert claim_volume["persistentVolumeClaim"]["claimName"] == volume[0]["metadata"]["name"]
+        assert container["volumeMounts"] == [{"name": claim_volume["name"], "mountPath": mount}]
+        assert mount in command or f"--pvc={mount}" in command, "the script writes where the claim is"
+    else:
+        assert "volumes" not in pod and container["envFrom"] == [{"secretRef": {"name": "trainjob-s3"}}]
+
+
+@pytest.mark.parametrize(("case", "mount"), [("own loop", k8s.MOUNT), ("own loop at its path", "/data/job"),
+                                             ("own loop indexed", k8s.MOUNT), ("own loop module in a bucket", None)])
+def test_an_own_loop_renders_the_same_job_with_its_script_made_idempotent(case, mount):
+    argv = OWN_LOOPS[case]
+    world = int(argv[argv.index("--world-size") + 1]) if "--world-size" in argv else 1
+    check_own_loop(manifests(*argv), argv[argv.index("--") + 1:], world_size=world, mount=mount)
+
+
+def test_the_pods_of_trainjob_run_keep_their_flag_and_get_no_idempotent_environment():
+    for argv in ([], ["--world-size", "2"]):
+        container = manifests(*argv)[-1]["spec"]["template"]["spec"]["containers"][0]
+        assert "--idempotent" in container["args"] and "TRAINJOB_IDEMPOTENT" not in pod_env(container)
+
+
+def test_own_loop_checks_catch_a_pod_without_the_idempotent_environment():
+    docs = manifests(*OWN_LOOPS["own loop"])
+    docs[-1]["spec"]["template"]["spec"]["containers"][0].pop("env")
+    with pytest.raises(AssertionError, match="must exit 0"):
+        check_own_loop(docs, OWN_LOOPS["own loop"][1:], world_size=1, mount=k8s.MOUNT)
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["python"], "got no script"),
+    (["python", "loop.py"], "cannot tell where loop.py keeps the job's files"),
+    (["python", "loop.py", "--pvc", "pvc"], "must be an absolute path"),
+    (["python", "loop.py", "--pvc", "/"], "must be an absolute path other than /"),
+    (["python", "-u", "loop.py", "--pvc", "{pvc}"], "only -m of Python's options"),
+    (["python", "-m"], "needs a module name"),
+    (["python", "-m", "trainjob", "run"], "render `-- run ARGS...`"),
+    (["python", "loop.py", "--pvc", "s3://Bad_Bucket/x"], "not a valid S3 bucket name"),
+    (["gen", "data"], "expected `-- run ARGS...` or `-- python SCRIPT ARGS...`"),
+])
+def test_an_own_loop_whose_pod_could_not_run_as_the_job_is_refused_with_exit_2(argv, says, capsys):
+    assert render("--", *argv) == (2, "")
+    assert says in capsys.readouterr().err
+
+
+def test_an_own_loop_and_render_pvc_must_name_the_same_bucket():
+    loop = ["--", "python", "loop.py", "--pvc"]
+    assert render("--pvc", "s3://jobs/a", *loop, "s3://jobs/b")[0] == 2
+    assert render("--pvc", "s3://jobs/a", *loop, "/data")[0] == 2
+    (job,) = manifests("--pvc", "s3://jobs/a", *loop, "{pvc}")
+    assert job["spec"]["template"]["spec"]["containers"][0]["args"] == ["loop.py", "--pvc", "s3://jobs/a"]
+    (job,) = manifests("--pvc", "s3://jobs/a", *loop, "s3://jobs/a")
+    assert "volumes" not in job["spec"]["template"]["spec"]
+
+
+@pytest.mark.process
+def test_an_own_loop_pod_relaunched_after_completed_exits_0_with_the_rendered_environment(tmp_path):
+    """The issue's failure for own loops: examples/own_loop.py run as the rendered pod runs it, to
+    completion; a replacement pod (an OOM kill after `completed`) with the rendered environment
+    verifies the artifact and exits 0 (the Job succeeds); the same command without it is the lab's
+    refusal, 2, which the policy turns into FailJob. A damaged artifact is still 2 with it. Slower
+    than 20 s under load: four launches of a torch script (about 14 s of CPU, torch's import in
+    each), each a pod of its own, which one launch could not show."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("examples/own_loop.py is a torch script (trainjob[torch])")
+    _, job = manifests("--", "python", "examples/own_loop.py", "--pvc", "{pvc}", "--steps", "4", "--ckpt-every", "2")
+    rules = _rules(job)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    pvc = tmp_path / "pvc"
+    # The pod's command here: this interpreter, the repository as the image's working directory,
+    # the claim's mount at the test's PVC.
+    argv = [sys.executable, *(str(pvc) if a == k8s.MOUNT else a for a in container["args"])]
+    bare = {k: v for k, v in os.environ.items() if k != "TRAINJOB_IDEMPOTENT"}
+    pod = {**bare, **pod_env(container)}
+
+    def launch(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    first = launch(pod)
+    assert first.returncode == 0 and events(pvc / "log.jsonl")[-1][0] == "completed", first.stderr[-2000:]
+    log = (pvc / "log.jsonl").read_bytes()
+
+    replacement = launch(pod)
+    assert replacement.returncode == 0, replacement.stderr[-2000:]  # the Job is Complete
+    assert "already completed (attempt 1): artifacts/model-v1.safetensors verified" in replacement.stderr
+    refused = launch(bare)  # the same pod without the rendered environment
+    assert refused.returncode == 2 and job_action(rules, 2, set()) == "FailJob", refused.stderr[-2000:]
+    assert "already completed" in refused.stderr and (pvc / "log.jsonl").read_bytes() == log
+
+    artifact = pvc / "artifacts/model-v1.safetensors"
+    artifact.write_bytes(artifact.read_bytes()[:-1] + b"?")
+    damaged = launch(pod)
+    assert damaged.returncode == 2 and "cannot be trusted" in damaged.stderr, damaged.stderr[-2000:]

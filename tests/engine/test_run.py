@@ -303,6 +303,30 @@ def test_an_idempotent_start_after_completion_is_0_and_trains_nothing(pvc, capsy
     assert own(pvc, good)[0].exit_code == 2  # without idempotent: the lab's refusal
 
 
+def test_the_environment_makes_a_run_idempotent_as_a_rendered_pod_sets_it(pvc, capsys, monkeypatch):
+    """TRAINJOB_IDEMPOTENT=1 (what `k8s render -- python SCRIPT` sets) does what idempotent=True
+    does for a script that never says it; a damaged artifact is still 2; a value that is neither
+    1 nor 0 is 2 with the PVC untouched (a typo must not leave a relaunched pod to be refused)."""
+    assert own(pvc, good)[0].exit_code == 0
+    before = snapshot(pvc)
+    monkeypatch.setenv("TRAINJOB_IDEMPOTENT", "1")
+    run, _ = own(pvc, lambda *a: pytest.fail("trained a completed job"))
+    assert run.exit_code == 0 and run.completion is not None and snapshot(pvc) == before
+    assert "already completed (attempt 1)" in capsys.readouterr().err
+    monkeypatch.setenv("TRAINJOB_IDEMPOTENT", "0")
+    assert own(pvc, good)[0].exit_code == 2  # the lab's refusal, as without it
+    for typo in ("yes", "true", " 1"):
+        monkeypatch.setenv("TRAINJOB_IDEMPOTENT", typo)
+        run, _ = own(pvc, lambda *a: pytest.fail("trained a completed job"))
+        assert run.exit_code == 2 and "TRAINJOB_IDEMPOTENT must be 1" in str(run.error)
+    assert snapshot(pvc) == before
+    artifact = next((pvc / "artifacts").iterdir())
+    artifact.write_bytes(artifact.read_bytes()[:-1] + b"?")
+    monkeypatch.setenv("TRAINJOB_IDEMPOTENT", "1")
+    run, _ = own(pvc, lambda *a: pytest.fail("trained a completed job"))
+    assert run.exit_code == 2 and "cannot be trusted" in str(run.error)
+
+
 def test_an_idempotent_start_clears_what_a_writer_killed_after_completion_left_and_nothing_else(pvc):
     assert own(pvc, good)[0].exit_code == 0
     generation = pvc / "ranks/g00000001"

@@ -9,6 +9,7 @@ pure rule (``exits.job_exit``) and the ranks passing rank 0's code on are tested
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
@@ -284,3 +286,36 @@ def test_workers_die_with_a_launcher_sigkilled_alone_during_start_up_and_a_relau
                               timeout=300)
     assert relaunch.returncode == 0 and "busy" not in relaunch.stderr, relaunch.stderr[-2000:]
     assert events(pvc / "log.jsonl")[-1][0] == "completed"
+
+
+def test_a_rendered_own_loop_pod_on_a_completed_job_exits_0_before_any_rendezvous(tmp_path, no_torch_launch,
+                                                                                   capsys, monkeypatch):
+    """An own loop's pod at W > 1 recreated alone after its job completed: the rendered TRAINJOB_PVC
+    and TRAINJOB_IDEMPOTENT let `trainjob torchrun` find it over (0), a damaged artifact 2, without
+    waiting at the rendezvous for peers that finished; a job not over, or no TRAINJOB_PVC, launches."""
+    from trainjob.deploy import k8s
+
+    pvc = tmp_path / "pvc"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert cli.main(["k8s", "render", "--world-size", "2", "--", "python", "loop.py", "--pvc", "{pvc}"]) == 0
+    docs = list(yaml.safe_load_all(out.getvalue()))
+    (container,) = docs[-1]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert env == {"TRAINJOB_IDEMPOTENT": "1", k8s.PVC_ENV: k8s.MOUNT}
+    for name, value in {**env, k8s.PVC_ENV: str(pvc)}.items():
+        monkeypatch.setenv(name, value)
+    command = ["torchrun", *RENDERED, "loop.py", "--pvc", str(pvc)]
+    assert cli.main(command) == 99  # nothing there yet: the launch goes ahead
+    assert cli.main(["run", "--pvc", str(pvc), "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert cli.main(command) == 0
+    assert capsys.readouterr().out.startswith("trainjob: already completed (attempt 1): artifacts/model-v1.json")
+    monkeypatch.setenv("TRAINJOB_IDEMPOTENT", "0")
+    assert cli.main(command) == 99  # not idempotent: the Run decides (the lab's refusal), after the rendezvous
+    monkeypatch.setenv("TRAINJOB_IDEMPOTENT", "1")
+    (pvc / "artifacts/model-v1.json").write_text("{}\n")
+    assert cli.main(command) == 2
+    monkeypatch.delenv(k8s.PVC_ENV)
+    assert cli.main(command) == 99
+    assert len(no_torch_launch) == 3

@@ -7,6 +7,13 @@ exits 0. With W > 1 ranks, an Indexed Job whose pods run ``trainjob torchrun`` (
 with the job's code) with the c10d rendezvous at index 0, reached through a headless Service: the
 ranks agree through torch's store, and the shared claim holds only data. docs/kubernetes.md explains each choice.
 
+An own loop (a script around ``trainjob.Run``: ``k8s render -- python SCRIPT ARGS``) gets the same
+Job with the script as the container's command (under ``trainjob torchrun`` at W > 1) and
+``TRAINJOB_IDEMPOTENT=1`` in its environment, which makes its ``Run`` idempotent as
+``--idempotent`` makes ``trainjob run``. Where the script keeps its PVC is read from its own
+arguments (``own_loop``): ``{pvc}``, or a ``--pvc`` naming an absolute path (the claim is mounted
+there) or a bucket.
+
 It builds plain dicts and dumps them with PyYAML's ``safe_dump_all``; it never builds YAML text
 by hand, talks to a cluster, or reads a file. It knows no exit codes: ``cli.py`` owns them and
 passes the Job action for each one. It does not check the run's own flags either: ``cli.py``
@@ -15,13 +22,14 @@ parses the container's command line with trainjob's own parser before rendering 
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from ..defaults import BACKOFF_LIMIT, VERSION
+from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV, VERSION
 from ..errors import UsageError, importing
 
 MOUNT = "/var/lib/trainjob"  # where the PVC appears in the container; the run's --pvc
@@ -29,6 +37,11 @@ CONTAINER = "trainjob"
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 RDZV_PORT = 29400  # torchrun's default c10d rendezvous port, served by index 0's torchrun agent
+# At W > 1, an own loop's pods name its PVC here: `trainjob torchrun` reads it to find a job that
+# already completed before any rendezvous, as it does for `-m trainjob run` (a pod recreated alone
+# must not wait for peers that finished).
+PVC_ENV = "TRAINJOB_PVC"
+PVC_PLACEHOLDER = "{pvc}"  # in an own loop's arguments: where the job's files are (as `trainjob prove` has it)
 # Exit-code rules in this order, after the DisruptionTarget rule that always comes first. Any code
 # no rule names (a signal, 137 from an OOM kill) is counted: the Job's default.
 ACTION_ORDER = ("FailJob", "Ignore", "Count")
@@ -36,6 +49,83 @@ ACTION_ORDER = ("FailJob", "Ignore", "Count")
 # A Job name ends up in the pods' job-name label, so it must be a DNS-1123 label (at most 63).
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _QUANTITY = re.compile(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+_PYTHON = re.compile(r"python(\d+(\.\d+)?)?")  # python, python3, python3.12, or a path to one
+
+
+def is_python(word: str) -> bool:
+    """Whether a command after ``--`` starts with a Python interpreter: an own loop, not ``run``."""
+    return bool(_PYTHON.fullmatch(posixpath.basename(word)))
+
+
+@attrs.frozen
+class OwnLoop:
+    """An own loop's command as a pod runs it: the script (or ``-m MODULE``) and its arguments,
+    ``{pvc}`` replaced; ``mount`` where the claim goes, ``bucket`` the s3:// PVC its --pvc names."""
+
+    python: str  # the interpreter named, run at W = 1 (at W > 1 torchrun runs its own)
+    program: tuple[str, ...]  # (SCRIPT,) or ("-m", MODULE)
+    args: tuple[str, ...]
+    mount: str = ""
+    bucket: str = ""
+
+
+def own_loop(argv: Sequence[str], bucket: str = "") -> OwnLoop:
+    """Read ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``): UsageError for a command a pod
+    cannot run as the job, or one whose PVC cannot be told.
+
+    Where the script keeps the job's files must be known, or they die with the pod: ``{pvc}`` in
+    its arguments is replaced by the claim's mount (or ``bucket``, ``k8s render --pvc``), else its
+    ``--pvc PATH`` (or ``--pvc=PATH``) says it: an absolute path is where the claim is mounted, an
+    ``s3://`` URL is the bucket (no claim). Only ``-m`` of Python's own options is taken: at
+    W > 1 the script runs under torchrun, which passes none other on.
+    """
+    python, *rest = argv
+    if not rest:
+        raise UsageError(f"expected `-- {python} SCRIPT ARGS...` (an own loop around trainjob.Run), got no script")
+    if rest[0] in ("-m", "--module"):
+        if len(rest) < 2 or not rest[1] or rest[1].startswith("-"):
+            raise UsageError(f"`{python} -m` needs a module name, got {' '.join(rest[1:2]) or 'nothing'}")
+        if rest[1] == "trainjob":
+            raise UsageError("for `trainjob run`, render `-- run ARGS...` (the Job passes it --pvc and "
+                             "--idempotent itself)")
+        program, args = tuple(rest[:2]), tuple(rest[2:])
+    elif rest[0].startswith("-"):
+        raise UsageError(f"{python} {rest[0]}: only -m of Python's options can be rendered (torchrun runs the "
+                         "script at W > 1 and passes no other); give the script or -m MODULE first")
+    else:
+        program, args = (rest[0],), tuple(rest[1:])
+    if any(PVC_PLACEHOLDER in arg for arg in args):
+        where = bucket or MOUNT
+        return OwnLoop(python, program, tuple(arg.replace(PVC_PLACEHOLDER, where) for arg in args),
+                       mount="" if bucket else MOUNT, bucket=bucket)
+    named = _flag_value(args, "--pvc")
+    if named is None:
+        raise UsageError(f"cannot tell where {program[-1]} keeps the job's files, so they would die with the pod: "
+                         f"pass the script --pvc {PVC_PLACEHOLDER} (replaced by the claim's mount, {MOUNT}), "
+                         "or --pvc with an absolute path or an s3:// URL")
+    if named.startswith("s3://"):
+        if bucket and bucket.rstrip("/") != named.rstrip("/"):
+            raise UsageError(f"the script's --pvc {named} is not k8s render's --pvc {bucket}; give one, "
+                             f"or pass the script --pvc {PVC_PLACEHOLDER}")
+        return OwnLoop(python, program, args, bucket=named)
+    if bucket:
+        raise UsageError(f"k8s render --pvc {bucket} but the script's --pvc is {named}; pass the script "
+                         f"--pvc {PVC_PLACEHOLDER}")
+    if not posixpath.isabs(named) or posixpath.normpath(named) == "/":
+        raise UsageError(f"the script's --pvc {named!r} must be an absolute path other than / (the claim is "
+                         f"mounted there), or {PVC_PLACEHOLDER}")
+    return OwnLoop(python, program, args, mount=posixpath.normpath(named))
+
+
+def _flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value ``args`` give ``flag`` (argparse's rule: a later one wins)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(flag + "="):
+            found = arg[len(flag) + 1:]
+    return found
 
 
 @attrs.frozen
@@ -52,6 +142,8 @@ class Target:
     run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc and --backoff-limit
     bucket: str = ""  # an s3://BUCKET/PREFIX PVC: no claim is rendered, credentials come from ``secret``
     secret: str = ""  # the Secret holding AWS_* for a bucket PVC (default NAME-s3)
+    loop: OwnLoop | None = None  # an own loop's script, in place of `trainjob run`
+    mount: str = MOUNT  # where the claim appears in the container
 
     def check(self) -> None:
         """Raise UsageError for a flag Kubernetes would reject or that breaks the contract."""
@@ -92,7 +184,7 @@ class Target:
     @property
     def pvc(self) -> str:
         """The run's --pvc: the claim's mount, or the bucket."""
-        return self.bucket or MOUNT
+        return self.bucket or self.mount
 
     @property
     def job_backoff_limit(self) -> int:
@@ -119,8 +211,31 @@ class Target:
         With W > 1 each pod is one rank: it passes the world size, and torchrun (``launcher``)
         gives it its rank ($RANK), which ``run`` reads when --rank is absent.
         """
+        if self.loop is not None:  # W > 1: the launcher's own command ends with the script
+            return [] if self.world_size > 1 else [*self.loop.program, *self.loop.args]
         ranks = ["--world-size", str(self.world_size)] if self.world_size > 1 else []
         return ["run", *self.run_flags(), *ranks]
+
+    def command(self) -> list[str]:
+        """The container's command: ``trainjob``; an own loop's interpreter; at W > 1 the launcher."""
+        if self.world_size > 1:
+            return self.launcher()
+        return [self.loop.python] if self.loop is not None else ["trainjob"]
+
+    def env(self) -> list[dict[str, Any]]:
+        """The container's environment: an own loop's ``Run`` made idempotent (the pods of
+        ``trainjob run`` pass ``--idempotent`` instead), and at W > 1 the completion index."""
+        env: list[dict[str, Any]] = []
+        if self.loop is not None:
+            env.append({"name": IDEMPOTENT_ENV, "value": "1"})
+            if self.world_size > 1:
+                env.append({"name": PVC_ENV, "value": self.pvc})
+        if self.world_size > 1:
+            # The control plane injects this too; declaring it (the same downward-API field) makes
+            # the rank's source explicit in the manifest and independent of that convenience.
+            env.append({"name": INDEX_ENV, "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}})
+        return env
 
     @property
     def rendezvous(self) -> str:
@@ -135,7 +250,8 @@ class Target:
         pods and trainjob resumes from the claim."""
         return ["trainjob", "torchrun", "--nnodes", str(self.world_size), "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", self.rendezvous, "--rdzv-id", self.name,
-                "--max-restarts", "0", "-m", "trainjob"]
+                "--max-restarts", "0",
+                *(["-m", "trainjob"] if self.loop is None else [*self.loop.program, *self.loop.args])]
 
 
 def pod_failure_policy(actions: Mapping[int, str]) -> dict[str, Any]:
@@ -179,19 +295,17 @@ def manifests(target: Target, actions: Mapping[int, str]) -> list[dict[str, Any]
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": target.image,
-        "command": target.launcher() if indexed else ["trainjob"],
-        "args": target.container_args(),
-        "volumeMounts": [{"name": "pvc", "mountPath": MOUNT}],
+        "command": target.command(),
+        **({"args": args} if (args := target.container_args()) else {}),
+        "volumeMounts": [{"name": "pvc", "mountPath": target.mount}],
     }
     if target.bucket:  # no volume: the bucket is reached over the network, with the Secret's AWS_* keys
         del container["volumeMounts"]
         container["envFrom"] = [{"secretRef": {"name": target.credentials}}]
     if indexed:
         container["ports"] = [{"name": "c10d", "containerPort": RDZV_PORT}]
-        # The control plane injects this too; declaring it (the same downward-API field) makes
-        # the rank's source explicit in the manifest and independent of that convenience.
-        container["env"] = [{"name": INDEX_ENV, "valueFrom": {
-            "fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}]
+    if env := target.env():
+        container["env"] = env
     job_spec: dict[str, Any] = {
         "completions": target.world_size,
         "parallelism": target.world_size,

@@ -8,11 +8,12 @@ Must not import anything heavier than attrs.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
-from ..defaults import BACKOFF_LIMIT
+from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV
 from ..errors import UsageError
 
 DEFAULT_LOG = "log.jsonl"  # the decision log's name inside the PVC, unless --log says otherwise
@@ -82,3 +83,14 @@ def from_python(cfg: RunConfig) -> RunConfig:
     plain: dict[str, Any] = {name: as_setting(name, getattr(cfg, name), kind) for name, kind in PYTHON_SETTINGS.items()
                              if name != "die_at" or cfg.die_at is not None}  # the one that may be None
     return attrs.evolve(cfg, **plain)
+
+
+def idempotent_from(env: Mapping[str, str]) -> bool:
+    """Whether the environment asks for idempotent starts (``IDEMPOTENT_ENV``): "1" yes, "0" or
+    unset no. Any other value is a UsageError: a typo must not quietly leave a relaunched pod to
+    be refused (exit 2, which a rendered Job turns into FailJob)."""
+    value = env.get(IDEMPOTENT_ENV, "")
+    if value not in ("", "0", "1"):
+        raise UsageError(f"{IDEMPOTENT_ENV} must be 1 (a relaunch of a completed job verifies it and exits 0) "
+                         f"or 0, got {value!r:.40}")
+    return value == "1"

@@ -74,7 +74,7 @@ import attrs
 
 from . import decisions, machine
 from .completion import Completion, completed_job
-from .config import DEFAULT_LOG, RunConfig, as_setting, from_python
+from .config import DEFAULT_LOG, RunConfig, as_setting, from_python, idempotent_from
 from .job import ARTIFACT_FORMATS, Job, StopFlag
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
@@ -124,7 +124,9 @@ class Run:
     checked. ``name`` is recorded in the artifact and must match across ranks. ``rank`` and
     ``world_size`` default to torchrun's environment (one rank otherwise); ``log`` to
     ``<pvc>/log.jsonl``. ``idempotent``: a job that already completed, with an artifact that
-    still verifies, ends at once with exit 0 (``completion`` says so) instead of exit 2.
+    still verifies, ends at once with exit 0 (``completion`` says so) instead of exit 2; a
+    missing or altered artifact is still exit 2. ``TRAINJOB_IDEMPOTENT=1`` in the environment
+    turns it on too (what ``k8s render`` sets in an own loop's pods).
     ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
     background thread while the loop trains on (docs/howto/async.md: when to choose it; overlap.py).
     """
@@ -203,6 +205,9 @@ class Run:
         cfg.check(lr_required=self.lr_given)
         if self.artifact_format not in ARTIFACT_FORMATS:
             raise UsageError(f"artifact_format is {self.artifact_format!r}; use one of {', '.join(ARTIFACT_FORMATS)}")
+        # The environment can only turn it on: a rendered pod's own loop (k8s render sets it) is
+        # idempotent without the script saying so; checked before the PVC is touched.
+        self.idempotent = bool(self.idempotent) or idempotent_from(os.environ)
         connect.check_pvc(self.pvc_path, self.world_size, os.environ)
         check_path(self.pvc_path)
         if self.log_path.parent != self.pvc_path:  # a log of its own: a PVC that is a file is the PVC's error
