@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Set up a virtualenv with the test extras and run the whole suite in three named steps: pytest
-# (both tiers, on every core, with the 15 slowest tests listed), the lab checks, and the
-# reliability campaign at CI size. Every step runs; the last lines name each step's verdict, so a
-# red campaign names itself. Arguments go to pytest. CONTRIBUTING.md says what to run when.
+# Set up a virtualenv with the test extras and run the whole suite in four named steps: pytest
+# (both tiers, on every core, with the 15 slowest tests listed), the lab checks, the
+# reliability campaign at CI size, and the issues' acceptance runs. Every step runs; the last
+# lines name each step's verdict, so a red campaign names itself. Arguments go to pytest. CONTRIBUTING.md says what to run when.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,11 +59,16 @@ step() {  # step NAME COMMAND...: run it, say how it ended, remember a failure
 # worksteal: a worker that runs dry takes tests queued on another, so no long test waits at the end
 # of a queue. On this 2-core machine: 9m16s with -n auto (load), 7m18s with -n 3 --dist worksteal.
 workers=$(( $(nproc) + 1 ))
-step "pytest" .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 "$@"
+step "pytest" .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 -m "not acceptance" "$@"
 step "lab checks" bash scripts/check.sh
 step "chaos campaign" .venv/bin/python scripts/chaos.py
+# The issues' acceptance runs (`trainjob prove` on the vision, HF Trainer and Lightning examples,
+# at W=1 and W=2): minutes of whole launches, so the default suite above stays fast.
+# Arguments that select no acceptance test (a file, a -k) leave it nothing to do: pytest's 5.
+acceptance() { .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=10 -m acceptance "$@" || [ $? = 5 ]; }
+step "acceptance" acceptance "$@"
 if [ ${#failed[@]} -gt 0 ]; then
     echo "test.sh: failed: ${failed[*]}" >&2
     exit 1
 fi
-echo "test.sh: pytest, lab checks and chaos campaign all passed" >&2
+echo "test.sh: pytest, lab checks, chaos campaign and acceptance all passed" >&2

@@ -247,6 +247,7 @@ def test_control_a_resume_without_the_rng_streams_reaches_other_bytes(reference,
     assert artifact(pvc) != expected
 
 
+@pytest.mark.acceptance
 @pytest.mark.process
 @pytest.mark.killpoint
 def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys):
@@ -263,6 +264,7 @@ def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys):
     assert "SIGKILL" in out and "SIGTERM" in out
 
 
+@pytest.mark.acceptance
 @pytest.mark.process
 @pytest.mark.killpoint
 @pytest.mark.torchrun
