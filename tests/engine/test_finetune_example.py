@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -23,49 +22,14 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, built_once
+from example_runs import ENV, artifact, finish, killed, losses
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.process
 
 EXAMPLE = ROOT / "examples/finetune.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
-
-
-def launch(script: Path, pvc: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), "--pvc", str(pvc), *flags], env=ENV, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def losses(text: str) -> dict[int, str]:
-    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
-
-
-def finish(script: Path, pvc: Path, *flags: str) -> dict[int, str]:
-    out, err = launch(script, pvc, *flags).communicate(timeout=600)
-    assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
-    return losses(out)
-
-
-def killed(script: Path, pvc: Path, *flags: str, at_line: int, then: float = 0.0) -> None:
-    """Run until the loss line of step ``at_line`` (or a later one) is printed, ``then`` seconds
-    more, and SIGKILL (a loss line is printed before the step's checkpoint: a kill soon after one
-    lands in it). "Or a later one": an earlier kill's delay may have let the run pass ``at_line``,
-    so this launch resumes after it and never prints that line."""
-    proc = launch(script, pvc, *flags)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if (step := losses(line)) and min(step) >= at_line:
-            break
-    time.sleep(then)
-    proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at step {at_line}: {err[-1000:]}"
-
-
-def artifact(pvc: Path) -> bytes:
-    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
 
 
 @pytest.fixture(scope="module")

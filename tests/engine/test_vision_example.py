@@ -17,64 +17,27 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from conftest import ROOT, built_once
+from example_runs import ENV, artifact, finish, killed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
 pytestmark = pytest.mark.process
 
 EXAMPLE = ROOT / "examples/vision.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
 STEPS = 48  # 3 epochs of 16 batches, a checkpoint every 4 steps
 
 
-def launch(script: Path, pvc: Path, workers: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(script), "--pvc", str(pvc), "--workers", str(workers)], env=ENV,
-                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def losses(text: str) -> dict[int, str]:
-    return {int(m[1]): m[2] for m in re.finditer(r"^step (\d+) loss (\S+)$", text, re.M)}
-
-
-def finish(script: Path, pvc: Path, workers: int) -> dict[int, str]:
-    out, err = launch(script, pvc, workers).communicate(timeout=600)
-    assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
-    return losses(out)
-
-
-def killed(script: Path, pvc: Path, workers: int, at_line: int, then: float = 0.0) -> None:
-    """SIGKILL once the loss line of step ``at_line`` (or a later one) is printed, ``then`` seconds
-    later: a loss line comes just before its step's checkpoint, so at a checkpoint step with no
-    delay the kill lands in or around that checkpoint."""
-    proc = launch(script, pvc, workers)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if (step := losses(line)) and min(step) >= at_line:
-            break
-    time.sleep(then)
-    proc.send_signal(signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, f"not killed at step {at_line}: {err[-1000:]}"
-
-
-def artifact(pvc: Path) -> bytes:
-    return (pvc / "artifacts/model-v1.safetensors").read_bytes()
-
-
 def reference(factory: pytest.TempPathFactory, workers: int) -> tuple[bytes, dict[int, str]]:
     def run(directory: Path) -> None:
-        lines = finish(EXAMPLE, directory / "pvc", workers)
+        lines = finish(EXAMPLE, directory / "pvc", "--workers", str(workers))
         assert sorted(lines) == list(range(1, STEPS + 1))
         (directory / "losses.json").write_text(json.dumps(lines))
 
@@ -84,7 +47,7 @@ def reference(factory: pytest.TempPathFactory, workers: int) -> tuple[bytes, dic
 
 
 def resumed_matches(expected: tuple[bytes, dict[int, str]], script: Path, pvc: Path, workers: int) -> bool:
-    lines = finish(script, pvc, workers)
+    lines = finish(script, pvc, "--workers", str(workers))
     assert lines and max(lines) == STEPS and '"resumed"' in (pvc / "log.jsonl").read_text()
     return artifact(pvc) == expected[0] and all(expected[1][s] == v for s, v in lines.items())
 
@@ -113,8 +76,8 @@ def test_kills_at_a_checkpoint_and_at_a_random_instant_resume_to_the_uninterrupt
     streams far from their seeds), the second at a random step of the second or third epoch."""
     expected = reference(tmp_path_factory, workers)
     rng, pvc = random.Random(SEED), tmp_path / "pvc"
-    killed(EXAMPLE, pvc, workers, at_line=12)
-    killed(EXAMPLE, pvc, workers, at_line=rng.randrange(17, 40), then=rng.uniform(0, 0.05))
+    killed(EXAMPLE, pvc, "--workers", str(workers), at_line=12)
+    killed(EXAMPLE, pvc, "--workers", str(workers), at_line=rng.randrange(17, 40), then=rng.uniform(0, 0.05))
     assert resumed_matches(expected, EXAMPLE, pvc, workers), f"TRAINJOB_KILL_SEED={SEED}"
 
 
@@ -127,7 +90,7 @@ def test_without_the_workers_streams_a_resume_with_workers_publishes_other_bytes
                       "worker_rng.install = lambda loader: None\n"
                       f"sys.argv[0] = {str(EXAMPLE)!r}\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
     pvc = tmp_path / "pvc"
-    killed(script, pvc, 2, at_line=12)
+    killed(script, pvc, "--workers", "2", at_line=12)
     assert not resumed_matches(expected, script, pvc, 2)
 
 
