@@ -62,8 +62,9 @@ workers=$(( $(nproc) + 1 ))
 step "pytest" .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 -m "not acceptance" "$@"
 step "lab checks" bash scripts/check.sh
 step "chaos campaign" .venv/bin/python scripts/chaos.py
-# The issues' acceptance runs (`trainjob prove` on the vision, HF Trainer and Lightning examples,
-# at W=1 and W=2): minutes of whole launches, so the default suite above stays fast.
+# The examples the issues were accepted on (vision, the HF Trainer and Lightning integrations:
+# killed, SIGTERMed, proven at W=1 and W=2): minutes of whole launches, so the default suite above
+# stays fast.
 # Arguments that select no acceptance test (a file, a -k) leave it nothing to do: pytest's 5.
 acceptance() { .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=10 -m acceptance "$@" || [ $? = 5 ]; }
 step "acceptance" acceptance "$@"

@@ -28,7 +28,7 @@ from example_runs import ENV, artifact, finish, killed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata")
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.acceptance]  # scripts/test.sh's acceptance step
 
 EXAMPLE = ROOT / "examples/vision.py"
 SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # printed on failure
@@ -94,7 +94,6 @@ def test_without_the_workers_streams_a_resume_with_workers_publishes_other_bytes
     assert not resumed_matches(expected, script, pvc, 2)
 
 
-@pytest.mark.acceptance
 @pytest.mark.killpoint
 @pytest.mark.parametrize("workers", [0, 2])
 def test_prove_says_proven(capsys, workers):
@@ -108,7 +107,6 @@ def test_prove_says_proven(capsys, workers):
     assert "verdict: PROVEN" in out and out.count("same bytes, verified") == 1 and "-9 0" in out
 
 
-@pytest.mark.acceptance
 @pytest.mark.killpoint
 @pytest.mark.torchrun
 def test_prove_says_proven_under_trainjob_torchrun_at_two_ranks_ddp_with_batchnorm(capsys):

@@ -28,6 +28,7 @@ import pytest
 
 from conftest import ROOT, built_once, skip_without, trainjob
 
+pytestmark = pytest.mark.acceptance  # scripts/test.sh's acceptance step: minutes of Trainer launches
 EXAMPLE = ROOT / "examples/hf_trainer.py"
 PACKAGE = ROOT / "trainjob"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
@@ -247,7 +248,6 @@ def test_control_a_resume_without_the_rng_streams_reaches_other_bytes(reference,
     assert artifact(pvc) != expected
 
 
-@pytest.mark.acceptance
 @pytest.mark.process
 @pytest.mark.killpoint
 def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys):
@@ -264,7 +264,6 @@ def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys):
     assert "SIGKILL" in out and "SIGTERM" in out
 
 
-@pytest.mark.acceptance
 @pytest.mark.process
 @pytest.mark.killpoint
 @pytest.mark.torchrun

@@ -27,7 +27,7 @@ from conftest import ROOT, built_once, skip_without
 
 skip_without("lightning", "lightning (the lightning extra) is not installed")
 skip_without("torchdata", "torchdata (the torch extra) is not installed")
-pytestmark = pytest.mark.process
+pytestmark = [pytest.mark.process, pytest.mark.acceptance]  # scripts/test.sh's acceptance step
 
 EXAMPLE = ROOT / "examples/lightning_trainer.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -184,7 +184,6 @@ def test_a_plain_dataloader_is_refused_in_one_line_with_exit_2_before_the_pvc_is
     assert not (tmp_path / "pvc").exists()
 
 
-@pytest.mark.acceptance
 @pytest.mark.killpoint
 def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys, tmp_path, monkeypatch):
     """Slower than 20 s: the reference and two trials, each killed once (SIGKILL, then SIGTERM) and
@@ -211,7 +210,6 @@ def test_import_trainjob_never_imports_lightning():
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.acceptance
 @pytest.mark.killpoint
 @pytest.mark.torchrun
 def test_prove_finds_two_ddp_ranks_under_trainjob_torchrun_proven_under_sigterm(capsys, tmp_path, monkeypatch):
@@ -232,7 +230,6 @@ def test_prove_finds_two_ddp_ranks_under_trainjob_torchrun_proven_under_sigterm(
     assert "verdict: PROVEN" in out and "75 0" in out, out
 
 
-@pytest.mark.acceptance
 def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
     """scripts/bench_lightning.py at a toy size: it runs and reports, never a speed asserted."""
     done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_lightning.py"), "--steps", "4", "--ckpt-every",

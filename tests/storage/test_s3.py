@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import random
 import signal
 import subprocess
@@ -187,7 +188,7 @@ def test_a_stalled_server_costs_one_request_timeout_then_75_and_a_relaunch_resum
     fails at once, no lease renewal or release is waited for, and the run exits 75 in one line.
     (Before: a failed rotation's delete let the run go on to its next write, a failed multipart
     upload's abort and the lease's release each waited out a timeout of their own: 40 to 60 s.)
-    SIGCONT, and the relaunch resumes from step 4. About 10 s: a server start and the timeout."""
+    SIGCONT, and the relaunch resumes from step 4 (or 6, below). About 10 s: a server start and the timeout."""
     from s3server import BUCKET, WeedServer
 
     server = WeedServer(tmp_path / "weed")
@@ -238,7 +239,9 @@ def test_a_stalled_server_costs_one_request_timeout_then_75_and_a_relaunch_resum
         assert cli.main(["run", "--pvc", url, "--steps", "8", "--ckpt-every", "2"]) == 0
         log = "".join(store_of(url).read(f"log.jsonl.d/{n}", 1 << 20).decode()
                       for n in store_of(url).list("log.jsonl.d"))
-        assert '"event":"resumed","detail":"from_step=4"' in log, log
+        # From step 4, or from step 6 when its write, already under way beside step 4's publish on
+        # a loaded machine, landed before the stall (seen once in CI): never from scratch.
+        assert re.search(r'"event":"resumed","detail":"from_step=[46]"', log), log
     finally:
         if server.proc is not None:
             os.killpg(server.proc.pid, signal.SIGCONT)
@@ -460,7 +463,9 @@ def test_transient_5xx_and_stalled_replies_are_retried_then_exit_75_and_nothing_
         assert cli.main(["run", "--pvc", s3_pvc]) == 0
         log = "".join(store_of(s3_pvc).read(f"log.jsonl.d/{n}", 1 << 20).decode()
                       for n in store_of(s3_pvc).list("log.jsonl.d"))
-        assert '"event":"resumed","detail":"from_step=4"' in log, log
+        # From step 4, or from step 6 when its write, already under way beside step 4's publish on
+        # a loaded machine, landed before the stall (seen once in CI): never from scratch.
+        assert re.search(r'"event":"resumed","detail":"from_step=[46]"', log), log
     finally:
         proxy.close()
 
