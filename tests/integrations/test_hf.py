@@ -36,6 +36,17 @@ SEED = int(os.environ.get("TRAINJOB_KILL_SEED", random.randrange(10 ** 6)))  # p
 STEPS = 36  # 192 sentences, batches of 8, 2 micro-batches a step, 3 epochs
 
 
+def variant(script: Path, *changes: tuple[str, str]) -> Path:
+    """The example with each ``(old, new)`` made, written to ``script``; each ``old`` must be in it
+    (an example edited without its test would otherwise test the example unchanged)."""
+    source = EXAMPLE.read_text()
+    for old, new in changes:
+        assert old in source, old
+        source = source.replace(old, new)
+    script.write_text(source)
+    return script
+
+
 # --- fast: the code ------------------------------------------------------------------------------------
 
 def _imported(path: Path) -> list[tuple[str, bool]]:
@@ -215,11 +226,8 @@ def test_sigterm_saves_the_step_logs_killed_exits_75_and_the_relaunch_completes(
 def test_a_gate_that_refuses_is_drift_failed_exit_1_and_publishes_nothing(tmp_path):
     """One launch of the example whose frozen baseline is perfect."""
     _needs_transformers()
-    script = tmp_path / "hf_strict.py"
-    source = EXAMPLE.read_text()
-    assert "trainjob.Score(correct=repeat, total=total)" in source
-    script.write_text(source.replace("trainjob.Score(correct=repeat, total=total)",
-                                     "trainjob.Score(correct=total, total=total)"))
+    script = variant(tmp_path / "hf_strict.py", ("trainjob.Score(correct=repeat, total=total)",
+                                                 "trainjob.Score(correct=total, total=total)"))
     code, _, err = finish(tmp_path / "pvc", script=script)
     assert code == 1, err[-2000:]
     assert events(tmp_path / "pvc")[-1]["event"] == "drift_failed"
@@ -288,10 +296,7 @@ def test_prove_finds_the_example_proven_at_two_ranks_under_trainjob_torchrun(cap
 def test_a_trainer_trainjob_cannot_resume_exactly_is_refused_exit_2_before_the_pvc_holds_anything(tmp_path):
     """One launch: ``ignore_data_skip=True`` would resume on other batches; one line names it."""
     _needs_transformers()
-    script = tmp_path / "hf_noskip.py"
-    source = EXAMPLE.read_text()
-    assert 'report_to="none",' in source
-    script.write_text(source.replace('report_to="none",', 'report_to="none", ignore_data_skip=True,'))
+    script = variant(tmp_path / "hf_noskip.py", ('report_to="none",', 'report_to="none", ignore_data_skip=True,'))
     code, _, err = finish(tmp_path / "pvc", script=script)
     assert code == 2, err[-2000:]
     assert "ignore_data_skip" in err.strip().splitlines()[-1]
@@ -304,12 +309,9 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     """One launch of the example gated by ``hf.metric("eval_loss", ...)`` on its holdout set: the
     trained loss (about 2.1) against a uniform guess's, ln 32 (lower is better)."""
     _needs_transformers()
-    script = tmp_path / "hf_metric.py"
-    source = EXAMPLE.read_text()
-    for old in ("train_dataset=train)", "gate=next_token_accuracy)"):
-        assert old in source
-    script.write_text(source.replace("train_dataset=train)", "train_dataset=train, eval_dataset=holdout)").replace(
-        "gate=next_token_accuracy)", "gate=hf.metric('eval_loss', baseline=3.4657, higher_is_better=False))"))
+    script = variant(tmp_path / "hf_metric.py",
+                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout)"),
+                     ("gate=next_token_accuracy)", "gate=hf.metric('eval_loss', baseline=3.4657, higher_is_better=False))"))
     code, _, err = finish(tmp_path / "pvc", script=script)
     assert code == 0, err[-2000:]
     last = events(tmp_path / "pvc")[-1]
