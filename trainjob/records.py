@@ -92,7 +92,11 @@ class CheckpointPointer:
 
 # --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
 
-MANIFEST_SCHEMA = 1
+# 2: every shard is hashed in parts (its header, each slice), so a rank verifies what it reads
+# without hashing whole shards (docs/checkpoints.md). 1: each shard's sha256 is its whole file's;
+# still read, never written.
+MANIFEST_SCHEMA = 2
+MANIFEST_SCHEMAS = (1, 2)
 # The safetensors dtypes trainjob can load into numpy, each with its numpy dtype (little-endian,
 # as safetensors stores them; "bfloat16" is the numpy dtype ml_dtypes registers, which
 # checkpoint/shards.py imports). A manifest claiming any other is an input error, not a crash at
@@ -145,6 +149,8 @@ class TensorSlice:
     # the digest of the whole entry as this rank held it, which rank 0 compared with every other
     # rank's before the commit. None (omitted) otherwise.
     digest: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(DIGEST_HEX)))
+    # (schema 2) The sha256 of this slice's bytes in its shard file.
+    sha256: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(SHA256_HEX)))
 
     @property
     def rows(self) -> slice:
@@ -166,6 +172,11 @@ class TensorSlice:
 class ShardEntry:
     """One shard file: who wrote it, its exact size and sha256 (hashed while written), its contents.
 
+    Schema 2: the file is hashed in parts, ``header`` bytes (the safetensors header, its length
+    included) hashing to ``header_sha256``, then each of ``holds`` in name order, back to back,
+    hashing to its ``sha256``; ``sha256`` is then the root (``storage.digest.root``) of those
+    digests, header first. Schema 1: ``sha256`` is the whole file's, and the parts are absent.
+
     ``file`` is a plain name (``PLAIN_NAME``, never ``.`` or ``..``), checked here and again by
     ``plan.plain_name`` before use, and the loader opens it with O_NOFOLLOW.
     """
@@ -175,6 +186,8 @@ class ShardEntry:
     size: int = attrs.field(validator=v.ge(0))
     sha256: str = attrs.field(validator=v.matches_re(SHA256_HEX))
     holds: tuple[TensorSlice, ...] = attrs.field(converter=tuple)
+    header: int | None = attrs.field(default=None, validator=v.optional(v.ge(8)))
+    header_sha256: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(SHA256_HEX)))
 
 
 @attrs.frozen
@@ -185,7 +198,7 @@ class Manifest:
     wrote this checkpoint, and None when training did.
     """
 
-    schema: int = attrs.field(validator=v.in_((MANIFEST_SCHEMA,)))
+    schema: int = attrs.field(validator=v.in_(MANIFEST_SCHEMAS))
     step: int = attrs.field(validator=v.ge(0))
     attempt: int = attrs.field(validator=v.ge(1))
     world_size: int = attrs.field(validator=v.ge(1))
@@ -222,6 +235,21 @@ class RankNote:
     rank: int = attrs.field(validator=v.ge(0))
     step: int = attrs.field(validator=v.ge(0))
     signal: str = ""
+
+
+@attrs.frozen
+class Candidate:
+    """A checkpoint rank 0 asks every rank to verify its share of before it resumes from it
+    (the store's ``verify`` key: ranks/store.py's verdict round). ``nonce`` names the rank 0
+    process asking, ``round`` the candidate, from newest; ``lend``: read into the live state's
+    own arrays (rank 0 does, when a resume is due)."""
+
+    nonce: str = attrs.field(validator=v.matches_re(r"[0-9a-f]{32}"))
+    round: int = attrs.field(validator=v.ge(1))
+    world_size: int = attrs.field(validator=v.ge(1))
+    checkpoint: str = attrs.field(validator=v.matches_re(PLAIN_NAME))
+    manifest_sha256: str | None = attrs.field(validator=v.optional(v.matches_re(SHA256_HEX)))
+    lend: bool
 
 
 @attrs.frozen
@@ -326,12 +354,15 @@ converter.register_unstructure_hook(
 converter.register_unstructure_hook(
     TensorSlice, make_dict_unstructure_fn(TensorSlice, converter, _cattrs_omit_if_default=True)
 )
+converter.register_unstructure_hook(  # a schema-1 receipt or manifest keeps its bytes
+    ShardEntry, make_dict_unstructure_fn(ShardEntry, converter, _cattrs_omit_if_default=True)
+)
 
 
 def _strict(kind: type, accepts: tuple[type, ...]) -> None:
     def structure(value: Any, _type: type) -> Any:
         # bool is an int subclass in Python; JSON's true is never a number here.
-        if isinstance(value, bool) or not isinstance(value, accepts):
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, accepts):
             raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
         return kind(value)
 
@@ -341,6 +372,7 @@ def _strict(kind: type, accepts: tuple[type, ...]) -> None:
 _strict(int, (int,))
 _strict(float, (int, float))
 _strict(str, (str,))
+_strict(bool, (bool,))
 
 
 def _describe(exc: BaseException, _type: Any) -> str:

@@ -164,31 +164,71 @@ def write_sharded(pvc_root, whole: dict[str, np.ndarray], world: int, shard_dim:
     return store, ref, specs
 
 
-def test_a_sharded_checkpoint_loads_into_another_sharding_reading_only_the_shards_that_overlap(tmp_path, monkeypatch):
+@pytest.fixture
+def traced_reads(monkeypatch):
+    """Bytes read from each shard file, by name, counted where every read of a local shard goes
+    (front to back and by offset)."""
+    read: dict[str, int] = {}
+    File = checkpoints.shards._File
+    for method in ("readinto", "read_at"):
+        real = getattr(File, method)
+
+        def counted(self, view, *at, real=real):
+            n = real(self, view, *at)
+            read[self.name] = read.get(self.name, 0) + n
+            return n
+        monkeypatch.setattr(File, method, counted)
+    return read
+
+
+def test_a_sharded_checkpoint_loads_into_another_sharding_reading_only_the_slices_that_overlap(tmp_path, traced_reads):
     whole = {"w": np.arange(33 * 4, dtype=np.float32).reshape(33, 4), "v": np.arange(6.0).reshape(2, 3),
              "step": np.array([7.0])}
     store, ref, specs = write_sharded(tmp_path / "pvc", whole, 4, {"w": 0, "v": 1})
     manifest, _ = store.read_manifest(ref)
     assert [h.offsets for h in manifest.shards[1].holds if h.name == "v"] == [(0, 1)]  # Shard(1): offsets kept
     assert store.verify(ref).reason is None  # `trainjob verify`'s check passes on it
-    opened = []
-    real = checkpoints.shards.read_verified
-    monkeypatch.setattr(checkpoints.shards, "read_verified", lambda path, *a, **k: opened.append(path.name) or real(path, *a, **k))
     for rank, (lo, hi) in enumerate([(0, 11), (11, 22), (22, 33)]):  # 4 -> 3 ranks, Shard(0) everywhere
-        opened.clear()
         wanted = {"w": ((lo, 0), (hi - lo, 4)), "v": ((0, 0), (2, 3)), "step": ((0,), (1,))}
         loaded = store.load_local(ref, specs, wanted, rank)
         assert np.array_equal(loaded.tensors["w"], whole["w"][lo:hi])
         assert np.array_equal(loaded.tensors["v"], whole["v"]) and loaded.tensors["step"][0] == 7.0
-        # 9 rows a shard (33 = 9+9+9+6): rank 1's rows 11..21 are in shards 1 and 2 only, but v's
-        # columns are in shards 0..2 and the replicated step in every one: no shard is skipped here.
-        assert set(opened) <= {f.file for f in manifest.shards}
     store2, ref2, specs2 = write_sharded(tmp_path / "pvc2", {"w": whole["w"]}, 4, {"w": 0})
-    opened.clear()
+    m2, _ = store2.read_manifest(ref2)
+    traced_reads.clear()
     loaded = store2.load_local(ref2, specs2, {"w": ((11, 0), (10, 4))}, 9)  # rows 11..20: shards 1 and 2 (a rank 9 of no shard)
     assert np.array_equal(loaded.tensors["w"], whole["w"][11:21])
-    assert sorted(opened) == ["shard-00000-of-00004.safetensors", "shard-00001-of-00004.safetensors",
-                              "shard-00002-of-00004.safetensors"]  # 0 only for the plain values, 3 never
+    # Rank 0's header (the plain values) and the two slices that overlap rows 11..20 (9 rows of
+    # 16 bytes each), every byte read once; nothing else of any file, shard 3 never.
+    assert traced_reads == {m2.shards[0].file: m2.shards[0].header, m2.shards[1].file: 9 * 16,
+                            m2.shards[2].file: 9 * 16}
+
+
+def test_a_rank_resuming_at_its_own_sharding_reads_its_own_shard_rank_0s_header_and_the_small_entries(tmp_path, traced_reads):
+    """The resume at scale: with the sharding that wrote it, rank r reads its own shard whole and
+    of rank 0's only the header and the small plain entries (written whole there): about 1/W of
+    the checkpoint, never another rank's shard."""
+    world = 4
+    whole = {"w": np.arange(64 * 256, dtype=np.float32).reshape(64, 256), "step": np.array([7.0]),
+             "bias": np.arange(5.0, dtype=np.float32)}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, world, {"w": 0})
+    manifest, _ = store.read_manifest(ref)
+    small = [h for h in manifest.shards[0].holds if h.name in ("step", "bias")]
+    assert [h.shape[0] for h in small] == [5, 1]  # written whole by rank 0...
+    assert all(h.shape[0] == 0 for s in manifest.shards[1:] for h in s.holds if h.name in ("step", "bias"))  # ...only
+    for rank in range(world):
+        traced_reads.clear()
+        rows = (rank * 16, 16)
+        loaded = store.load_local(ref, specs, {"w": ((rows[0], 0), (16, 256)), "step": ((0,), (1,)),
+                                               "bias": ((0,), (5,))}, rank)
+        assert np.array_equal(loaded.tensors["w"], whole["w"][rank * 16:rank * 16 + 16])
+        assert loaded.tensors["step"][0] == 7.0 and np.array_equal(loaded.tensors["bias"], whole["bias"])
+        mine = manifest.shards[rank]
+        expect = {mine.file: mine.size}
+        if rank:
+            expect[manifest.shards[0].file] = manifest.shards[0].header + sum(checkpoints.plan.slice_bytes(h) for h in small)
+        assert traced_reads == expect
+        assert sum(traced_reads.values()) <= sum(s.size for s in manifest.shards) * 1.25 / world + (1 << 20)
 
 
 def test_a_sharded_load_refuses_another_shape_before_reading_and_a_flipped_byte_of_a_shard_it_reads(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ shared machine: splitting it would pay the first launches twice.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import subprocess
@@ -161,3 +162,48 @@ def test_a_rank_killed_inside_the_forward_ends_the_launch_75_naming_it_and_a_rel
     assert newest_step(pvc) == 8
     code, err = run(pvc)
     assert code == 0, err[-2000:]
+
+
+@pytest.mark.acceptance
+def test_at_four_ranks_a_flipped_byte_in_any_shard_is_refused_by_all_and_each_rank_reads_about_its_share(tmp_path):
+    """Issue 45's check. Each rank verifies only its share of a checkpoint (rank 0 included), so
+    a byte flipped in shard 3, which only rank 3 reads, must still make every rank refuse that
+    checkpoint (rank 3 says so in the verdict round; rank 0 sets it aside and resumes from the
+    one before). Then, traced at the one place shard reads go through, every rank of a W=4
+    resume reads at most 1.25/W of the checkpoint plus 1 MiB. Slow: four launches of four ranks."""
+    pvc = tmp_path / "pvc"
+    first = torchrun(pvc, 4)
+    assert kill_when(first, lambda: newest_step(pvc) >= 8), "the launch ended first"
+    first.communicate(timeout=60)
+    newest = max((pvc / "checkpoints").glob("step-*"))
+    shard = newest / "shard-00003-of-00004.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x01  # in the last tensor's bytes, far from the header
+    shard.write_bytes(bytes(data))
+    second = torchrun(pvc, 4)
+    previous = newest_step(pvc)
+    assert kill_when(second, lambda: newest_step(pvc) > previous + 4), "the launch ended first"
+    second.communicate(timeout=60)
+    log = (pvc / "log.jsonl").read_text()
+    assert (pvc / "checkpoints" / f"rejected-{newest.name}").is_dir()
+    rejected = [line for line in log.splitlines() if '"checkpoint_rejected"' in line]
+    assert len(rejected) == 1 and "rank 3: " in rejected[0] and "shard-00003-of-00004" in rejected[0], rejected
+    resumed = [line for line in log.splitlines() if '"resumed"' in line]
+    assert len(resumed) == 1 and f"from_step={int(newest.name[5:13]) - 4}" in resumed[0], resumed
+
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    chosen = max(p for p in (pvc / "checkpoints").glob("step-*"))
+    total = sum(p.stat().st_size for p in chosen.glob("shard-*"))
+    proc = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "4",
+                           "--monitor-interval", "0.1", str(ROOT / "tests/helpers/traced_reads.py"), str(trace),
+                           str(EXAMPLE), "--pvc", str(pvc)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reads = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in trace.glob("rank-*.json")}
+    assert sorted(reads) == [0, 1, 2, 3]
+    for rank, files in reads.items():
+        assert set(files) <= {p.name for p in chosen.glob("shard-*")}, files
+        assert sum(files.values()) <= total * 1.25 / 4 + (1 << 20), (rank, files, total)
+        assert f"shard-{rank:05d}-of-00004.safetensors" in files  # its own, whole: every byte is someone's
+    verified = trainjob("verify", "--pvc", str(pvc))
+    assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout

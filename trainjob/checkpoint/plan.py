@@ -24,6 +24,11 @@ import attrs
 from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, ShardEntry, TensorSlice, TensorSpec
 
 MANIFEST = "manifest.json"
+# In a sharded state (some DTensor), a plain tensor up to this size (an optimizer's step counter,
+# a norm's buffer) is written whole by rank 0: every rank reads all of it on a resume anyway, and
+# so finds every such entry in one place (rank 0's shard, whose header it reads for the plain
+# values) instead of opening every other rank's shard for a few bytes.
+SMALL_BYTES = 64 << 10
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
 _NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
 
@@ -99,12 +104,16 @@ def rank_holds(tensors: Sequence[TensorSpec], world_size: int, rank: int,
 
     ``sources``: tensors every rank holds but whose copies may differ (DDP's buffers), by name,
     with the one rank whose copy the checkpoint keeps: that rank writes it whole and every other
-    an empty slice, so no checkpoint holds rows of one rank's copy beside another's."""
+    an empty slice, so no checkpoint holds rows of one rank's copy beside another's. When
+    ``local`` holds some DTensor, a plain tensor of at most ``SMALL_BYTES`` is written whole by
+    rank 0 the same way."""
     out = []
     for t in tensors:
         box = (local or {}).get(t.name) or Local(origin=(0,) * len(t.shape), shape=t.shape, replica=rank,
                                                  replicas=world_size)
         source = (sources or {}).get(t.name)
+        if source is None and local and t.name not in local and DTYPE_BYTES[t.dtype] * math.prod(t.shape) <= SMALL_BYTES:
+            source = 0
         if source is not None and t.name not in (local or {}):
             rows = t.shape[0] if rank == source else 0
             out.append(TensorSlice(name=t.name, dtype=t.dtype, shape=(rows, *t.shape[1:]), start=0))
@@ -258,7 +267,26 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     for shard in m.shards:
         if (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
             problems.append(f"rank {shard.rank}'s tensors need {claimed} bytes, more than its {shard.size}-byte file")
+        parted = [shard.header is not None, shard.header_sha256 is not None, *(h.sha256 is not None for h in shard.holds)]
+        if m.schema >= 2 and not all(parted):
+            problems.append(f"rank {shard.rank}'s shard lacks the part digests schema {m.schema} has")
+        elif m.schema < 2 and any(parted):
+            problems.append(f"rank {shard.rank}'s shard has part digests, which schema {m.schema} has not")
+        elif m.schema >= 2 and shard.header is not None and shard.header + claimed != shard.size:
+            problems.append(f"rank {shard.rank}'s header ({shard.header} bytes) and tensors ({claimed}) are not "
+                            f"its {shard.size}-byte file")
     return problems
+
+
+def parts(shard: ShardEntry) -> list[tuple[TensorSlice, int]]:
+    """(schema 2) Each slice of a shard with its byte offset in the file: after the header, in
+    name order, back to back, as ``shards.encode`` writes them."""
+    assert shard.header is not None
+    out, at = [], shard.header
+    for h in sorted(shard.holds, key=lambda h: h.name):
+        out.append((h, at))
+        at += slice_bytes(h)
+    return out
 
 
 def slice_bytes(s: TensorSlice) -> int:

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import InputError, TryAgainLater, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
-from ..records import TensorSlice, TensorSpec
+from ..records import ShardEntry, TensorSlice, TensorSpec
 from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
@@ -47,11 +47,23 @@ def encode(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> It
     Layout as the reference implementation writes it: tensors in name order (all of one dtype in
     trainjob's shards), offsets back to back, header JSON padded with spaces to 8 bytes.
     """
+    return encode_parts(tensors, metadata)[1]
+
+
+def encode_parts(tensors: Mapping[str, np.ndarray],
+                 metadata: Mapping[str, str]) -> tuple[list[int], Iterator[bytes | memoryview]]:
+    """``encode``'s stream, and the byte length of each of its parts (the header, its length
+    included, then each tensor in name order): what a shard's digests are taken over."""
     # np.asarray(order="C"), not ascontiguousarray: that gives a 0-d array an axis
     arrays = {name: np.asarray(a, dtype=np_dtype(dtype_code(a)), order="C") for name, a in sorted(tensors.items())}
-    yield _header([(name, dtype_code(a), a.shape) for name, a in arrays.items()], metadata)
-    for a in arrays.values():
-        yield from _chunks(a)
+    head = _header([(name, dtype_code(a), a.shape) for name, a in arrays.items()], metadata)
+
+    def stream() -> Iterator[bytes | memoryview]:
+        yield head
+        for a in arrays.values():
+            yield from _chunks(a)
+
+    return [len(head), *(a.nbytes for a in arrays.values())], stream()
 
 
 def encode_lazy(specs: Sequence[TensorSpec], produce: Callable[[str], np.ndarray],
@@ -100,6 +112,9 @@ class _File:
 
     def readinto(self, view: memoryview) -> int:
         return os.readv(self.fd, [view])
+
+    def read_at(self, view: memoryview, offset: int) -> int:
+        return os.preadv(self.fd, [view], offset)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -226,7 +241,8 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
 
 def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
-                  metadata: dict[str, str] | None = None) -> str | None:
+                  metadata: dict[str, str] | None = None,
+                  parts: Sequence[tuple[str, int, str]] | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
     every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
     header says exactly what ``holds`` says, else the reason.
@@ -237,13 +253,14 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
     to a list of ``(index into the hold, destination view)`` is read through a bounded buffer
     and only those parts copied (a load by offsets: a rank takes the parts of another sharding's
     slices that overlap its own). The header is parsed here as data (JSON, size-capped),
-    following the safetensors format; nothing in the file can run code.
+    following the safetensors format; nothing in the file can run code. ``parts`` (a schema-2
+    shard: ``shard_parts``): the file is hashed in those parts and ``sha256`` is their root.
     """
     src, reason = _open(path, size)
     if reason:
         return reason
     try:
-        digest = Sha256Pipe()
+        digest = Sha256Pipe(parts=None if parts is None else [n for _, n, _ in parts])
         total = src.size
         head = bytearray(8)
         if _read_exact(src, memoryview(head), digest) != 8:
@@ -288,12 +305,97 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
                 break
         if src.readinto(memoryview(bytearray(1))):
             seen += 1  # grew while being read
-        return _size_and_hash(path, seen, total if size is None else size, digest,
-                              sha256 if sha256 is not None else digest.hexdigest())
+        reason = _size_and_hash(path, seen, total if size is None else size, digest,
+                                sha256 if sha256 is not None else digest.hexdigest())
+        if reason and parts is not None and seen == (total if size is None else size):
+            wrong = next((label for (label, _, want), got in zip(parts, digest.parts()) if got != want), None)
+            reason = f"{path.name}: {wrong or 'its part digests'}: sha256 differs from the manifest's"
+        return reason
     except TryAgainLater:
         raise
     except OSError as exc:
         return f"{path.name}: read failed ({exc.strerror})"
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        src.close()
+
+
+def shard_parts(shard: ShardEntry) -> list[tuple[str, int, str]] | None:
+    """(schema 2) A shard's parts as ``read_verified`` takes them: (what, bytes, sha256), the
+    header first, then each slice in file (name) order; None for a schema-1 shard."""
+    if shard.header is None or shard.header_sha256 is None:
+        return None
+    return [("its header", shard.header, shard.header_sha256),
+            *((f"tensor {h.name}", slice_nbytes(h), h.sha256 or "") for h in sorted(shard.holds, key=lambda h: h.name))]
+
+
+def slice_nbytes(h: TensorSlice | TensorSpec) -> int:
+    return np_dtype(h.dtype).itemsize * math.prod(h.shape)
+
+
+class _Window:
+    """``size`` bytes of ``src`` from ``offset``, as a ``ByteSource`` read front to back (by
+    positional reads: several windows of one open file, in any order)."""
+
+    def __init__(self, src: Any, offset: int, size: int) -> None:
+        self.src, self.name, self.at, self.left, self.size = src, src.name, offset, size, size
+
+    def readinto(self, view: memoryview) -> int:
+        n = self.src.read_at(view[:self.left], self.at) if self.left else 0
+        self.at, self.left = self.at + n, self.left - n
+        return n
+
+
+def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, Any],
+               metadata: dict[str, str] | None = None) -> str | None:
+    """(schema 2) Read only the slices of ``shard`` that ``dest`` names (as ``read_verified``
+    takes them: an array, or pieces), by offset, each hashed and checked against its digest in
+    the manifest; with ``metadata``, the header too (checked against ``header_sha256``, then
+    its metadata handed out). Nothing else of the file is read; None, or the reason."""
+    src, reason = _open(path, shard.size)
+    if reason:
+        return reason
+    try:
+        if metadata is not None:
+            assert shard.header is not None
+            head = bytearray(shard.header)
+            digest = Sha256Pipe()
+            if _read_exact(_Window(src, 0, shard.header), memoryview(head), digest) != shard.header:
+                return f"{shard.file}: changed size while being read"
+            if digest.hexdigest() != shard.header_sha256:
+                return f"{shard.file}: its header: sha256 differs from the manifest's"
+            n = int.from_bytes(head[:8], "little")
+            try:
+                header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+            except (ValueError, RecursionError):
+                return f"{shard.file}: not a valid safetensors file (its header)"
+            metadata.update(_metadata(shard.file, header))
+        at = shard.header or 0
+        for h in sorted(shard.holds, key=lambda h: h.name):
+            nbytes, out = slice_nbytes(h), dest.get(h.name)
+            window = _Window(src, at, nbytes)
+            at += nbytes
+            if out is None and h.name not in dest:
+                continue
+            digest = Sha256Pipe()
+            if out is None:
+                got = _skim(window, nbytes, digest)
+            elif isinstance(out, list):
+                got = _scatter(window, h, out, digest)
+            else:
+                if out.dtype != np_dtype(h.dtype) or out.shape != tuple(h.shape) or not out.flags.c_contiguous:
+                    raise ValueError(f"{shard.file}: nowhere to put tensor {h.name}")  # a caller's bug
+                got = _read_exact(window, byte_view(out), digest)
+            if got != nbytes:
+                return f"{shard.file}: changed size while being read"
+            if digest.hexdigest() != h.sha256:
+                return f"{shard.file}: tensor {h.name}: sha256 differs from the manifest's"
+        return None
+    except TryAgainLater:
+        raise
+    except OSError as exc:
+        return f"{shard.file}: read failed ({exc.strerror})"
     except ValueError as exc:
         return str(exc)
     finally:

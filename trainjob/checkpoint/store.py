@@ -199,7 +199,8 @@ class CheckpointStore:
             rows = None if into is None else {h.name: _place(into[h.name][h.box], h) for h in shard.holds}
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
             with self.backend.reading(self.rel(directory / shard.file)) as path:
-                return shards.read_verified(path, shard.holds, rows, shard.size, shard.sha256, meta)
+                return shards.read_verified(path, shard.holds, rows, shard.size, shard.sha256, meta,
+                                            shards.shard_parts(shard))
 
         if len(manifest.shards) == 1:
             reasons = [check(manifest.shards[0])]
@@ -284,15 +285,23 @@ class CheckpointStore:
                 (_, out), hold = pieces[0], next(h for h in by_rank[r].holds if h.name == name)
                 if len(pieces) == 1 and out.shape == tuple(hold.shape) and out.flags.c_contiguous:
                     wants[name] = out
-        reading = (list(range(manifest.world_size)) if verify_all
-                   else sorted({*targets, 0, *((rank,) if rank < manifest.world_size else ())}))
+        own = {rank} if rank < manifest.world_size else set()
+        whole = set(range(manifest.world_size)) if verify_all else own if manifest.schema >= 2 else None
+        reading = sorted(set(range(manifest.world_size)) if verify_all else {*targets, 0, *own})
         directory, metadata = self.path(ref), {}
 
         def check(r: int) -> str | None:
+            # Schema 2: this rank's own shard is read whole (so every byte of a checkpoint is
+            # checked by the rank that wrote it, whatever the others need), from any other only
+            # the slices it needs (and rank 0's header, for the plain values), each checked
+            # against its own digest. Schema 1 has no part digests: a shard is hashed whole.
             shard = by_rank[r]
             with self.backend.reading(self.rel(directory / shard.file)) as path:
+                if whole is not None and r not in whole:
+                    return shards.read_parts(path, shard, targets.get(r, {}), metadata.setdefault(r, {}) if r == 0
+                                             else None)
                 return shards.read_verified(path, shard.holds, targets.get(r, {}), shard.size, shard.sha256,
-                                            metadata.setdefault(r, {}))
+                                            metadata.setdefault(r, {}), shards.shard_parts(shard))
 
         for r in reading:
             metadata.setdefault(r, {})
@@ -357,8 +366,12 @@ class ShardWriter(CheckpointStore):
         calls ``settle`` before it says the shard is durable (its transport's ``deliver``)."""
         name = plan.shard_file(rank, world_size)
         meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
-        written = self.backend.write_part(self.rel(staging / name), shards.encode(mine, meta), sync=not fsync_later)
-        return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256, holds=holds)
+        sizes, stream = shards.encode_parts(mine, meta)
+        written = self.backend.write_part(self.rel(staging / name), stream, sync=not fsync_later, parts=sizes)
+        digests = dict(zip(sorted(mine), written.parts[1:]))  # in the file's order, after the header
+        return ShardEntry(rank=rank, file=name, size=written.size, sha256=written.sha256,
+                          holds=tuple(attrs.evolve(h, sha256=digests[h.name]) for h in holds),
+                          header=sizes[0], header_sha256=written.parts[0])
 
     def settle(self) -> None:
         """(a rank that wrote with ``fsync_later`` and commits nothing) Wait until what it wrote

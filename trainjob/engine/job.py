@@ -186,17 +186,32 @@ class Job(MachineModel, AsyncCheckpoints):
 
         def verify(ref: Ref) -> str | None:
             expect = pointer.manifest_sha256 if ref == named else None
-            if host is not None:  # sharded: every shard hashed, only this rank's part read, in one pass
+            if host is None:
+                verdicts[ref] = self.store.verify(ref, expect, load=True, into=into)
+                return verdicts[ref].reason
+            # Sharded: this rank's part read by offsets. Through a verdict round every rank
+            # verifies its own share (ranks/store.py); without one, rank 0 hashes every shard
+            # in the same pass, since it picks the checkpoint for every rank.
+            shared = (self.peers is not None and self.peers.shares_verification and not self.peers.solo
+                      and ref.world_size == self.cfg.world_size)
+
+            def mine() -> str | None:
                 try:
                     sharded[ref] = self.store.load_local(ref, host.specs, host.wanted(), 0, expect, into,
-                                                         verify_all=True)
+                                                         verify_all=not shared)
                 except StateMismatch:
                     raise  # another model's checkpoint is not damage: refused, nothing set aside
                 except InputError as exc:
                     return str(exc)
                 return None
-            verdicts[ref] = self.store.verify(ref, expect, load=True, into=into)
-            return verdicts[ref].reason
+
+            if not shared:
+                return mine()
+            verdict = self.peers.verify_round(ref.name, expect, into is not None, mine)
+            bad = [why if r == 0 else f"rank {r}: {why}" for r, why in verdict if why]
+            if bad:
+                sharded.pop(ref, None)
+            return "; ".join(bad) if bad else None
 
         pick = plan.pick_resume(refs, attempt, self.cfg.world_size, verify)
         rejected = list(pick.rejected)

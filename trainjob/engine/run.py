@@ -81,13 +81,13 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, PeerFailed, ReplicasDisagree, Superseded, TrainJobError, TryAgainLater, UsageError,
-                      memory_errors, one_line, os_errors)
+from ..errors import (InputError, PeerFailed, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
+                      TryAgainLater, UsageError, memory_errors, one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
-from ..records import Score, Session
+from ..records import Candidate, Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
 from ..storage.backend import Url, as_location
@@ -284,23 +284,45 @@ class Run:
             self._writer = ShardWriter(pvc)
         peers, writer = self._peers, self._writer
         assert writer is not None
-        self._session = session = peers.join(cfg.settings(self.data_sha256), self._skip)
+        initial = self._host.snapshot(self.stateful.state_dict(), 0)
+        verified: list[Loaded] = []  # this rank's share of the last checkpoint it verified for rank 0
+
+        def verify(candidate: Candidate) -> str | None:
+            """Rank 0's verdict round (a sharded state): read and verify this rank's share."""
+            verified.clear()
+            ref = Ref.parse(candidate.checkpoint)
+            assert ref is not None and self._host.specs is not None
+            try:
+                with memory_errors(f"verifying {candidate.checkpoint}"):
+                    verified.append(writer.load_local(ref, self._host.specs, self._host.wanted(), self.rank,
+                                                      candidate.manifest_sha256, initial if candidate.lend else None))
+            except StateMismatch:
+                raise  # another model's checkpoint is not damage: this rank ends as rank 0 does (2)
+            except InputError as exc:
+                return one_line(str(exc))
+            return None
+
+        self._session = session = peers.join(cfg.settings(self.data_sha256), self._skip,
+                                             verify if self._host.sharded else None)
         if not peers.begun():  # rank 0 ended the launch before it began: end as it did
             self.final = peers.read_outcome().state
             return
-        initial = self._host.snapshot(self.stateful.state_dict(), 0)
         # Rank 0 began this generation, so it cannot commit (nor rotate this checkpoint away)
         # before this rank's first shard: a checkpoint that fails here really is damaged.
         if session.checkpoint:
             with memory_errors(f"loading {session.checkpoint}"):
                 ref = Ref.parse(session.checkpoint)
                 assert ref is not None and self._host.specs is not None
-                loaded = (writer.load_local(ref, self._host.specs, self._host.wanted(), self.rank,
-                                            session.manifest_sha256, initial) if self._host.sharded
-                          else writer.load(ref, session.manifest_sha256, into=initial))
+                if verified and (verified[0].ref, verified[0].manifest_sha256) == (ref, session.manifest_sha256):
+                    loaded = verified.pop()  # read and verified in rank 0's verdict round
+                elif self._host.sharded:
+                    loaded = writer.load_local(ref, self._host.specs, self._host.wanted(), self.rank,
+                                               session.manifest_sha256, initial)
+                else:
+                    loaded = writer.load(ref, session.manifest_sha256, into=initial)
                 resume_into(self.stateful, self._host, loaded, session.checkpoint, self.rank)
             del loaded
-        del initial
+        del initial, verified
         if cfg.async_checkpoint:
             self._saver = BackgroundSaver[int](ASYNC_WRITE_TIMEOUT)
             self._saver.prepare(self.stateful.state_dict())  # the staging buffers, allocated before the loop

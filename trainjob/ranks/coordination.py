@@ -8,6 +8,8 @@ drives either without knowing which. Each method's docstring says who calls it a
 order a launch meets them:
 
     rank 0 (Coordinator)                 ranks >= 1 (Follower)
+    verify_round(candidate) per          (join answers each: this rank's share verified)
+      checkpoint tried (sharded state)
     publish(session)                     join(settings)        -> the session to follow
     wait_joined()                                                 (waits for begin, or the end)
     begin()
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..records import Outcome, Session, ShardEntry
+from ..records import Candidate, Outcome, Session, ShardEntry
 
 
 @runtime_checkable
@@ -59,8 +61,17 @@ class Coordination(Protocol):
 class Coordinator(Coordination, Protocol):
     """(rank 0) What only rank 0 does: it leads each launch (a generation) from start to end."""
 
+    shares_verification: bool  # whether verify_round can ask the other ranks (the store: yes)
+
+    def verify_round(self, checkpoint: str, manifest_sha256: str | None, lend: bool,
+                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]]:
+        """(rank 0, resuming a sharded state, before ``publish``; only if ``shares_verification``)
+        Ask every other rank to verify (and read) its share of ``checkpoint`` while this rank
+        does its own (``mine``); each rank's verdict, by rank (None: verified; else the reason).
+        PeerFailed when a rank could not say (it failed otherwise, and ends with its own code)."""
+
     def publish(self, session_for: Callable[[int], Session]) -> Session:
-        """(rank 0, under the job lock, once per launch, before any other call) Start a new
+        """(rank 0, under the job lock, once per launch, before any other call but ``verify_round``) Start a new
         generation with the session ``session_for(generation)``; older generations are dropped."""
 
     def wait_joined(self) -> bool:
@@ -97,9 +108,12 @@ class Coordinator(Coordination, Protocol):
 class Follower(Coordination, Protocol):
     """(ranks >= 1) What only the other ranks do: follow the launch rank 0 leads."""
 
-    def join(self, settings: str, skip: set[int]) -> Session:
+    def join(self, settings: str, skip: set[int],
+             verify: Callable[[Candidate], str | None] | None = None) -> Session:
         """(ranks >= 1, first) Join the newest launch with these ``settings`` (none in ``skip``)
-        and wait until rank 0 begins it or ends it unbegun; return its session."""
+        and wait until rank 0 begins it or ends it unbegun; return its session. Meanwhile, where
+        the transport shares verification, answer each of rank 0's ``verify_round`` with
+        ``verify(candidate)`` (None: this rank's share verified; else why not)."""
 
     def begun(self) -> bool:
         """(ranks >= 1, after join) Did rank 0 begin the joined launch? If not, it ended it

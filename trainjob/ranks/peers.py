@@ -39,7 +39,7 @@ from typing import TypeVar
 from ..errors import (InputError, PeerFailed, PeerRefused, RankTimeout, Superseded, TrainJobError, TryAgainLater,
                       os_errors)
 from ..storage.pvc import Pvc, atomic_write, make_dir
-from ..records import Outcome, RankNote, Session, ShardEntry, dumps
+from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps
 from ..exits import exit_code_for_state
 from .coordination import Follower
 
@@ -203,6 +203,12 @@ class PvcCoordinator(PvcPeers):
     def __init__(self, pvc: Pvc, world_size: int, timeout: float, stop_signal: Callable[[], str | None]):
         super().__init__(pvc, 0, world_size, timeout, stop_signal)
 
+    shares_verification = False  # rank 0 verifies every checkpoint whole itself (Job._discover)
+
+    def verify_round(self, checkpoint: str, manifest_sha256: str | None, lend: bool,
+                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]]:
+        raise NotImplementedError("the files transport does not share verification")
+
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, first) Start a new generation; older ones are removed."""
         last = self._read_session()
@@ -291,7 +297,7 @@ class PvcFollower(PvcPeers):
         """(ranks >= 1) How rank 0 ended the launch; None while it runs."""
         return self.pvc.read_record(self.gen_dir(generation) / "outcome.json", Outcome)
 
-    def join(self, settings: str, skip: set[int]) -> Session:
+    def join(self, settings: str, skip: set[int], verify: Callable[[Candidate], str | None] | None = None) -> Session:
         """(ranks >= 1, first) Wait for the newest generation this rank can join, join it, and wait
         until rank 0 begins it or ends it unbegun (a stop before every rank joined, or nothing to
         train)."""

@@ -16,9 +16,19 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/staged/8         rank 0 created the staging directory of step 8
     g00000003/receipt/8/1      rank 1's shard of step 8 is written: its ShardEntry (size, sha256)
     g00000003/durable/8/1      rank 1's shard of step 8 is durable (fsynced): rank 0 may commit
+    verify                     Candidate: a checkpoint rank 0 asks every rank to verify its share of
+    verify/NONCE/2/1           rank 1's verdict on rank 0's (process NONCE) 2nd candidate
     g00000003/outcome          Outcome: how rank 0 ended generation 3, with its exit code
     g00000003/outcome/read     how many other ranks have read it
     aborted, aborted/read      the same, when rank 0 ended on an error before publishing a session
+
+A resume of a sharded state (DTensors) is verified by every rank, each its own share, before
+any session exists: rank 0 sets ``verify`` to each checkpoint it tries, newest first, and every
+other rank, waiting to join, reads its share of it (``CheckpointStore.load_local``) and answers
+``ok``, ``refused:`` and why (the checkpoint is damaged: every rank refuses it, rank 0 sets it
+aside and tries the next), or ``failed:`` and why (the rank itself failed, and ends with its own
+code; rank 0 ends with PeerFailed, 75). So no rank reads or hashes more than its share, and rank
+0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md).
 
 Unlike the files, a stop is agreed in *rounds*: after every step every rank adds its vote to that
 step's round key and waits until all have (``stop_wanted``), so all learn in the same round that
@@ -44,6 +54,7 @@ import os
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +63,7 @@ from typing import Any, TypeVar
 from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
 from ..exits import EXIT_RELAUNCH, exit_code_for
-from ..records import Outcome, RankNote, Session, ShardEntry, dumps, load
+from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps, load
 from ..storage.pvc import Pvc
 from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
                     wait_for)
@@ -156,6 +167,8 @@ class StorePeers:
         self.longest_gap = 0.0  # the longest time between two of its votes: about a step of the slowest rank
         self.stopping = False  # a round said stop (or, before begin, this rank noted one)
         self.acked: set[str] = set()  # (ranks >= 1) the endings this rank has counted as read
+        self.answered: set[tuple[str, int]] = set()  # (ranks >= 1) the verdict rounds it answered
+        self._verify: Callable[[Candidate], str | None] | None = None
         self._waits_kv: Any = waits_kv  # ``await_keys``'s connection while no wait holds it; cloned when needed
 
     @property
@@ -329,11 +342,39 @@ class StoreCoordinator(StorePeers):
         super().__init__(kv, 0, world_size, timeout, stop_signal)
         self.files = PvcCoordinator(pvc, world_size, timeout, stop_signal)
         self.spent: list[str] = []  # the last checkpoint's keys, read and not dropped yet
+        self.nonce, self.verify_rounds = uuid.uuid4().hex, 0  # this process's verdict rounds
+
+    shares_verification = True
+
+    def verify_round(self, checkpoint: str, manifest_sha256: str | None, lend: bool,
+                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]]:
+        """(rank 0, before ``publish``) One verdict round (module docstring): ``mine`` runs while
+        the other ranks verify theirs."""
+        self.verify_rounds += 1
+        n = self.verify_rounds
+        self.set("verify", dumps(Candidate(nonce=self.nonce, round=n, world_size=self.world_size,
+                                           checkpoint=checkpoint, manifest_sha256=manifest_sha256, lend=lend)))
+        verdicts: list[tuple[int, str | None]] = [(0, mine())]
+        keys = {r: f"verify/{self.nonce}/{n}/{r}" for r in range(1, self.world_size)}
+        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
+                        f"verify their share of {checkpoint}", lambda: None)
+        with answering(f"reading the verdicts on {checkpoint}"):
+            values = [bytes(v).decode("utf-8", "replace") for v in self.kv.multi_get(list(keys.values()))]
+        self.drop(*keys.values())
+        for r, value in zip(keys, values):
+            kind, _, why = value.partition(":")
+            if kind == "failed":
+                raise PeerFailed(f"rank {r} failed verifying its share of {checkpoint} ({why}); nothing is "
+                                 "known to be wrong with the checkpoint: relaunch all ranks together")
+            verdicts.append((r, None if kind == "ok" else why))
+        return verdicts
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
-        """(rank 0, under the job lock, first) Allocate the generation on the PVC, then tell the
-        others through the store."""
+        """(rank 0, under the job lock, first but for ``verify_round``) Allocate the generation
+        on the PVC, then tell the others through the store."""
         session = self.files.publish(session_for)
+        if self.verify_rounds:  # the verdict rounds are over: no rank may take up a stale one
+            self.drop("verify")
         self.generation, self.step, self.rounds, self.stopping = session.generation, session.from_step, 0, False
         self.set("session", dumps(session))
         return session
@@ -454,11 +495,12 @@ class StoreFollower(StorePeers):
     def _session(self) -> Session | None:
         return self.read("session", Session) if self.has("session") else None
 
-    def join(self, settings: str, skip: set[int]) -> Session:
+    def join(self, settings: str, skip: set[int], verify: Callable[[Candidate], str | None] | None = None) -> Session:
         """(ranks >= 1, first) Join the launch rank 0 published in this store; wait until it
         begins or ends unbegun. A store that outlived a launch (not torchrun's) may still hold its
         session: one already begun or ended is not joined, as with the files."""
         seen: list[str] = []
+        self._verify = verify
         over = lambda g: self.has(self.key("outcome", g)) or self.begun(g)  # noqa: E731
         while True:
             session = wait_for(lambda: joinable(self._session(), skip, over, self.world_size, settings, seen),
@@ -480,6 +522,23 @@ class StoreFollower(StorePeers):
         session, or with a signal that came first."""
         raise_if_failed(self._read_ending("aborted"))
         stopped_before_joining(self.rank, self.stop_signal)
+        self._answer_verification()
+
+    def _answer_verification(self) -> None:
+        """(ranks >= 1, while joining) Answer rank 0's newest verdict round once (module docstring)."""
+        if self._verify is None or not self.has("verify"):
+            return
+        candidate = self.read("verify", Candidate)
+        if (candidate.nonce, candidate.round) in self.answered or candidate.world_size != self.world_size:
+            return
+        self.answered.add((candidate.nonce, candidate.round))
+        key = f"verify/{candidate.nonce}/{candidate.round}/{self.rank}"
+        try:
+            reason = self._verify(candidate)
+        except BaseException as exc:
+            self.set(key, f"failed:{type(exc).__name__}: {exc}"[:2000])
+            raise
+        self.set(key, "ok" if reason is None else f"refused:{reason}")
 
     def poll(self) -> None:
         """(ranks >= 1) Run during every wait: follow a newer launch, end with a failed rank 0, and

@@ -32,8 +32,8 @@ Data = bytes | Iterable[bytes | memoryview]
 
 
 class ByteSource(Protocol):
-    """A stored object read once, front to back (what ``reading`` yields on a store that has no
-    local file for it): ``size`` is -1 when the object is absent."""
+    """A stored object read front to back once, or by offsets (what ``reading`` yields on a
+    store that has no local file for it): ``size`` is -1 when the object is absent."""
 
     name: str
     size: int
@@ -41,15 +41,22 @@ class ByteSource(Protocol):
     def readinto(self, view: memoryview) -> int:
         """Fill the start of ``view``; the count, 0 at the end."""
 
+    def read_at(self, view: memoryview, offset: int) -> int:
+        """Fill the start of ``view`` from byte ``offset``, without moving where ``readinto``
+        reads (a slice read by offset); the count, 0 at the end."""
+
     def close(self) -> None: ...
 
 
 @attrs.frozen
 class Written:
-    """What a write put in storage: its size and sha256, computed from the bytes as written."""
+    """What a write put in storage: its size and sha256, computed from the bytes as written;
+    written in ``parts`` (``write_part``), the sha256 is their root and ``parts`` each one's
+    (storage/digest.py)."""
 
     size: int
     sha256: str
+    parts: tuple[str, ...] = ()
 
 
 SCHEME = "s3://"
@@ -146,9 +153,9 @@ class Backend(Protocol):
     def stage(self, final: str, staging: str) -> str:
         """The prefix a new tree's parts are written under, before ``publish`` makes ``final`` visible."""
 
-    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+    def write_part(self, key: str, data: Data, sync: bool = True, parts: list[int] | None = None) -> Written:
         """Write one part of a staged tree (no atomic step of its own: ``publish`` is that step).
-        ``sync=False``: the part need not be durable when this returns: this process publishes
+        ``parts``: hash the bytes in parts of these lengths (``Written.parts``). ``sync=False``: the part need not be durable when this returns: this process publishes
         the tree itself (``publish`` waits for it, beside its own durability points), or calls
         ``settle`` before it says the part is durable."""
 

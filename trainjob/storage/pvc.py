@@ -126,7 +126,7 @@ _WRITEBACK_MIN = 1 << 20  # small files are left to the one fsync
 
 
 def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync: bool = True,
-                   later: list[Future[None]] | None = None) -> Written:
+                   later: list[Future[None]] | None = None, parts: list[int] | None = None) -> Written:
     """Create or truncate ``path``, write ``data``, fsync (unless ``fsync`` is False); raises OSError.
     The bytes are hashed as written, never by reading the file back (on a helper thread, overlapped with the writes and
     the fsync: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
@@ -145,7 +145,7 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
     # Every chunk is a view of bytes nobody changes until this returns (a trainer's arrays during
     # a save, async's staging copy, a record's bytes), so the writer never waits for the hash: it
     # writes every chunk and fsyncs while the helper thread hashes behind it (digest.py).
-    digest, size = Sha256Pipe(buffers_kept=True), 0
+    digest, size = Sha256Pipe(buffers_kept=True, parts=parts), 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
@@ -165,7 +165,7 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
     finally:
         if fd >= 0:
             os.close(fd)
-    return Written(size=size, sha256=sha256)
+    return Written(size=size, sha256=sha256, parts=tuple(digest.parts()))
 
 
 def atomic_write(path: Path, data: bytes | Iterable[bytes | memoryview], durable: bool = True,
@@ -214,7 +214,7 @@ def _discard(path: Path) -> None:
 
 
 def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview],
-                 later: list[Future[None]] | None = None) -> Written:
+                 later: list[Future[None]] | None = None, parts: list[int] | None = None) -> Written:
     """Write a file inside a staging directory that ``commit_dir`` will publish: write -> fsync.
 
     No tmp name and no rename of its own: the staging directory is the tmp, and its rename in
@@ -227,7 +227,7 @@ def write_staged(path: Path, data: bytes | Iterable[bytes | memoryview],
     """
     with os_errors(path, "write failed"):
         try:
-            return _write_fsynced(path, data, later=later)
+            return _write_fsynced(path, data, later=later, parts=parts)
         except OSError:
             _discard(path)
             raise
@@ -604,9 +604,9 @@ class LocalBackend:
             make_dir(self.path(staging))
         return staging
 
-    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+    def write_part(self, key: str, data: Data, sync: bool = True, parts: list[int] | None = None) -> Written:
         later = None if sync else self._unsynced.setdefault(key.rpartition("/")[0], [])
-        return write_staged(self.path(key), data, later)
+        return write_staged(self.path(key), data, later, parts)
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
                 then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:

@@ -101,8 +101,20 @@ class _Ranged:
         self.size = -1 if size is None else size
         self._parts: queue.Queue[Any] = queue.Queue(maxsize=WINDOW)  # a window queued, the next in flight
         self._view, self._at, self._closed = memoryview(b""), 0, threading.Event()
-        if self.size > 0:
-            threading.Thread(target=self._fetch, args=(backend, key), name="trainjob-s3-get", daemon=True).start()
+        self._backend, self._key, self._started = backend, key, False
+
+    def read_at(self, view: memoryview, offset: int) -> int:
+        """Fill ``view`` from byte ``offset`` by one ranged GET (a slice of a shard, read by
+        offset: nothing else of the object is fetched); the count, short at the end."""
+        import obstore as obs
+
+        end = min(self.size, offset + len(view))
+        if end <= offset:
+            return 0
+        with _errors(self.where, "download failed"):
+            got = memoryview(obs.get_range(self._backend.store, self._key, start=offset, end=end))
+        view[:len(got)] = got
+        return len(got)
 
     def _fetch(self, backend: S3Backend, key: str) -> None:
         import obstore as obs
@@ -130,6 +142,10 @@ class _Ranged:
         return False
 
     def readinto(self, view: memoryview) -> int:
+        if not self._started and self.size > 0:  # read front to back: fetch ahead from here on
+            self._started = True
+            threading.Thread(target=self._fetch, args=(self._backend, self._key), name="trainjob-s3-get",
+                             daemon=True).start()
         if not self._view:
             if self._at >= self.size:
                 return 0
@@ -378,7 +394,7 @@ class S3Backend:
         # manifest: ``unpublished`` names it and the next start deletes it.
         return final
 
-    def write_part(self, key: str, data: Data, sync: bool = True) -> Written:
+    def write_part(self, key: str, data: Data, sync: bool = True, parts: list[int] | None = None) -> Written:
         """Upload, hashing each chunk as it goes (never by reading back): up to one PART in one
         PUT, anything larger in parallel parts. Every completed upload is durable: ``sync``
         changes nothing here.
@@ -389,7 +405,7 @@ class S3Backend:
         import obstore as obs
 
         self._holding(key)
-        digest, size = Sha256Pipe(), 0
+        digest, size = Sha256Pipe(parts=parts), 0
 
         def hashed() -> Iterator[bytes]:
             nonlocal size
@@ -412,7 +428,8 @@ class S3Backend:
             else:
                 obs.put(self.store, key, itertools.chain(head, chunks), use_multipart=True, chunk_size=PART,
                         max_concurrency=8)
-        return Written(size=size, sha256=digest.hexdigest())
+        sha256 = digest.hexdigest()
+        return Written(size=size, sha256=sha256, parts=tuple(digest.parts()))
 
     def publish(self, staged: str, final: str, marker: str, data: bytes,
                 then: tuple[str, bytes] | None = None, others: Callable[[], object] | None = None) -> Written:
