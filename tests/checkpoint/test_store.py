@@ -264,3 +264,40 @@ def test_a_plain_checkpoint_loads_into_shards_and_a_sharded_one_loads_whole():
         got = plain_store.load_local(plain_ref, specs, {"w": ((3, 2), (4, 2))}, 0).tensors["w"]
         assert np.array_equal(got, whole["w"][3:7, 2:4])  # a box across both plain shards
         assert np.array_equal(sharded_store.load(sharded_ref).tensors["w"], whole["w"])
+
+
+def test_a_checkpoint_written_before_part_digests_still_verifies_loads_and_refuses_a_flipped_byte(tmp_path):
+    from old_formats import as_schema_1
+    from trainjob.errors import InputError
+    whole = {"w": np.arange(33 * 4, dtype=np.float32).reshape(33, 4), "step": np.array([7.0])}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 3, {"w": 0})
+    as_schema_1(store, ref)
+    manifest, _ = store.read_manifest(ref)
+    assert manifest.schema == 1 and manifest.shards[0].header is None
+    assert store.verify(ref).reason is None
+    assert np.array_equal(store.load(ref).tensors["w"], whole["w"])
+    for rank in range(3):  # each rank's part, by offsets: whole shards hashed, as schema 1 needs
+        loaded = store.load_local(ref, specs, {"w": ((rank * 11, 0), (11, 4)), "step": ((0,), (1,))}, rank)
+        assert np.array_equal(loaded.tensors["w"], whole["w"][rank * 11:rank * 11 + 11])
+    shard = store.path(ref) / manifest.shards[2].file
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    assert "sha256" in store.verify(ref).reason
+    with pytest.raises(InputError, match="sha256"):
+        store.load_local(ref, specs, {"w": ((22, 0), (11, 4)), "step": ((0,), (1,))}, 2)
+
+
+def test_a_manifest_mixing_the_schemas_is_refused_naming_the_shard(tmp_path):
+    import attrs
+    from trainjob.errors import InputError
+    from trainjob.records import dumps
+    store, ref, _ = write_sharded(tmp_path / "pvc", {"w": np.arange(8.0).reshape(4, 2)}, 2, {"w": 0})
+    manifest, _ = store.read_manifest(ref)
+    half = attrs.evolve(manifest, shards=[manifest.shards[0], attrs.evolve(manifest.shards[1], header=None)])
+    (store.path(ref) / "manifest.json").write_text(dumps(half) + "\n")
+    with pytest.raises(InputError, match="rank 1's shard lacks the part digests schema 2 has"):
+        store.read_manifest(ref)
+    (store.path(ref) / "manifest.json").write_text(dumps(attrs.evolve(manifest, schema=1)) + "\n")
+    with pytest.raises(InputError, match="rank 0's shard has part digests, which schema 1 has not"):
+        store.read_manifest(ref)

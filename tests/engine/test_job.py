@@ -51,3 +51,30 @@ def test_only_the_coordinator_commits_rotates_or_cleans_up():
     assert not [m for m in rank0_only + every_rank if hasattr(CheckpointStore, m)]  # verify cannot write
     assert not [m for m in rank0_only if hasattr(ShardWriter, m)]
     assert all(callable(getattr(Committer, m)) for m in rank0_only + every_rank)
+
+
+def test_a_checkpoint_written_before_part_digests_resumes_to_the_same_artifact(tmp_path):
+    """Manifest schema 1 (each shard hashed whole, no part digests) is still read: a run killed
+    and relaunched over such a checkpoint publishes the uninterrupted run's bytes."""
+    import hashlib
+    import json
+    from old_formats import as_schema_1
+    from trainjob.checkpoint.plan import Ref
+    from trainjob.checkpoint.store import CheckpointStore
+    from trainjob.storage.pvc import Pvc
+
+    flags = ["--ckpt-every", "2"]
+    assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *flags]) == 0
+    pvc = tmp_path / "pvc"
+    assert cli.main(["run", "--pvc", str(pvc), *flags, "--die-at", "4"]) == 75
+    store = CheckpointStore(Pvc(pvc))
+    ref = max(store.committed())
+    as_schema_1(store, ref)
+    pointer = json.loads((pvc / "checkpoint.json").read_text())  # as it named the rewritten manifest
+    pointer["manifest_sha256"] = hashlib.sha256((store.path(ref) / "manifest.json").read_bytes()).hexdigest()
+    (pvc / "checkpoint.json").write_text(json.dumps(pointer) + "\n")
+    assert cli.main(["run", "--pvc", str(pvc), *flags]) == 0
+    assert ("resumed", "from_step=4") in events(pvc / "log.jsonl")
+    assert ref == Ref(attempt=1, step=4, world_size=1)
+    artifact = "artifacts/model-v1.json"
+    assert (pvc / artifact).read_bytes() == (tmp_path / "ref" / artifact).read_bytes()

@@ -143,8 +143,10 @@ class CheckpointStore:
 
     # --- verification and loading --------------------------------------------------------------
 
-    def read_manifest(self, ref: Ref) -> tuple[Manifest, str]:
-        """The manifest and the sha256 of its bytes; InputError naming the problem."""
+    def read_manifest(self, ref: Ref, sizes: bool = True) -> tuple[Manifest, str]:
+        """The manifest and the sha256 of its bytes; InputError naming the problem. ``sizes``:
+        check every shard file's size first (a rank reading only its share checks the size of
+        each file it opens instead: W stat calls, or bucket requests, per rank add up)."""
         directory = self.path(ref)
         if self.pvc.local:  # a bucket has no directories, and no links to follow
             st = os.lstat(directory) if os.path.lexists(directory) else None
@@ -157,7 +159,8 @@ class CheckpointStore:
         if raw is None:
             raise InputError(f"{self.rel(path)}: missing: the checkpoint was never committed")
         manifest = load(raw, Manifest, where=self.rel(path))
-        problems = plan.manifest_problems(manifest, ref.name) or self._size_problems(directory, manifest)
+        problems = plan.manifest_problems(manifest, ref.name) or (self._size_problems(directory, manifest)
+                                                                  if sizes else [])
         if problems:
             raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
         return manifest, hashlib.sha256(raw).hexdigest()
@@ -249,14 +252,16 @@ class CheckpointStore:
         """This rank's part of the checkpoint (``wanted``: by name, the box of the whole tensor it
         holds, as ``HostState.wanted`` gives it), read by offsets (``plan.plan_reads``) from the
         shards that overlap it, whatever world size and placements wrote them; into ``into``'s
-        arrays where they fit. Each shard it reads is hashed whole and its header checked
-        against the manifest before this returns; one it needs nothing from is not opened
-        (rank 0's, for the plain values, and this rank's own, for its rank-local state, always
-        are). ``verify_all``: hash every shard in the same pass, reading each once (rank 0's
-        resume: it picks the checkpoint for every rank). StateMismatch (exit 2) when the
+        arrays where they fit. This rank's own shard is read whole, hashed, and its header
+        checked against the manifest (so each byte of a checkpoint is checked by some rank when
+        every rank loads); of any other, only the slices it needs, each checked against its
+        digest (schema 2), or the whole shard hashed (schema 1, which has no part digests). One
+        it needs nothing from is not opened; of rank 0's, the header is read for the plain
+        values. ``verify_all``: hash every shard in the same pass, reading each once (rank 0,
+        when it picks the checkpoint for every rank alone). StateMismatch (exit 2) when the
         manifest's tensors are not ``specs`` (the live model's whole shapes), before a byte is
         read; InputError when a shard does not verify."""
-        manifest, sha = self.read_manifest(ref)
+        manifest, sha = self.read_manifest(ref, sizes=verify_all)
         where = self.rel(self.path(ref) / MANIFEST)
         if expect_sha256 is not None and sha != expect_sha256:
             raise InputError(f"{where}: differs from the manifest checkpoint.json recorded (sha256 "
