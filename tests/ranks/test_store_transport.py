@@ -529,3 +529,59 @@ def test_a_rank_that_abandons_a_store_wait_exits_with_its_code_not_sigabrt():
     done = subprocess.run([sys.executable, "-c", ABANDONS_A_WAIT], capture_output=True, text=True, timeout=60)
     assert done.returncode == 75, done.stderr[-2000:]
     assert "terminate called" not in done.stderr and "timed out after 3000ms" not in done.stderr, done.stderr
+
+
+def test_a_verdict_round_asks_every_rank_before_any_session_and_a_refusal_names_the_rank(server, pvc):
+    """Rank 0 tries candidates newest first; the followers, still waiting to join, answer each
+    round once with their own verdict; a refusal comes back with its reason, by rank; once a
+    session is published the round's key is gone, so no late rank takes up a stale round."""
+    world = 3
+    rank0 = StoreCoordinator(client(server), pvc, world, 5.0, lambda: None)
+    followers = [StoreFollower(client(server), r, world, 5.0, lambda: None) for r in (1, 2)]
+    asked: dict[int, list[str]] = {1: [], 2: []}
+
+    def verify_as(rank: int):
+        def verify(candidate) -> str | None:
+            asked[rank].append(candidate.checkpoint)
+            return "shard-00002: tensor w: sha256 differs" if rank == 2 and candidate.round == 1 else None
+        return verify
+
+    joiners = [threading.Thread(target=f.join, args=("s", set(), verify_as(f.rank))) for f in followers]
+    for t in joiners:
+        t.start()
+    mine: list[str] = []
+    first = rank0.verify_round("step-00000008-a0001-w003", None, True, lambda: mine.append("8") or None)
+    second = rank0.verify_round("step-00000004-a0001-w003", "ab" * 32, True, lambda: mine.append("4") or None)
+    assert first == [(0, None), (1, None), (2, "shard-00002: tensor w: sha256 differs")]
+    assert second == [(0, None), (1, None), (2, None)]
+    assert mine == ["8", "4"] and asked == {r: ["step-00000008-a0001-w003", "step-00000004-a0001-w003"]
+                                             for r in (1, 2)}
+    rank0.publish(lambda g: session(g, world))
+    assert not rank0.has("verify")
+    assert rank0.wait_joined()
+    rank0.begin()
+    for t in joiners:
+        t.join(10)
+    assert asked == {r: ["step-00000008-a0001-w003", "step-00000004-a0001-w003"] for r in (1, 2)}  # once each
+
+
+def test_a_rank_that_fails_verifying_ends_the_round_with_peer_failed_not_a_refusal(server, pvc):
+    rank0 = StoreCoordinator(client(server), pvc, 2, 5.0, lambda: None)
+    follower = StoreFollower(client(server), 1, 2, 5.0, lambda: None)
+    raised: list[BaseException] = []
+
+    def join() -> None:
+        def verify(candidate):
+            raise MemoryError("out of memory reading its share")
+        try:
+            follower.join("s", set(), verify)
+        except BaseException as exc:  # noqa: BLE001 - the follower ends with its own error
+            raised.append(exc)
+
+    t = threading.Thread(target=join)
+    t.start()
+    with pytest.raises(PeerFailed, match=r"rank 1 failed verifying its share of step-00000004-a0001-w002 "
+                                         r"\(MemoryError: out of memory reading its share\)"):
+        rank0.verify_round("step-00000004-a0001-w002", None, False, lambda: None)
+    t.join(10)
+    assert len(raised) == 1 and isinstance(raised[0], MemoryError)
