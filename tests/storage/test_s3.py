@@ -503,6 +503,49 @@ def test_a_shard_streamed_from_the_bucket_is_verified_part_by_part(s3_pvc, monke
             read(source)
 
 
+def test_a_rank_reads_its_share_of_a_bucket_checkpoint_by_ranged_gets_and_a_flipped_slice_is_named(s3_pvc, monkeypatch):
+    """A sharded checkpoint on a bucket: a rank's share is read by one ranged GET per slice it
+    needs (never a whole shard of another rank), each checked against its digest; a slice
+    altered in the bucket is named."""
+    import numpy as np
+    import obstore as obs
+
+    from trainjob.checkpoint import plan
+    from trainjob.checkpoint.snapshot import HostArrays
+    from trainjob.checkpoint.store import Committer
+    from trainjob.records import MANIFEST_SCHEMA, Manifest
+    from trainjob.tensors import tensor_specs
+
+    whole = {"w": np.arange(40 * 8, dtype=np.float32).reshape(40, 8), "step": np.array([3.0], dtype=np.float32)}
+    store = Committer(Pvc(location(s3_pvc)))
+    ref = plan.Ref(attempt=1, step=4, world_size=4)
+    staging = store.create_staging(ref, 1)
+    entries = []
+    for rank in range(4):
+        box = plan.Local(origin=(rank * 10, 0), shape=(10, 8), replica=0, replicas=1)
+        arrays = {"w": np.ascontiguousarray(whole["w"][rank * 10:rank * 10 + 10]), "step": whole["step"]}
+        entries.append(store.write_shard(staging, rank, 4, 4, HostArrays(arrays, boxes={"w": box},
+                                                                         specs=tensor_specs(whole))))
+    store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=4, attempt=1, world_size=4, loss_milli=0,
+                                        tensors=tensor_specs(whole), shards=entries))
+    ranged, whole_gets = [], []
+    real_range, real_ranges = obs.get_range, obs.get_ranges
+    monkeypatch.setattr(obs, "get_range", lambda *a, **k: ranged.append(a[1].rsplit("/", 1)[-1]) or real_range(*a, **k))
+    monkeypatch.setattr(obs, "get_ranges", lambda *a, **k: whole_gets.append(a[1].rsplit("/", 1)[-1]) or real_ranges(*a, **k))
+    wanted = {"w": ((20, 0), (10, 8)), "step": ((0,), (1,))}
+    loaded = store.load_local(ref, tensor_specs(whole), wanted, 2)
+    assert np.array_equal(loaded.tensors["w"], whole["w"][20:30]) and loaded.tensors["step"][0] == 3.0
+    assert whole_gets == [entries[2].file]  # its own shard, streamed whole
+    assert sorted(ranged) == [entries[0].file] * 2  # rank 0's header and its step counter, nothing more
+    backend = store_of(s3_pvc)
+    key = f"checkpoints/{ref.name}/{entries[0].file}"
+    body = bytearray(backend.read(key, 1 << 20))
+    body[entries[0].header] ^= 1  # the first slice after the header: the step counter ("step" < "w")
+    backend.write(key, bytes(body))
+    with pytest.raises(Exception, match="tensor step: sha256 differs"):
+        store.load_local(ref, tensor_specs(whole), wanted, 2)
+
+
 @pytest.mark.torchrun
 def test_two_ranks_under_torchrun_share_only_the_bucket_and_survive_a_sigkill_of_the_launch(s3_pvc, tmp_path,
                                                                                           monkeypatch, capsys):
