@@ -628,3 +628,27 @@ def test_the_docs_misuse_table_has_a_row_for_every_end_tested_here():
                 "meta-device tensor in `state_dict()`", "a `break`", "off the main thread",
                 "inside another `Run`", "locked by another run"):
         assert sum(end in row for row in rows) == 1, end
+
+
+def test_a_launch_refused_before_it_began_leaves_no_directory_it_created(tmp_path):
+    """A state that cannot be checkpointed is refused on entering (exit 2), after the PVC and its
+    lock were made: the directories this launch created go with it, and an existing PVC keeps
+    exactly what it held."""
+    class Strided:
+        def state_dict(self):
+            return {"w": np.zeros((4, 4), dtype=np.float32)[:, ::2]}  # not contiguous: refused
+
+        def load_state_dict(self, state):
+            raise AssertionError("never loaded")
+
+    fresh = tmp_path / "new" / "deeper" / "pvc"
+    with Run(fresh, state=Strided(), steps=2, ckpt_every=1) as run:
+        for _ in run:
+            pytest.fail("trained")
+    assert run.exit_code == 2 and not (tmp_path / "new").exists()
+    existing = tmp_path / "kept"
+    (existing / "notes").mkdir(parents=True)
+    with Run(existing, state=Strided(), steps=2, ckpt_every=1) as run:
+        for _ in run:
+            pytest.fail("trained")
+    assert run.exit_code == 2 and sorted(p.name for p in existing.rglob("*")) == ["notes"]

@@ -91,7 +91,7 @@ from ..records import Candidate, Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
 from ..storage.backend import Url, as_location
-from ..storage.pvc import Pvc, check_path, make_dir
+from ..storage.pvc import Pvc, check_path, make_dir, missing_dirs, remove_empty
 from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
 
 # A run that names no data: the empty input's hash, so a resume cannot tell other data apart.
@@ -216,13 +216,18 @@ class Run:
         if self.rank != 0:  # stopped already (a launcher ending a refused launch): take nothing, leave nothing
             stopped_before_joining(self.rank, self._signal)
         check_writable(self.log_path)
+        # Stray tmp files are removed (and logged) by the start. A launch refused here, before it
+        # began (a world-size mismatch, a peer's refusal, a signal before joining, a state that
+        # cannot be checkpointed), takes away the lock file and the directories it created: the
+        # PVC is left byte for byte as it was found, or not there at all if it was not.
+        made = [] if isinstance(self.pvc_path, Url) else missing_dirs(self.pvc_path)
+        if not isinstance(self.log_path, Url):
+            made = sorted({*made, *missing_dirs(self.log_path.parent)}, key=lambda d: len(d.parts), reverse=True)
+        self._stack.callback(lambda: None if self._entered else remove_empty(made))  # after the lock below
         pvc.create()
         if not isinstance(self.log_path, Url):
             with os_errors(self.log_path.parent, "cannot create the log's directory", InputError):
                 make_dir(self.log_path.parent)
-        # Stray tmp files are removed (and logged) by the start. A launch refused here, before it
-        # began (a world-size mismatch, a peer's refusal, a signal before joining), takes away the
-        # lock file it created: the PVC is left byte for byte as it was found.
         self._stack.enter_context(pvc.lock(self.rank, tidy=lambda: not self._entered))
         if self.idempotent and (done := completed_job(pvc, self.log_path)) is not None:
             if self.rank == 0:

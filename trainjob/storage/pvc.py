@@ -273,6 +273,25 @@ def commit_dir(staging: Path, final: Path, unsynced: Iterable[Future[None]] = ()
             _settle([parent])
 
 
+def missing_dirs(path: Path) -> list[Path]:
+    """``path`` and each of its parents that does not exist yet, deepest first: what ``make_dir``
+    would create, so that a launch refused before it wrote anything can take them away again
+    (``remove_empty``)."""
+    missing = []
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty(dirs: list[Path]) -> None:
+    """Remove each of ``dirs`` (deepest first) that is an empty directory; one that is not (written
+    to after all, or in use by another process) stays, and so do its parents."""
+    for directory in dirs:
+        with suppress(OSError):
+            os.rmdir(directory)
+
+
 def make_dir(path: Path) -> None:
     """mkdir -p with DIR_MODE for every directory created (Path.mkdir leaves parents 0o777 & ~umask)."""
     missing = []
