@@ -360,7 +360,7 @@ class StoreCoordinator(StorePeers):
                         f"verify their share of {checkpoint}", lambda: None)
         with answering(f"reading the verdicts on {checkpoint}"):
             values = [bytes(v).decode("utf-8", "replace") for v in self.kv.multi_get(list(keys.values()))]
-        self.drop(*keys.values())
+        # Left in the store: W small keys once per launch, where dropping them costs W requests.
         for r, value in zip(keys, values):
             kind, _, why = value.partition(":")
             if kind == "failed":
@@ -374,7 +374,7 @@ class StoreCoordinator(StorePeers):
         on the PVC, then tell the others through the store."""
         session = self.files.publish(session_for)
         if self.verify_rounds:  # the verdict rounds are over: no rank may take up a stale one
-            self.drop("verify")
+            self.set("verify", b"")  # emptied, not deleted: a rank may be between its check and its read
         self.generation, self.step, self.rounds, self.stopping = session.generation, session.from_step, 0, False
         self.set("session", dumps(session))
         return session
@@ -528,7 +528,10 @@ class StoreFollower(StorePeers):
         """(ranks >= 1, while joining) Answer rank 0's newest verdict round once (module docstring)."""
         if self._verify is None or not self.has("verify"):
             return
-        candidate = self.read("verify", Candidate)
+        value = self.get("verify")
+        if not value:  # the rounds are over (``StoreCoordinator.publish``)
+            return
+        candidate = load(value, Candidate, where="rendezvous store key verify")
         if (candidate.nonce, candidate.round) in self.answered or candidate.world_size != self.world_size:
             return
         self.answered.add((candidate.nonce, candidate.round))
