@@ -30,6 +30,7 @@ from ..errors import InputError, TryAgainLater, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
 from ..records import ShardEntry, TensorSlice, TensorSpec
+from .plan import slice_bytes
 from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
@@ -327,11 +328,7 @@ def shard_parts(shard: ShardEntry) -> list[tuple[str, int, str]] | None:
     if shard.header is None or shard.header_sha256 is None:
         return None
     return [("its header", shard.header, shard.header_sha256),
-            *((f"tensor {h.name}", slice_nbytes(h), h.sha256 or "") for h in sorted(shard.holds, key=lambda h: h.name))]
-
-
-def slice_nbytes(h: TensorSlice | TensorSpec) -> int:
-    return np_dtype(h.dtype).itemsize * math.prod(h.shape)
+            *((f"tensor {h.name}", slice_bytes(h), h.sha256 or "") for h in sorted(shard.holds, key=lambda h: h.name))]
 
 
 class _Window:
@@ -373,7 +370,7 @@ def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, An
             metadata.update(_metadata(shard.file, header))
         at = shard.header or 0
         for h in sorted(shard.holds, key=lambda h: h.name):
-            nbytes, out = slice_nbytes(h), dest.get(h.name)
+            nbytes, out = slice_bytes(h), dest.get(h.name)
             window = _Window(src, at, nbytes)
             at += nbytes
             if out is None and h.name not in dest:
