@@ -123,12 +123,15 @@ def local_buffers(checkpoint: Path, rank: int) -> dict:
     return next(part for path, part in parts if path == ["rank"])["buffers"]
 
 
-def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--async-checkpoint",)], ids=["sync", "async"])
+def test_an_entry_whose_ranks_disagree_is_refused_naming_it_and_the_ranks(tmp_path, flags):
     """``--disagree``: an ``extra`` module's buffer sums each rank's own inputs. The first
     checkpoint is refused on every rank (exit 2) with one line naming the entry and the ranks,
-    nothing is committed, and the log says so (``refused``), so ``status`` says 2 as well."""
+    nothing is committed, and the log says so (``refused``), so ``status`` says 2 as well; with
+    ``--async-checkpoint`` too, where the writer thread finds it while the log says
+    ``snapshotted``."""
     pvc = tmp_path / "pvc"
-    code, err = finish(pvc, "--disagree")
+    code, err = finish(pvc, "--disagree", *flags)
     assert code == 2, err[-2000:]
     said = [line for line in err.splitlines() if "differs between ranks" in line]
     assert said and "extra.seen.total" in said[0] and "(rank 0 and rank 1 hold different values)" in said[0], err[-2000:]

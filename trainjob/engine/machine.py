@@ -61,8 +61,9 @@ TRANSITIONS: list[dict[str, Any]] = [
     # --async-checkpoint: the loop and the writer part here. The state is copied into host
     # staging buffers and a writer thread writes, hashes, fsyncs and commits it while the loop
     # trains on; nothing is claimed on disk yet (snapshotted is not persisted in state.json).
-    # Only `land` leaves snapshotted: at most one checkpoint in flight, and no gate or logged kill
-    # before it landed (a SIGKILL logs nothing; the previous checkpoint stands).
+    # Only `land` leaves snapshotted (or `refuse`, the write refused): at most one checkpoint in
+    # flight, and no gate or logged kill before it landed (a SIGKILL logs nothing; the previous
+    # checkpoint stands).
     dict(trigger="checkpoint", source=TRAINING, dest=State.snapshotted,
          conditions=["should_checkpoint", "async_save"], before="hand_off"),
     # ...and meet here, at the first step boundary after the commit is durable (or at a due
@@ -71,10 +72,11 @@ TRANSITIONS: list[dict[str, Any]] = [
     dict(trigger="land", source=State.snapshotted, dest=State.checkpointed,
          conditions="commit_landed", before="persist_landed"),
     dict(trigger="kill", source=TRAINING, dest=State.killed, before="persist_state"),
-    # What the script handed over cannot be kept (an export that cannot be published): the
-    # process ends with exit 2, the attempt stays in flight, and a relaunch with the script
-    # mended resumes from the newest checkpoint (unmended, it is refused again).
-    dict(trigger="refuse", source=TRAINING, dest=State.refused, before="persist_state"),
+    # What the script handed over cannot be kept (an export that cannot be published, replicated
+    # state the ranks disagree on: from `snapshotted` when the writer thread found it, nothing
+    # committed): the process ends with exit 2, the attempt stays in flight, and a relaunch with
+    # the script mended resumes from the newest checkpoint (unmended, it is refused again).
+    dict(trigger="refuse", source=[*TRAINING, State.snapshotted], dest=State.refused, before="persist_state"),
     # The gate: publish only a model that holds up against the baseline.
     dict(trigger="gate", source=[State.resumed, State.checkpointed], dest=State.completed,
          conditions="drift_passes", before=["persist_artifact", "persist_state"],

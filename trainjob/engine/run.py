@@ -66,7 +66,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from types import TracebackType
 from typing import Any
 
@@ -415,14 +415,24 @@ class Run:
         arrays = self._host.snapshot(self.stateful.state_dict(), step)  # bad input writes nothing
         if self.rank == 0:
             assert self._job is not None
-            try:
+            with self._refusal_logged(step):
                 self._job.checkpoint(step=step, state=arrays, specs=self._host.specs, loss_milli=loss, force=force)
-            except ReplicasDisagree as exc:  # nothing committed: said in the log, so `status` says 2
-                if self._job.state in machine.TRAINING:
-                    self._job.refuse(at_step=step, reason=one_line(str(exc))[:400])
-                raise
             return
         self._write_shard(step, arrays)
+
+    @contextmanager
+    def _refusal_logged(self, step: int | None = None) -> Iterator[None]:
+        """(rank 0) A checkpoint (of ``step``; by default the async write in flight) refused
+        because the ranks' copies of replicated state disagree, raised by the save or, where an
+        async write lands, by the writer thread: nothing was committed; said in the log
+        (``refused``), so ``status`` says 2 as the run does."""
+        try:
+            yield
+        except ReplicasDisagree as exc:
+            job = self._job
+            if job is not None and job.state in (*machine.TRAINING, JobState.snapshotted):
+                job.refuse(at_step=job.in_flight["step"] if step is None else step, reason=one_line(str(exc))[:400])
+            raise
 
     def _write_shard(self, step: int, arrays: dict[str, Any]) -> int:
         """(ranks >= 1) This rank's shard of ``step`` and its receipt; with async_checkpoint, on
@@ -449,7 +459,8 @@ class Run:
         is raised here, at this step boundary."""
         if self.rank == 0:
             if self._job is not None and self._job.saver is not None:
-                self._job.at_boundary()
+                with self._refusal_logged():
+                    self._job.at_boundary()
         elif self._saver is not None and self._saver.landed():
             self._saver.take()
 
@@ -461,7 +472,8 @@ class Run:
             return
         if self.rank == 0:
             assert self._job is not None
-            self._job.settle()
+            with self._refusal_logged():
+                self._job.settle()
         elif saver.in_flight:
             saver.wait()
             saver.take()
