@@ -188,6 +188,31 @@ def test_twice_names_a_command_that_differs_from_itself(tmp_path, capsys):
 
 
 @pytest.mark.process
+def test_a_model_built_before_any_seed_is_named_not_deterministic_without_twice(tmp_path, capsys):
+    """A framework's docs build the model before the trainer seeds anything (its initial weights
+    then differ run to run): every trial differs from the reference before any resume, and prove
+    says so, naming the fix, instead of blaming what a resume lost."""
+    script = tmp_path / "unseeded.py"
+    script.write_text("import sys, time, numpy as np, trainjob\n"
+                      "class S:\n"
+                      "    def __init__(self): self.w = np.random.default_rng().standard_normal(4)  # no seed\n"
+                      "    def state_dict(self): return {'w': self.w}\n"
+                      "    def load_state_dict(self, state): self.w[...] = state['w']\n"
+                      "s = S()\n"
+                      "with trainjob.Run(sys.argv[1], state=s, steps=30, ckpt_every=3, lr=0.1) as run:\n"
+                      "    for step in run:\n"
+                      "        s.w *= 0.99\n"
+                      "        time.sleep(0.05)\n"
+                      "        run.report(float(abs(s.w).sum()))\n"
+                      "    run.gate(holdout=trainjob.Score(1, 1), baseline=trainjob.Score(1, 1), export={'w': s.w})\n"
+                      "sys.exit(run.exit_code)\n")
+    code = cli.main(["prove", "--kills", "1", "--", PYTHON, str(script), "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 1 and "verdict: NOT DETERMINISTIC: " in out and "before any resume" in out, out
+    assert "transformers.set_seed" in out and "hint:" not in out, out
+
+
+@pytest.mark.process
 @pytest.mark.killpoint
 @pytest.mark.torchrun
 def test_prove_kills_a_torchrun_launch_whole_and_passes_the_own_loop_at_two_ranks(capsys, tmp_path, monkeypatch):

@@ -347,8 +347,32 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
         return lines
     first = failed[0]
     trial = trials[first.trial - 1]
-    lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
-                 + "; ".join(first.problems))
-    lines += describe(divergence(reference.pvc, trial.pvc))
+    found = divergence(reference.pvc, trial.pvc)
+    unresumed = [(v, t) for v, t in zip(verdicts, trials) if v.problems and len(t.codes) == 1]
+    parted_early = len(trial.codes) == 2 and found.resumed_from is not None and (
+        found.same_at_resume is False
+        or (found.first_loss_step is not None and found.first_loss_step <= found.resumed_from))
+    if unresumed or parted_early:
+        # The runs parted before any resume: the command is not deterministic, and a hint about
+        # what a resume loses would mislead.
+        if unresumed:
+            v, t = unresumed[0]
+            why, trial, found = (f"trial {v.trial} was never resumed (its signal landed {t.landed}) and still "
+                                 "published other bytes than the reference", t, divergence(reference.pvc, t.pvc))
+        elif found.same_at_resume is False:
+            why = (f"trial {first.trial}'s checkpoint at step {found.resumed_from}, written before its one "
+                   "kill, already differs from the reference's")
+        else:
+            why = (f"trial {first.trial}'s loss at step {found.first_loss_step}, logged before its one kill (it "
+                   f"resumed from step {found.resumed_from}), already differs from the reference's")
+        lines.append(f"verdict: NOT DETERMINISTIC: {why}: two runs of the command part before any resume, so no "
+                     "resume can be judged. Seed every generator before the model is built (torch.manual_seed, "
+                     "transformers.set_seed, or the Trainer's model_init=) and set "
+                     "torch.use_deterministic_algorithms(True); --twice checks this first (docs/prove.md)")
+        lines += describe(attrs.evolve(found, hints=()))
+    else:
+        lines.append(f"verdict: DIVERGES: {len(failed)} of {len(trials)} trials; trial {first.trial}: "
+                     + "; ".join(first.problems))
+        lines += describe(found)
     lines.append(f"runs kept in {work} (reference/pvc, {trial.pvc.relative_to(work)}, each launch's output)")
     return lines
