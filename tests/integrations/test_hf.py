@@ -336,3 +336,28 @@ def test_a_sigterm_to_the_whole_process_group_with_loader_workers_is_a_saved_ste
     code, _, err = finish(pvc, "--workers", "2")
     assert code == 0, err[-2000:]
     assert artifact(pvc) == expected
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_a_resume_at_an_epochs_end_with_an_evaluation_there_reaches_the_uninterrupted_bytes(tmp_path):
+    """``eval_strategy="epoch"`` (the Transformers docs' choice) with a checkpoint on an epoch's last
+    step: the evaluation after that step draws from the RNG streams (its loader's seed), so the
+    checkpoint must hold them as they are after it, or a resume there trains the next epoch with
+    other dropout masks. SIGKILL after that checkpoint; the relaunch publishes the uninterrupted
+    run's bytes."""
+    _needs_transformers()
+    script = variant(tmp_path / "hf_eval_epoch.py",
+                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout)"),
+                     ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="epoch",'))
+    flags = ("--save-steps", "6")  # 12 steps an epoch: checkpoints at 6, 12 (an epoch's end), 18, ...
+    code, _, err = finish(tmp_path / "ref", *flags, script=script)
+    assert code == 0, err[-2000:]
+    pvc = tmp_path / "pvc"
+    code, err = signalled(pvc, signal.SIGKILL, 13, script=script, flags=flags)
+    assert code == -signal.SIGKILL, err[-2000:]
+    assert [e["detail"] for e in events(pvc) if e["event"] == "checkpointed"][-1].startswith("step=12 ")
+    code, _, err = finish(pvc, *flags, script=script)
+    assert code == 0, err[-2000:]
+    assert [e["detail"] for e in events(pvc) if e["event"] == "resumed"] == ["from_step=12"]
+    assert artifact(pvc) == artifact(tmp_path / "ref")

@@ -27,6 +27,7 @@ class Divergence:
     entries: tuple[EntryDiff, ...]
     hints: tuple[Hint, ...]
     same_at_resume: bool | None = None  # both runs' checkpoints at the resume step equal (None: not both held)
+    tensors_at_resume: bool | None = None  # their tensors equal (the plain values may differ: timings a framework logs)
     loss_source: str = "loss_milli"  # "printed loss": the command's own per-step lines
 
 
@@ -142,17 +143,18 @@ def divergence(reference: Path, trial: Path) -> Divergence:
     # what tells a stream the run drew from after the resume from one seeded at start-up from entropy.
     ref_other, trial_other = _neighbour(ref_ckpts, step, None), _neighbour(trial_ckpts, step, resumed)
     ref_before, trial_before = load(reference, ref_ckpts, ref_other), load(trial, trial_ckpts, trial_other)
-    same = None
+    same = tensors_same = None
     a, b = load(reference, ref_ckpts, resumed), load(trial, trial_ckpts, resumed)
     if a is not None and b is not None:  # the tensors and replicated values; the rank-local streams may be
-        same = not entry_diffs(a[0], b[0]) and a[1].plain == b[1].plain  # seeded from entropy, never drawn
+        tensors_same = not entry_diffs(a[0], b[0])  # seeded from entropy, never drawn
+        same = tensors_same and a[1].plain == b[1].plain
     at = (ref_loss.get(first), trial_loss.get(first)) if first is not None else (None, None)
     seen = resumed is not None and any(s > resumed for s in set(ref_loss) & set(trial_loss))
     evidence = Evidence(resumed, step, tuple(diffs), first, seen, world, *snapshots,
                         reference_other=None if ref_before is None else ref_before[1],
                         trial_other=None if trial_before is None else trial_before[1],
                         others_at_resume=resumed is not None and ref_other == trial_other == resumed)
-    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source)
+    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source, tensors_same)
 
 
 def _neighbour(held: dict[int, object], step: int | None, prefer: int | None) -> int | None:
@@ -172,6 +174,9 @@ def describe(d: Divergence, against: str = "the reference") -> list[str]:
     if d.same_at_resume:
         lines.append(f"the checkpoint at step {d.resumed_from} equals {against}'s: what was saved was right, "
                      "what differs after the resume was never saved")
+    elif d.same_at_resume is False and d.tensors_at_resume:
+        lines.append(f"the checkpoint at step {d.resumed_from} holds the same tensors as {against}'s; only its "
+                     "plain values differ (a framework's logged timings differ run to run)")
     elif d.same_at_resume is False:
         lines.append(f"the checkpoint at step {d.resumed_from} already differs from {against}'s")
     if d.first_loss_step is not None:

@@ -350,7 +350,7 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
     found = divergence(reference.pvc, trial.pvc)
     unresumed = [(v, t) for v, t in zip(verdicts, trials) if v.problems and len(t.codes) == 1]
     parted_early = len(trial.codes) == 2 and found.resumed_from is not None and (
-        found.same_at_resume is False
+        found.tensors_at_resume is False
         or (found.first_loss_step is not None and found.first_loss_step <= found.resumed_from))
     if unresumed or parted_early:
         # The runs parted before any resume: the command is not deterministic, and a hint about
@@ -359,9 +359,9 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
             v, t = unresumed[0]
             why, trial, found = (f"trial {v.trial} was never resumed (its signal landed {t.landed}) and still "
                                  "published other bytes than the reference", t, divergence(reference.pvc, t.pvc))
-        elif found.same_at_resume is False:
+        elif found.tensors_at_resume is False:
             why = (f"trial {first.trial}'s checkpoint at step {found.resumed_from}, written before its one "
-                   "kill, already differs from the reference's")
+                   "kill, already holds other tensors than the reference's")
         else:
             why = (f"trial {first.trial}'s loss at step {found.first_loss_step}, logged before its one kill (it "
                    f"resumed from step {found.resumed_from}), already differs from the reference's")

@@ -17,7 +17,11 @@ the checkpoint the Run loaded instead:
     _load_scaler                nothing: the Run's load put the scaler back
     _load_rng_state             the RNG streams, at the instant the Trainer's own resume restores them
     _maybe_log_save_evaluate    after the step's logging and evaluation, the Run's step ends here:
-                                the loss is reported, a checkpoint taken when due, a stop obeyed
+                                the loss is reported, a checkpoint taken when due, a stop obeyed;
+                                an epoch's last step ends at the epoch's end, after its evaluation
+                                (``eval_strategy="epoch"``): what the evaluation draws from the RNG
+                                streams (its loader's seed) is then in the checkpoint, as it is in
+                                the uninterrupted run before the next epoch begins
     training_step               sums the step's micro-batch losses for ``run.report``
     get_train_dataloader        guards the loader's worker processes (``dataloader_num_workers``)
                                 against a SIGTERM or SIGINT sent to the whole process group, as
@@ -50,6 +54,8 @@ class Driver:
         self.step = 0  # the step the Trainer is training (the Run yielded it)
         self.loss: Any = 0.0
         self.over = False
+        self.per_epoch = 0  # optimizer steps in an epoch (the Trainer's count)
+        self.epoch_ending = False  # the Trainer is in its end-of-epoch call (on_epoch_end was called)
 
     def train(self) -> None:
         """From the step the Run resumed at to its end: the last step (then the gate is due), or a
@@ -62,12 +68,16 @@ class Driver:
         self.step = first
         from transformers import TrainerCallback
 
+        driver = self
+
         class NoTrainerSaves(TrainerCallback):  # trainjob's checkpoints are the run's; the Trainer writes none
             def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
                 control.should_save = False
                 return control
 
-            on_epoch_end = on_step_end
+            def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+                driver.epoch_ending = True  # the next _maybe_log_save_evaluate is the epoch's end
+                return self.on_step_end(args, state, control, **kw)
 
         callback = NoTrainerSaves()
         trainer = self.trainer
@@ -88,10 +98,14 @@ class Driver:
     # --- the step loop --------------------------------------------------------------------------
 
     def end_of_step(self) -> None:
-        """The Trainer finished the step the Run yielded (its optimizer step, logging, evaluation)."""
+        """The Trainer finished the step the Run yielded (its optimizer step, logging, evaluation),
+        or, for an epoch's last step, the epoch too (its evaluation)."""
         trainer = self.trainer
+        epoch_end, self.epoch_ending = self.epoch_ending, False
         if self.over or trainer.state.global_step < self.step:
             return  # an epoch's end: the step already ended (or the Run has)
+        if not epoch_end and self.per_epoch and trainer.state.global_step % self.per_epoch == 0:
+            return  # the epoch's last step: it ends with the epoch, whose end comes next
         if trainer.state.global_step != self.step:
             raise UsageError(f"the Trainer is at step {trainer.state.global_step} where the run expected "
                              f"{self.step}; a step is one optimizer step")
@@ -119,6 +133,7 @@ def _inner_training_loop(b: _Bound, *args: Any, **kw: Any) -> Any:
 def _init_training_state(b: _Bound, max_steps: int, per_epoch: int, epochs: int, resume: Any,
                           trial: Any) -> tuple[int, int]:
     trainer, driver = b.driver.trainer, b.driver
+    driver.per_epoch = per_epoch
     out = b.originals["_init_training_state"](max_steps, per_epoch, epochs, None, trial)
     if max_steps != driver.run.cfg.steps:
         raise UsageError(f"the Trainer counts {max_steps} steps where the run was set up for "
