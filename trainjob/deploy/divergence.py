@@ -154,7 +154,8 @@ def divergence(reference: Path, trial: Path) -> Divergence:
                         reference_other=None if ref_before is None else ref_before[1],
                         trial_other=None if trial_before is None else trial_before[1],
                         others_at_resume=resumed is not None and ref_other == trial_other == resumed)
-    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same, source, tensors_same)
+    return Divergence(first, at, resumed, step, tuple(diffs), tuple(hints(evidence)), same_at_resume=same,
+                      tensors_at_resume=tensors_same, loss_source=source)
 
 
 def _neighbour(held: dict[int, object], step: int | None, prefer: int | None) -> int | None:
