@@ -104,6 +104,8 @@ class TrainJob(pl.Callback):
             # job): the process ends here, before Lightning trains anything, 0 included.
             self._leave(always=True)
         with self._guard():
+            if not state.loaded:  # a fresh start (a resume's load started the workers anew)
+                state.restart_workers()
             self._steps = iter(self.run)
             self._next()
 
