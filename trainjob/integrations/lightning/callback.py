@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
+from packaging.version import Version  # lightning's own dependency
 
 from .state import LightningState, script_state, train_loader
 from ...engine.run import Run
@@ -44,6 +45,7 @@ from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
 from ...records import Score
 
+MIN_LIGHTNING = Version("2.5")  # its fit loop's restart stages (pyproject.toml's lightning extra says why)
 Gate = Callable[[pl.LightningModule], tuple[Score, Score]]
 Export = Callable[[pl.LightningModule], Mapping[str, Any]]
 
@@ -88,6 +90,10 @@ class TrainJob(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
+            if Version(pl.__version__) < MIN_LIGHTNING:
+                raise UsageError(f"lightning {pl.__version__}: trainjob's callback needs lightning >= 2.5 (with "
+                                 "older releases a resume does not continue where the run was); "
+                                 "pip install 'trainjob[lightning]'")
             if trainer.ckpt_path is not None:
                 raise UsageError("trainer.fit(ckpt_path=...) with trainjob's callback: trainjob resumes from "
                                  "the PVC on its own; leave ckpt_path out")
