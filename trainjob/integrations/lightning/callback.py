@@ -5,7 +5,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
-                        the newest verified checkpoint into the live state (``state.py``)
+                        the newest verified checkpoint into the live state (``state.py``); on a
+                        fresh start, the loader's workers start anew, wrapped (``restart_workers``)
     on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
                         again (Lightning's would raise its own exit mid-epoch, and under DDP it
                         broadcasts from inside the handler)
