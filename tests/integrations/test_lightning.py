@@ -256,6 +256,7 @@ def test_lightning_older_than_2_5_is_refused_in_one_line_with_exit_2_before_the_
     assert len(said) == 1 and "lightning 2.4.0" in said[0] and ">= 2.5" in said[0], said
     assert not (tmp_path / "pvc").exists()
 
+
 @pytest.mark.killpoint
 def test_prove_finds_the_example_proven_under_sigkill_and_sigterm(capsys, tmp_path, monkeypatch):
     """Slower than 20 s: the reference and two trials, each killed once (SIGKILL, then SIGTERM) and
