@@ -54,6 +54,20 @@ def test_an_int_of_any_size_and_a_dollar_key_are_exact():
     assert plain.encode(-0.0) == "-0.0" and plain.encode(1.0) == "1.0" and plain.encode(1) == "1"
 
 
+def test_a_list_of_ints_written_whole_is_the_text_int_by_int_gives():
+    """Lists and tuples of ints JSON holds exactly are written whole (an RNG's state, at every
+    checkpoint): the text is the one each int would have given, and one int too big, a bool or a
+    float among them takes the path int by int."""
+    import random
+
+    state = random.Random(3).getstate()
+    assert plain.encode(state) == "{\"$tuple\":[" + ",".join(
+        ["3", "{\"$tuple\":[" + ",".join(map(str, state[1])) + "]}", "null"]) + "]}"
+    assert same(plain.decode(plain.encode(state)), state)
+    assert plain.encode([1, -(2 ** 53) + 1, 2 ** 53]) == '[1,-9007199254740991,{"$int":"0x20000000000000"}]'
+    assert plain.encode((1, True, 2)) == '{"$tuple":[1,true,2]}' and plain.encode([2, 1.0]) == "[2,1.0]"
+
+
 @pytest.mark.parametrize("value, says", [
     ({"a": {"b": {1, 2}}}, "a.b: a set cannot be checkpointed"),
     ({"a": [b"xy"]}, "a[0]: a bytes cannot be checkpointed"),

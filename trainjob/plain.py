@@ -68,13 +68,17 @@ def _to_json(value: Any, path: str) -> Any:
         return int(value) if -_EXACT < value < _EXACT else {"$int": hex(value)}
     if isinstance(value, float):
         return float(value) if math.isfinite(value) else {"$float": _bits(value)}
-    if isinstance(value, list):
-        return [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, list | tuple):
+        # Every checkpoint holds each rank's RNG streams (Python's random: 625 ints, numpy's: 624):
+        # a list of ints JSON holds exactly is written whole, not int by int (about 1 ms each time).
+        if all(type(v) is int and -_EXACT < v < _EXACT for v in value):
+            items = list(value)
+        else:
+            items = [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]
+        return {"$tuple": items} if isinstance(value, tuple) else items
     if isinstance(value, Array):
         return {"$array": {"dtype": value.dtype, "shape": list(value.shape), "hex": value.data.hex(),
                            "torch": value.torch}}
-    if isinstance(value, tuple):
-        return {"$tuple": [_to_json(v, f"{path}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, dict):
         out = {}
         for k, v in value.items():

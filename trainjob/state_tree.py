@@ -130,6 +130,9 @@ def _no_arrays(value: Any, path: str, torch: Any) -> None:
             _no_arrays(v, f"{path}[{i}]", torch)
 
 
+_SCALARS = frozenset({int, float, bool, str, type(None)})  # what _exact hands back as it is
+
+
 def _exact(value: Any, path: str, torch: Any) -> Any:
     """A RankLocal part with each array in it as a ``plain.Array`` of its exact bytes."""
     if isinstance(value, FromRank0):
@@ -147,7 +150,10 @@ def _exact(value: Any, path: str, torch: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _exact(v, f"{path}.{k}", torch) for k, v in value.items()}
     if isinstance(value, list | tuple):  # a subclass (a namedtuple) is written as its base anyway
-        items = [_exact(v, f"{path}[{i}]", torch) for i, v in enumerate(value)]
+        if all(type(v) in _SCALARS for v in value):  # an RNG's state: hundreds of ints, each its own path
+            items = list(value)
+        else:
+            items = [_exact(v, f"{path}[{i}]", torch) for i, v in enumerate(value)]
         return tuple(items) if isinstance(value, tuple) else items
     return value
 

@@ -5,7 +5,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
-                        the newest verified checkpoint into the live state (``state.py``)
+                        the newest verified checkpoint into the live state (``state.py``); on a
+                        fresh start, the loader's workers start anew, wrapped (``restart_workers``)
     on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
                         again (Lightning's would raise its own exit mid-epoch, and under DDP it
                         broadcasts from inside the handler)
@@ -37,6 +38,7 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
+from packaging.version import Version  # lightning's own dependency
 
 from .state import LightningState, script_state, train_loader
 from ...engine.run import Run
@@ -44,6 +46,7 @@ from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
 from ...records import Score
 
+MIN_LIGHTNING = Version("2.5")  # its fit loop's restart stages (pyproject.toml's lightning extra says why)
 Gate = Callable[[pl.LightningModule], tuple[Score, Score]]
 Export = Callable[[pl.LightningModule], Mapping[str, Any]]
 
@@ -88,6 +91,10 @@ class TrainJob(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
+            if Version(pl.__version__) < MIN_LIGHTNING:
+                raise UsageError(f"lightning {pl.__version__}: trainjob's callback needs lightning >= 2.5 (with "
+                                 "older releases a resume does not continue where the run was); "
+                                 "pip install 'trainjob[lightning]'")
             if trainer.ckpt_path is not None:
                 raise UsageError("trainer.fit(ckpt_path=...) with trainjob's callback: trainjob resumes from "
                                  "the PVC on its own; leave ckpt_path out")
@@ -104,6 +111,8 @@ class TrainJob(pl.Callback):
             # job): the process ends here, before Lightning trains anything, 0 included.
             self._leave(always=True)
         with self._guard():
+            if not state.loaded:  # a fresh start (a resume's load started the workers anew)
+                state.restart_workers()
             self._steps = iter(self.run)
             self._next()
 

@@ -25,6 +25,7 @@ import lightning.pytorch as pl
 
 from ...errors import UsageError
 from ...torch import TrainingState
+from ...trainers.torch import loader as loader_state
 
 
 def train_loader(trainer: pl.Trainer) -> Any:
@@ -58,6 +59,27 @@ class LightningState:
 
     def __init__(self, trainer: pl.Trainer, script: TrainingState) -> None:
         self.trainer, self.script = trainer, script
+        self.loaded = False  # a checkpoint was loaded into the live state
+
+    def restart_workers(self) -> None:
+        """Start the loader's workers again, at the same place, now that ``TrainingState`` has
+        wrapped their ``worker_init_fn``: on a fresh start (a load does it itself).
+
+        Lightning built the fit loop's first iterator when its data was set up, before the
+        callback could reach the loader, so that iterator's workers (all of them, with
+        ``persistent_workers``) run without the wrapper: their random streams stayed out of the
+        loader's snapshot, and a resume in that epoch drew other augmentation than the
+        uninterrupted run (measured: a dataset drawing noise in two workers, stopped at step 12
+        of epoch 0, published other bytes; stopped in epoch 1, the same). Nothing has been
+        handed out yet, so the loader's state now (the epoch's order, its seed, its generators)
+        is loaded back, as a resume at this point would, and the new workers start from the same
+        seeds: the same batches as the iterator they replace."""
+        loader = self.script.loader
+        workers = getattr(loader, "num_workers", 0)
+        if isinstance(workers, int) and workers > 0:
+            loader_state.load_state_dict(loader, loader_state.state_dict(loader))
+            assert self.trainer.fit_loop._data_fetcher is not None
+            iter(self.trainer.fit_loop._data_fetcher)
 
     def state_dict(self) -> dict[str, Any]:
         out = dict(self.script.state_dict())
@@ -67,6 +89,7 @@ class LightningState:
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.loaded = True
         self.script.load_state_dict(state)
         fit_loop, loops = self.trainer.fit_loop, state["lightning"]["fit_loop"]
         fit_loop.load_state_dict(loops)
