@@ -31,7 +31,8 @@ also reads its ``/proc/self/io`` ``rchar``: the bytes its ``read`` calls returne
 (the checkpoint's files, plus the few KiB the launch's sockets carry meanwhile). Every rank writes
 its seconds, its bytes read, the checkpoint's size on disk and its peak RSS (VmHWM, once before the
 first save: the model alone, and at the end) as JSON to OUT.<rank>.json. With
-``BENCH_FSDP_PHASES=1`` the trainjob save also records each of its library calls' seconds.
+``BENCH_FSDP_PHASES=1`` the trainjob save also records when each of its library calls began and ended
+(``time.perf_counter``, one clock for every process).
 """
 
 from __future__ import annotations
@@ -139,10 +140,14 @@ if method in ("dcp", "floor"):
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(where))
 
-        def save_floor() -> None:
-            msd, osd = get_state_dict(model, opt)
-            mine = {k: t.numpy() for k, t in local_tensors({"model": msd, "optim": osd}).items()}
-            write_fsync_hashed(raw / f"rank-{rank}.bin", mine)
+        def save_floor(name: str = "rank") -> None:
+            t0 = time.perf_counter()
+            # The live tensors themselves (no get_state_dict: its collectives and copies are DCP's).
+            live = {"model": model.state_dict(), "optim": opt.state_dict()["state"]}
+            mine = {k: t.numpy() for k, t in local_tensors(live).items()}
+            t1 = time.perf_counter()
+            write_fsync_hashed(raw / f"{name}-{rank}.bin", mine)
+            phases.append({"tensors": (t0, t1), "write+sha256+fsync": (t1, time.perf_counter())})
 
         def load() -> None:
             msd, osd = get_state_dict(model, opt)
@@ -152,10 +157,13 @@ if method in ("dcp", "floor"):
                 sha256_local(sd)
             set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
+        if rank == 0:
+            raw.mkdir()
+        dist.barrier()
+        if i == 0:  # untimed, as trainjob's first save: the launch's one-off costs (the first gc, say)
+            save_floor("warm-up") if method == "floor" else dcp.save(
+                dict(zip(("model", "optim"), get_state_dict(model, opt))), checkpoint_id=str(root / "warm-up"))
         if method == "floor":
-            if rank == 0:
-                raw.mkdir()
-            dist.barrier()
             saves.append(timed(save_floor))
             save()  # untimed: what the load floor loads
         else:
@@ -198,14 +206,14 @@ else:
     log = EventLog(pvc.root / "log.jsonl")
     host = HostState()
 
-    def phase(times: dict[str, float], name: str, fn):
+    def phase(times: dict[str, tuple[float, float]], name: str, fn):
         t0 = time.perf_counter()
         try:
             return fn()
         finally:
-            times[name] = time.perf_counter() - t0
+            times[name] = (t0, time.perf_counter())  # one clock for every process: spans line up
 
-    def save_checkpoint(ref: Ref, times: dict[str, float]):
+    def save_checkpoint(ref: Ref, times: dict[str, tuple[float, float]]):
         """One whole checkpoint, call for call as ``Job.write_checkpoint`` and ``Job.announce``
         (rank 0) and ``Run._write_shard`` (the others) make it."""
         step = ref.step
@@ -220,7 +228,8 @@ else:
             return
         phase(times, "space", lambda: store.check_space(state_bytes))
         staging = phase(times, "staging", lambda: store.create_staging(ref, peers.generation))
-        phase(times, "staged", lambda: peers.staged(step))
+        if hasattr(peers, "staged"):  # a library from before issue 45 (an A/B run), whose followers waited for it
+            phase(times, "staged", lambda: peers.staged(step))
         entries = [phase(times, "shard", lambda: store.write_shard(staging, 0, world, step, arrays,
                                                                     fsync_later=True))]
         entries += phase(times, "gather", lambda: peers.gather(
@@ -238,7 +247,7 @@ else:
     save_checkpoint(ref, {})  # untimed: the launch's first (its one-off costs), and one for rotation
     for i in range(repeat):
         ref = Ref(attempt=1, step=i + 2, world_size=world)
-        times: dict[str, float] = {}
+        times: dict[str, tuple[float, float]] = {}
 
         def load() -> None:
             initial = host.snapshot(state.state_dict(), ref.step)
@@ -254,5 +263,5 @@ else:
         sizes.append(tree_size(store.path(ref)))
 Path(f"{out}.{rank}.json").write_text(json.dumps(
     {"save": saves, "load": loads, "read_bytes": read_bytes, "checkpoint_bytes": sizes, "base_rss": base_rss,
-     "peak_rss": vm_hwm(), "state_bytes": state_bytes, "phases": phases if PHASES else []}))
+     "peak_rss": vm_hwm(), "state_bytes": state_bytes, "phases": phases[-repeat:] if PHASES else []}))
 dist.destroy_process_group()
