@@ -147,6 +147,49 @@ def test_receipts_travel_through_the_store_not_as_files(server, pvc):
     assert not any(rank0.has(k) for k in keys) and rank0.has(rank0.key("receipt/6/1"))
 
 
+class Recorded:
+    """A store client that records the name of every call made on it (and on its clones)."""
+
+    def __init__(self, kv, calls: list[str]) -> None:
+        self.kv, self.calls = kv, calls
+
+    def clone(self):
+        return Recorded(self.kv.clone(), self.calls)
+
+    def __getattr__(self, name: str):
+        real = getattr(self.kv, name)
+
+        def call(*args, **kwargs):
+            self.calls.append(name)
+            return real(*args, **kwargs)
+        return call
+
+
+def test_rank_0s_commit_waits_are_one_blocking_wait_each_and_never_poll(server, pvc):
+    """The receipts come 0.3 s after rank 0 began waiting for them, the durable keys later still:
+    rank 0 makes one store ``wait`` for each (no ``check`` loop, no growing sleep), one
+    ``multi_get`` of the receipts, and nothing else; the next checkpoint adds the previous
+    one's deletes, and still no poll."""
+    rank0, (rank1,) = launch(server, pvc, 2, timeout=10.0)
+    calls: list[str] = []
+    rank0.kv, rank0._waits_kv = Recorded(rank0.kv, calls), Recorded(rank0._waits_kv, calls)
+    entry = ShardEntry(rank=1, file="shard-00001-of-00002.safetensors", size=1, sha256="ab" * 32, holds=())
+
+    def checkpoint(step: int) -> list[ShardEntry]:
+        follower = threading.Timer(0.3, rank1.deliver, (step, entry, lambda e: None, lambda: time.sleep(0.3)))
+        follower.start()
+        got = rank0.gather(None, None, step)  # type: ignore[arg-type]
+        rank0.durable(step)
+        follower.join(10)
+        return got
+
+    assert checkpoint(2) == [entry]
+    assert calls == ["wait", "multi_get", "wait"]
+    calls.clear()
+    assert checkpoint(4) == [entry]
+    assert calls == ["wait", "multi_get", "delete_key", "delete_key", "wait"]
+
+
 def test_a_follower_writes_its_shard_without_waiting_for_rank_0(server, pvc):
     """The staging directory's name is known to every rank: a follower makes it if rank 0 has
     not yet, so its shard need not wait for a word from rank 0 (one ordered round trip less
