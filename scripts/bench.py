@@ -19,8 +19,9 @@ reference in the same run (this machine's disk and cores are shared, so nothing 
 - trainer (needs torch): a torch model under ``trainjob.Run`` against the bare loop, and the peers
   (DCP, torch.save) on the same live state.
 - async (needs torch): ``--async-checkpoint``'s stall and run time against the run without.
-- fsdp (needs torch): an FSDP2 model's sharded state saved and loaded at W=2 under torchrun,
-  trainjob against torch.distributed.checkpoint, with peak RSS per rank.
+- fsdp (needs torch): an FSDP2 model's sharded state saved and loaded under torchrun at each
+  ``--fsdp-world-sizes`` and ``--fsdp-mib``, trainjob against torch.distributed.checkpoint and
+  against the floors of a save and a load that verify, with bytes read and peak RSS per rank.
 - s3 (needs the s3 and test extras): a checkpoint to a local S3 server against the client alone.
 
 Each module's docstring says exactly what it measures; ``--help`` lists the knobs.
@@ -70,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--async-every", type=int, default=4,
                     help="async: a checkpoint every this many steps (pick it so the writer keeps up: the table says)")
     ap.add_argument("--startup-repeat", type=int, default=10, help="startup: runs of each command, each between its two references (default 10)")
-    ap.add_argument("--fsdp-mib", type=int, default=72, help="fsdp: MiB of sharded state (weights + AdamW moments)")
+    ap.add_argument("--fsdp-mib", default="8,64",
+                    help="fsdp: MiB of sharded state (weights + AdamW moments), comma-separated (default 8,64)")
+    ap.add_argument("--fsdp-world-sizes", default="2,4", help="fsdp: comma-separated world sizes (default 2,4)")
     ap.add_argument("--fsdp-rounds", type=int, default=3, help="fsdp: launches of each method, alternating")
     ap.add_argument("--s3-mib", type=int, default=256, help="s3: the checkpoint's size in MiB (default 256)")
     ap.add_argument("--only", choices=("all", *SECTIONS), default="all", help="run every section, or one")
@@ -106,7 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             out["async"] = asynchronous.run_section(work, args.repeat, args.trainer_dim, args.async_steps,
                                                     args.async_every)
         if "fsdp" in sections and torch_ok:
-            out["fsdp"] = fsdp.run_section(work, args.fsdp_rounds, args.repeat, args.fsdp_mib)
+            out["fsdp"] = fsdp.run_section(work, args.fsdp_rounds, args.repeat,
+                                           [int(m) for m in args.fsdp_mib.split(",")],
+                                           [int(w) for w in args.fsdp_world_sizes.split(",")])
         if "s3" in sections:
             out["s3"] = s3.run_section(work, args.repeat, args.s3_mib)
         probes.append(cpu_probe())

@@ -203,7 +203,6 @@ def count_requests(work: Path, world: int) -> dict[str, dict[str, int]]:
         writers = [threading.Thread(target=write, args=(f,)) for f in followers]
         for t in writers:
             t.start()
-        rank0.staged(step)
         rank0.gather(lambda r: True, lambda r: entries[r], step)
         rank0.durable(step)
         for t in writers:

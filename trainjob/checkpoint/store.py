@@ -428,9 +428,12 @@ class Committer(ShardWriter):
         ``checkpointed`` line's fsync can run beside it (docs/checkpoints.md). ``others()``: waits
         until the other ranks' shards are durable (``Coordinator.durable``), called while this
         rank's fsyncs of the commit run, before the rename."""
-        if self.pvc.local:  # receipts were for rank 0 only; the manifest now says it all
-            for shard in manifest.shards:
-                (staging / (shard.file + RECEIPT)).unlink(missing_ok=True)
+        if self.pvc.local:  # receipt files (the files transport's) were for rank 0 only; the manifest now says it all
+            # One listing, not an unlink per shard: through the store there are none, and W - 1
+            # failed unlinks on a network file system are W - 1 round trips to its server.
+            for name in os.listdir(staging):
+                if name.endswith(RECEIPT):
+                    (staging / name).unlink(missing_ok=True)
         data, then = record_bytes(manifest), None
         if point:  # the manifest's sha256 is known before it is written: the pointer can be written beside it
             pointer = self.pointer(manifest, ref, hashlib.sha256(data).hexdigest())

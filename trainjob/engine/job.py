@@ -328,7 +328,6 @@ class Job(MachineModel, AsyncCheckpoints):
         ref = Ref(attempt=self.attempt, step=step, world_size=world)
         self.store.check_space(last_size or sum(a.nbytes for a in tensors.values()) + 4096 * world)
         staging = self.store.create_staging(ref, self.peers.generation)
-        self.peers.staged(ref.step)
         entries = [self.store.write_shard(staging, 0, world, ref.step, tensors, fsync_later=True)]
         entries += self.peers.gather(lambda r: self.store.receipt_path(staging, r, world).exists(),
                                      lambda r: self.store.read_receipt(staging, r, world), ref.step)

@@ -107,4 +107,4 @@ def follower(pvc: Pvc, rank: int, world_size: int, timeout: float, stop_signal: 
         return PvcFollower(pvc, rank, world_size, timeout, stop_signal)
     with importing("the store transport"):
         from .store import StoreFollower
-    return StoreFollower(open_store(env, timeout), rank, world_size, timeout, stop_signal)
+    return StoreFollower(open_store(env, timeout), rank, world_size, timeout, stop_signal, pvc)

@@ -14,9 +14,10 @@ order a launch meets them:
     wait_joined()                                                 (waits for begin, or the end)
     begin()
     ... every rank trains, checking stop_wanted() / agree_stop() after each step ...
-    per checkpoint: staged(step), its    wait_staging(), write a shard,
-    own shard, gather(receipts),         deliver(its receipt, its fsync)
-    the manifest, durable(), commit
+    per checkpoint: the staging          wait_staging(), write a shard,
+    directory, its own shard,            deliver(its receipt, its fsync)
+    gather(receipts), the manifest,
+    durable(), commit
     finish(state)                        wait_outcome()        -> rank 0's state
 
 Must not: decide anything about training or write a checkpoint; every wait is bounded.
@@ -81,10 +82,6 @@ class Coordinator(Coordination, Protocol):
     def begin(self) -> None:
         """(rank 0, once every rank joined and there is something to train) Let the others start."""
 
-    def staged(self, step: int) -> None:
-        """(rank 0, at each checkpoint, right after creating the staging directory of ``step``)
-        Tell the others they may write their shards into it."""
-
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], ShardEntry], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after writing its own shard) Every other rank's receipt of
         ``step`` (its shard written: size and sha256), in rank order: files wait until
@@ -124,7 +121,7 @@ class Follower(Coordination, Protocol):
 
     def wait_staging(self, staging: Path, step: int) -> None:
         """(ranks >= 1, at each checkpoint, before writing a shard) Wait for rank 0's staging
-        directory of ``step``."""
+        directory of ``step`` (files), or make it if rank 0 has not yet (the store)."""
 
     def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
                 sync: Callable[[], object] = lambda: None) -> None:

@@ -250,9 +250,6 @@ class PvcCoordinator(PvcPeers):
         if not self.solo:
             self._write(self._note_path("join", 0), RankNote(rank=0, step=self.step))
 
-    def staged(self, step: int) -> None:
-        """(rank 0, at each checkpoint) Nothing to say: the staging directory is the others' signal."""
-
     def durable(self, step: int) -> None:
         """(rank 0, before the commit's rename) Nothing to wait for: a receipt file is written
         only once its shard is durable (``PvcFollower.deliver``)."""

@@ -13,7 +13,6 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/stop/1           rank 1's stop note: the signal it received
     g00000003/round/17         the 17th stop round: ranks arrived + STOP x ranks that want to stop
     g00000003/round/17/done    its total, set by the last rank to arrive (END if rank 0 finished)
-    g00000003/staged/8         rank 0 created the staging directory of step 8
     g00000003/receipt/8/1      rank 1's shard of step 8 is written: its ShardEntry (size, sha256)
     g00000003/durable/8/1      rank 1's shard of step 8 is durable (fsynced): rank 0 may commit
     verify                     Candidate: a checkpoint rank 0 asks every rank to verify its share of
@@ -29,6 +28,11 @@ other rank, waiting to join, reads its share of it (``CheckpointStore.load_local
 aside and tries the next), or ``failed:`` and why (the rank itself failed, and ends with its own
 code; rank 0 ends with PeerFailed, 75). So no rank reads or hashes more than its share, and rank
 0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md).
+
+A checkpoint takes no word from rank 0 before the shards: every rank knows the staging
+directory's name, and the first to get there makes it (``StoreFollower.wait_staging``). Rank 0
+then waits, in one blocking store call each, for the receipts and for the word that the shards
+are durable (``StorePeers.await_keys``): nothing in the commit polls.
 
 Unlike the files, a stop is agreed in *rounds*: after every step every rank adds its vote to that
 step's round key and waits until all have (``stop_wanted``), so all learn in the same round that
@@ -64,7 +68,7 @@ from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
 from ..exits import EXIT_RELAUNCH, exit_code_for
 from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps, load
-from ..storage.pvc import Pvc
+from ..storage.pvc import Pvc, make_dir
 from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
                     wait_for)
 
@@ -196,38 +200,36 @@ class StorePeers:
             for key in keys:
                 self.kv.delete_key(key)
 
-    def await_keys(self, keys: list[str], what: Callable[[], str], poll: Callable[[], None]) -> None:
-        """Wait until every one of ``keys`` is set, at most ``--rank-timeout`` (RankTimeout naming
-        ``what()``): a checkpoint's waits, for the staging key and for the receipts.
+    def await_keys(self, keys: list[str], what: Callable[[], str]) -> None:
+        """(rank 0) Wait until every one of ``keys`` is set, at most ``--rank-timeout``
+        (RankTimeout naming ``what()``): the others' verdicts in a verdict round, and in a
+        checkpoint's commit their receipts, then their word that their shards are durable.
 
-        A poll wakes after the key is set, by up to half the time waited so far (its interval
-        grows), which at a small checkpoint was a third of the ranks' whole wait. So the wait is
-        the store's own, blocking, answered the moment the last key is set, on a connection of
-        its own (a client serves one call at a time: no other call of this rank waits behind it)
-        beside this thread (``wait_beside``), which runs ``poll`` meanwhile (a newer generation,
-        rank 0's end). When ``poll`` raises, the helper is left to its wait and its connection
-        with it (the next wait clones another). Keys already set need no poll: they are this
-        generation's, set by ranks of this launch."""
-        if self.has(*keys):
-            return
-        poll()
-        deadline = time.monotonic() + self.timeout
+        One blocking store ``wait`` on this thread, answered the moment the last key is set: no
+        poll (a poll's interval grows, and it woke up to half the time waited after the key was
+        set, at a small checkpoint a third of the ranks' whole wait), and no helper thread either
+        (its start and its wake-up, then this thread's, each wait for a core when the ranks share
+        them). Nothing needs checking meanwhile: rank 0 leads the launch, and a signal's handler
+        (run once the wait returns) only sets a flag read after the checkpoint. It runs on a connection of its own (a client
+        serves one call at a time: an async checkpoint's writer thread waiting here holds up no
+        stop round), cloned when another wait holds it."""
         kv, self._waits_kv = self._waits_kv, None  # held by this wait until it returns
         if kv is None:
             with answering("opening a connection for waits"):
                 kv = self.kv.clone()
-        error = wait_beside(kv, keys, max(deadline - time.monotonic(), 0.001), "trainjob-keys", poll)
-        if error is None:
-            self._waits_kv = kv
-            return
-        # The store's wait timed out, or the store is gone (then this check says so: RankTimeout).
-        if self.has(*keys):
-            return
-        if time.monotonic() >= deadline - 0.1 * self.timeout:  # the store rounds its timeout to milliseconds
+        started = time.monotonic()
+        try:
+            kv.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as error:  # the store's timeout (DistStoreError), or the store is gone
+            if self.has(*keys):  # gone: this check says so (RankTimeout, "did not answer")
+                self._waits_kv = kv
+                return
+            if time.monotonic() - started < 0.9 * self.timeout:  # the store rounds its timeout to milliseconds
+                with answering(f"waiting for {keys[0]}"):
+                    raise error from None
             raise RankTimeout(f"waited {self.timeout:g}s for {what()}; relaunch all ranks together "
-                              "(or raise --rank-timeout)")
-        with answering(f"waiting for {keys[0]}"):
-            raise error
+                              "(or raise --rank-timeout)") from None
+        self._waits_kv = kv
 
     def read(self, key: str, cls: type[T]) -> T:
         return load(self.get(key), cls, where=f"rendezvous store key {key}")
@@ -341,7 +343,8 @@ class StoreCoordinator(StorePeers):
                  stop_signal: Callable[[], str | None]) -> None:
         super().__init__(kv, 0, world_size, timeout, stop_signal)
         self.files = PvcCoordinator(pvc, world_size, timeout, stop_signal)
-        self.spent: list[str] = []  # the last checkpoint's keys, read and not dropped yet
+        self.spent: list[str] = []  # keys of the last checkpoint, read and not dropped yet
+        self.receipts: list[str] = []  # this checkpoint's receipt keys, read by ``gather``
         self.nonce, self.verify_rounds = uuid.uuid4().hex, 0  # this process's verdict rounds
 
     shares_verification = True
@@ -357,7 +360,7 @@ class StoreCoordinator(StorePeers):
         verdicts: list[tuple[int, str | None]] = [(0, mine())]
         keys = {r: f"verify/{self.nonce}/{n}/{r}" for r in range(1, self.world_size)}
         self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
-                        f"verify their share of {checkpoint}", lambda: None)
+                        f"verify their share of {checkpoint}")
         with answering(f"reading the verdicts on {checkpoint}"):
             values = [bytes(v).decode("utf-8", "replace") for v in self.kv.multi_get(list(keys.values()))]
         # Left in the store: W small keys once per launch, where dropping them costs W requests.
@@ -397,15 +400,6 @@ class StoreCoordinator(StorePeers):
         if not self.solo:
             self.set(self.key("begin"), str(self.step))
 
-    def staged(self, step: int) -> None:
-        """(rank 0, at each checkpoint, once the staging directory exists) The others may write.
-        Then the previous checkpoint's keys go (``gather`` leaves them): the others are writing
-        by now, so these round trips delay nobody, where in ``gather`` they delayed the commit."""
-        self.set(self.key(f"staged/{step}"), str(step))
-        spent, self.spent = self.spent, []
-        if spent:
-            self.drop(*spent)
-
     def gather(self, ready: Callable[[int], bool], read: Callable[[int], Any], step: int) -> list[ShardEntry]:
         """(rank 0, at each checkpoint, after its own shard) Every other rank's receipt of
         ``step``, from the store (``ready`` and ``read``, the files' way, are not needed)."""
@@ -416,21 +410,27 @@ class StoreCoordinator(StorePeers):
         for r, entry in zip(keys, entries):
             if entry.rank != r or entry.file != shard_file(r, self.world_size):
                 raise InputError(f"rendezvous store key {keys[r]}: not rank {r}'s receipt")
-        self.spent = [self.key(f"staged/{step}"), *keys.values()]  # read: ``staged`` drops them next time
+        self.receipts = list(keys.values())  # read: ``durable`` drops them at the next checkpoint
         return entries
 
     def durable(self, step: int) -> None:
         """(rank 0, after ``gather``, before the commit's rename) Every other rank's word that its
         shard of ``step`` is durable: its receipt came as soon as the shard was written, so this
-        rank wrote the manifest and began the commit's fsyncs while the others' fsyncs ran."""
-        self.spent += self._await_others("durable", step, f"make their shards of step {step} durable").values()
+        rank wrote the manifest and began the commit's fsyncs while the others' fsyncs ran.
+        First the previous checkpoint's keys go (nobody reads them again): these round trips
+        run beside this rank's own fsyncs of the commit, so they delay nothing there, where
+        anywhere before the shards they delayed every rank's (the store's host shares the cores)."""
+        if self.spent:
+            self.drop(*self.spent)
+        durable = self._await_others("durable", step, f"make their shards of step {step} durable")
+        self.spent = [*self.receipts, *durable.values()]
 
     def _await_others(self, name: str, step: int, doing: str) -> dict[int, str]:
         """Wait for every other rank's key ``name/step/rank`` (RankTimeout: "ranks [...] to
         ``doing``"); return the keys by rank."""
         keys = {r: self.key(f"{name}/{step}/{r}") for r in range(1, self.world_size)}
         self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
-                        f"{doing}", lambda: None)
+                        f"{doing}")
         return keys
 
     def peer_signal(self) -> str | None:
@@ -471,8 +471,13 @@ class StoreCoordinator(StorePeers):
 
 
 class StoreFollower(StorePeers):
-    """(ranks >= 1) Follows the launch rank 0 leads through the store: ``Follower`` on a store."""
+    """(ranks >= 1) Follows the launch rank 0 leads through the store: ``Follower`` on a store.
+    ``pvc``: where its shards go; the staging directory is all it makes there (``wait_staging``)."""
 
+    def __init__(self, kv: Any, rank: int, world_size: int, timeout: float,
+                 stop_signal: Callable[[], str | None], pvc: Pvc | None = None) -> None:
+        super().__init__(kv, rank, world_size, timeout, stop_signal)
+        self.pvc = pvc
 
     def begun(self, generation: int | None = None) -> bool:
         return self.has(self.key("begin", generation))
@@ -559,10 +564,13 @@ class StoreFollower(StorePeers):
             raise Superseded(f"generation {self.generation} was superseded")
 
     def wait_staging(self, staging: Path, step: int) -> None:
-        """(ranks >= 1, at each checkpoint) Wait for rank 0's word that ``staging`` exists, rather
-        than for the directory to show up here (a network file system may show it late)."""
-        self.await_keys([self.key(f"staged/{step}")], lambda: f"rank 0 to start checkpoint step {step} "
-                        f"({staging.name})", self.poll)
+        """(ranks >= 1, at each checkpoint) Nothing to wait for: on a directory PVC this rank
+        makes the staging directory if rank 0 has not yet (``make_dir`` takes either order), on a
+        bucket there is none. Its name is known to every rank (the step and the generation), so
+        rank 0's word that it exists is one ordered round trip the shards need not wait for: every
+        rank's shard starts at once. The ranks still meet after every step (the stop rounds)."""
+        if self.pvc is not None and self.pvc.local:
+            make_dir(staging)
 
     def deliver(self, step: int, entry: ShardEntry, write: Callable[[ShardEntry], None],
                 sync: Callable[[], object] = lambda: None) -> None:
