@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainjob.storage import digest
-from trainjob.storage.digest import Sha256Pipe
+from trainjob.storage.digest import Sha256Pipe, root
 
 SIZES = st.lists(st.sampled_from([0, 1, 7, 2048, (256 << 10) - 1, 256 << 10, (1 << 20) + 3]), max_size=12)
 
@@ -30,3 +30,23 @@ def test_a_kept_stream_never_queues_more_than_its_bound(monkeypatch):
         most = max(most, pipe._queued)
     assert most <= (1 << 20) + chunk
     assert pipe.hexdigest() == hashlib.sha256(b"".join(bytes([i]) * chunk for i in range(64))).hexdigest()
+
+
+@given(data=st.binary(max_size=4000), cuts=st.lists(st.integers(0, 4000), max_size=6),
+       chunk=st.integers(1, 700), kept=st.booleans())
+def test_a_stream_hashed_in_parts_gives_each_parts_sha256_and_their_root_however_it_is_chunked(data, cuts, chunk,
+                                                                                              kept):
+    """What a shard's part digests are (storage/digest.py): each part's sha256 whatever the chunks
+    straddle, empty parts included, and the root over them; a stream longer than its parts can
+    never hash to the root its parts would give."""
+    bounds = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])] or [0]
+    pipe = Sha256Pipe(buffers_kept=kept, parts=sizes)
+    for i in range(0, len(data), chunk):
+        pipe.update(memoryview(data[i:i + chunk]))
+    expected = [hashlib.sha256(data[a:b]).hexdigest() for a, b in zip(bounds, bounds[1:])] or \
+        [hashlib.sha256(b"").hexdigest()]
+    assert pipe.hexdigest() == root(expected) and pipe.parts() == expected
+    longer = Sha256Pipe(parts=sizes)
+    longer.update(memoryview(data + b"x"))
+    assert longer.hexdigest() != root(expected)

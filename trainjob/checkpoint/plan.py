@@ -278,7 +278,7 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     return problems
 
 
-def parts(shard: ShardEntry) -> list[tuple[TensorSlice, int]]:
+def slice_offsets(shard: ShardEntry) -> list[tuple[TensorSlice, int]]:
     """(schema 2) Each slice of a shard with its byte offset in the file: after the header, in
     name order, back to back, as ``shards.encode`` writes them."""
     assert shard.header is not None

@@ -30,7 +30,7 @@ from ..errors import InputError, TryAgainLater, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
 from ..records import ShardEntry, TensorSlice, TensorSpec
-from .plan import slice_bytes
+from .plan import slice_bytes, slice_offsets
 from ..tensors import dtype_code, np_dtype
 
 CHUNK = 8 << 20  # bytes per write/hash call: large enough to release the GIL, small enough to stream
@@ -368,13 +368,11 @@ def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, An
             except (ValueError, RecursionError):
                 return f"{shard.file}: not a valid safetensors file (its header)"
             metadata.update(_metadata(shard.file, header))
-        at = shard.header or 0
-        for h in sorted(shard.holds, key=lambda h: h.name):
-            nbytes, out = slice_bytes(h), dest.get(h.name)
-            window = _Window(src, at, nbytes)
-            at += nbytes
-            if out is None and h.name not in dest:
+        for h, at in slice_offsets(shard):
+            if h.name not in dest:
                 continue
+            nbytes, out = slice_bytes(h), dest[h.name]
+            window = _Window(src, at, nbytes)
             digest = Sha256Pipe()
             if out is None:
                 got = _skim(window, nbytes, digest)
