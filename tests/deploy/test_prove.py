@@ -137,7 +137,10 @@ def test_a_batch_generator_living_across_steps_is_caught_at_the_first_step_after
     script.write_text(source.replace(drawn, "batches.choice(")
                       .replace("with trainjob.Run(", "batches = np.random.default_rng(1)\nwith trainjob.Run(", 1)
                       .replace(printed, printed + "        print(f'step {step} loss {loss.item()}')\n"))
-    code = cli.main(["prove", "--kills", "1", "--", PYTHON, str(script), "--pvc", "{pvc}",
+    # --seed 1: the kill comes after the first of the 4 checkpoints, so a watcher that lags on a
+    # loaded machine still kills before the last one (seed 0 drew the third, and a CI run's kill
+    # landed after the last checkpoint: nothing left to diverge).
+    code = cli.main(["prove", "--kills", "1", "--seed", "1", "--", PYTHON, str(script), "--pvc", "{pvc}",
                      "--steps", "20", "--ckpt-every", "5"])
     out = capsys.readouterr().out
     assert code == 1, out
