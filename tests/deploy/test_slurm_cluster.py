@@ -1,0 +1,114 @@
+"""`trainjob slurm render` on a real Slurm cluster (scripts/slurm.sh, one node on loopback): the
+rendered scripts submitted with sbatch, interrupted the ways a cluster interrupts jobs, and read
+back with `scontrol show job`. Each test has the cluster to itself (the ``slurm`` fixture); a
+requeued job waits about 12 s (cred_expire, then a scheduling cycle) before it runs again, which is
+most of these tests' time: each interrupts one job several times rather than submitting several."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, snapshot, trainjob
+
+pytestmark = [pytest.mark.process, pytest.mark.slurm]
+
+# The lab's linear model, each step 0.05 s longer (tests/helpers/user_trainers.py): 15 s of training.
+SLOW = ["--trainer", "user_trainers:slow", "--steps", "300", "--ckpt-every", "10"]
+
+
+def render(env: dict[str, str], *argv: str | Path) -> str:
+    result = trainjob("slurm", "render", *map(str, argv), env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def submit(env: dict[str, str], tmp_path: Path, script: str, *sbatch: str) -> str:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    done = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", *sbatch, str(path)],
+                          env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    return done.stdout.strip().split(";")[0]
+
+
+def show(env: dict[str, str], job: str) -> dict[str, str]:
+    """`scontrol show job -o`'s fields (Comment and Command may hold spaces; not read here)."""
+    line = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                          check=True).stdout
+    return dict(word.split("=", 1) for word in line.split() if "=" in word)
+
+
+def wait_for(what: str, check, timeout: float = 120):  # noqa: ANN001 (a predicate)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (found := check()):
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def logged(pvc: Path) -> list[str]:
+    try:
+        return [json.loads(line)["event"] for line in (pvc / "log.jsonl").read_text().splitlines() if line]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def ended(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, str]:
+    return wait_for(f"job {job} to end", lambda: (f := show(env, job))["JobState"] in
+                    ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL") and f, timeout)
+
+
+def output(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in sorted(tmp_path.glob("job-*.out")))
+
+
+def reference(tmp_path: Path, *run_args: str) -> dict[str, bytes]:
+    """The artifacts of the same run, uninterrupted and without Slurm."""
+    pvc = tmp_path / "reference"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")]),
+           "TRAINJOB_TEST_STEP_SECONDS": "0"}
+    result = trainjob("run", "--pvc", pvc, *run_args, env=env)
+    assert result.returncode == 0, result.stderr
+    return snapshot(pvc / "artifacts")
+
+
+def resumes(pvc: Path) -> int:
+    return logged(pvc).count("resumed")
+
+
+def test_requeue_scancel_and_preemption_each_resume_to_the_uninterrupted_bytes(slurm, tmp_path):
+    """One lab job, interrupted three ways in turn: `scontrol requeue` mid-run, `scancel
+    --signal=TERM` (the tasks only: the script requeues itself on 75), and a preemption by a job in
+    a higher-priority partition (PreemptMode=REQUEUE, GraceTime 20 s). About a minute: three
+    requeues, each waited out."""
+    pvc = tmp_path / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--partition", "low", "--grace", "20", "--", "run", *SLOW))
+
+    def interrupt(how: list[str], n: int) -> None:
+        wait_for(f"a checkpoint after resume {n}", lambda: resumes(pvc) == n and logged(pvc)[-1:] == ["checkpointed"])
+        subprocess.run(how, env=slurm, check=True, capture_output=True)
+        wait_for(f"resume {n + 1}", lambda: resumes(pvc) == n + 1)
+
+    interrupt(["scontrol", "requeue", job], 0)
+    interrupt(["scancel", "--signal=TERM", job], 1)
+    cpus = show(slurm, job)["NumCPUs"]
+    node_cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], env=slurm, capture_output=True, text=True).stdout.strip()
+    assert cpus == "1"
+    preemptor = subprocess.run(["sbatch", "--parsable", "--partition=high", f"--cpus-per-task={node_cpus}",
+                                f"--output={tmp_path}/preemptor.out", "--wrap", "sleep 1"],
+                               env=slurm, capture_output=True, text=True, check=True).stdout.strip()
+    wait_for("resume 3", lambda: resumes(pvc) == 3)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 3
+    assert show(slurm, preemptor)["JobState"] == "COMPLETED"
+    events = logged(pvc)
+    assert events.count("killed") == 3 and events.count("job_started") == 1, events  # no attempt spent
+    assert events[-1] == "completed"
+    assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW)
