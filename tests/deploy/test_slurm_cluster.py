@@ -112,3 +112,62 @@ def test_requeue_scancel_and_preemption_each_resume_to_the_uninterrupted_bytes(s
     assert events.count("killed") == 3 and events.count("job_started") == 1, events  # no attempt spent
     assert events[-1] == "completed"
     assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW)
+
+
+def test_bad_input_fails_at_once_and_a_failed_gate_is_requeued_only_within_its_budget(slurm, tmp_path):
+    """Three jobs at once: bad data (exit 2, never requeued), a gate that fails with --backoff-limit
+    0 (exit 1, never requeued) and with --backoff-limit 1 (exactly one requeue, a fresh attempt,
+    then FAILED: the script reads that the budget is spent, so no launch is spent only to log
+    job_failed). The lab's quick model; one requeue waited out."""
+    bad = tmp_path / "bad-data"
+    bad.mkdir()
+    for name in ("train.jsonl", "holdout.jsonl", "baseline.json"):
+        (bad / name).write_text("not json\n")
+    jobs = {}
+    for name, args in {"bad": ["--", "run", "--data", str(bad)],
+                       "budget0": ["--backoff-limit", "0", "--", "run", "--force-weights", "0,0,0"],
+                       "budget1": ["--backoff-limit", "1", "--", "run", "--force-weights", "0,0,0"]}.items():
+        (tmp_path / name).mkdir()
+        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", tmp_path / name / "pvc", *args))
+    expected = {"bad": ("2:0", 0, []), "budget0": ("1:0", 0, ["job_started", "drift_failed"]),
+                "budget1": ("1:0", 1, ["job_started", "drift_failed", "job_started", "drift_failed"])}
+    for name, job in jobs.items():
+        fields = ended(slurm, job)
+        code, restarts, events = expected[name]
+        said = output(tmp_path / name)
+        assert (fields["JobState"], fields["ExitCode"], int(fields["Restarts"])) == ("FAILED", code, restarts), said
+        assert [e for e in logged(tmp_path / name / "pvc") if e in ("job_started", "drift_failed", "job_failed")] \
+            == events, name
+    assert "bad input (exit 2): not requeued" in output(tmp_path / "bad")
+    assert "retry budget is spent" in output(tmp_path / "budget0")
+    assert "requeued for a fresh attempt" in output(tmp_path / "budget1")
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path):
+    """A 256 KiB tmpfs, filled: every write fails with ENOSPC. Needs root (the cluster does too)."""
+    where = tmp_path / "full"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], check=True)
+    try:
+        with open(where / "fill", "wb") as fill:
+            try:
+                fill.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_storage_that_always_fails_stops_after_the_no_progress_bound_naming_it(slurm, tmp_path, full_tmpfs):
+    """A PVC on a full tmpfs: every launch exits 75 with no checkpoint. With --max-stalls 2 the job
+    is requeued once, then ends FAILED with one line naming the storage: no endless requeue."""
+    pvc = full_tmpfs / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--max-stalls", "2", "--", "run"))
+    fields = ended(slurm, job)
+    said = output(tmp_path)
+    assert (fields["JobState"], fields["ExitCode"], int(fields["Restarts"])) == ("FAILED", "1:0", 1), said
+    assert said.count("No space left on device") == 2
+    (stop,) = [line for line in said.splitlines() if "no new checkpoint" in line]
+    assert f"storage at {pvc}" in stop and "2 launches in a row" in stop
