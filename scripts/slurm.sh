@@ -12,7 +12,7 @@
 # `slurmctld -D`, `slurmd -D`) as a background process of this script whose PID goes to DIR/pids.
 # Three partitions: `debug` (the default), and `low`, whose jobs a job in `high` preempts by
 # requeueing them after a GraceTime (what a shared cluster's preemption does). A requeued job waits
-# cred_expire (10 s here, 120 by default) and a scheduling cycle before it starts again.
+# cred_expire (5 s here, 120 by default) and a scheduling cycle before it starts again.
 set -euo pipefail
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }
@@ -53,7 +53,7 @@ up() {
     chmod 600 "$dir/munge/munge.key"
     local node ctld_port slurmd_port cpus
     node=$(hostname -s)
-    cpus=$(nproc)
+    cpus=$(getconf _NPROCESSORS_ONLN)  # not nproc, which OMP_NUM_THREADS=1 makes say 1
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
     while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
@@ -66,7 +66,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$dir/munge/socket,cred_expire=10
+AuthInfo=socket=$dir/munge/socket,cred_expire=5
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool
 SlurmctldPidFile=$dir/slurmctld.pid

@@ -171,3 +171,23 @@ def test_storage_that_always_fails_stops_after_the_no_progress_bound_naming_it(s
     assert said.count("No space left on device") == 2
     (stop,) = [line for line in said.splitlines() if "no new checkpoint" in line]
     assert f"storage at {pvc}" in stop and "2 launches in a row" in stop
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("ranks", [["--ntasks-per-node", "2"], ["--nproc-per-node", "2"]], ids=["srun-tasks", "torchrun"])
+def test_w2_preempted_and_requeued_reaches_the_uninterrupted_w2_bytes(slurm, tmp_path, ranks):
+    """W=2 as two srun tasks (ranks from SLURM_PROCID, agreeing through files on the PVC) and as one
+    `trainjob torchrun --nproc-per-node 2` (its store): preempted by a job of the high partition
+    once checkpointed, requeued, completed with the bytes of an uninterrupted W=2 run."""
+    pvc = tmp_path / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--partition", "low", "--grace", "20", *ranks,
+                                         "--", "run", *SLOW))
+    wait_for("a checkpoint", lambda: "checkpointed" in logged(pvc))
+    subprocess.run(["sbatch", "--partition=high", "--cpus-per-task=2", f"--output={tmp_path}/preemptor.out",
+                    "--wrap", "sleep 1"], env=slurm, capture_output=True, text=True, check=True)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 1
+    events = logged(pvc)
+    assert "killed" in events and "resumed" in events and events.count("job_started") == 1, events
+    assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW, "--world-size", "2")
