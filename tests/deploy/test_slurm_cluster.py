@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -191,3 +192,20 @@ def test_w2_preempted_and_requeued_reaches_the_uninterrupted_w2_bytes(slurm, tmp
     events = logged(pvc)
     assert "killed" in events and "resumed" in events and events.count("job_started") == 1, events
     assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW, "--world-size", "2")
+
+
+@pytest.mark.torchrun  # examples/own_loop.py imports torch
+def test_an_own_loop_rendered_with_python_is_requeued_after_scancel_term_and_completes(slurm, tmp_path):
+    """examples/own_loop.py rendered with `-- python ... --pvc {pvc}`: scancel --signal=TERM after
+    its first checkpoint, requeued by the script on 75, resumed, completed (its Run idempotent from
+    the script's TRAINJOB_IDEMPOTENT=1)."""
+    pvc = tmp_path / "pvc"
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "200", "--ckpt-every", "10"]
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--", *loop))
+    wait_for("a checkpoint", lambda: "checkpointed" in logged(pvc))
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 1
+    events = logged(pvc)
+    assert "killed" in events and "resumed" in events and events[-1] == "completed", events
