@@ -3,8 +3,8 @@
 The codes themselves, and which error and which final state gets which, are ``exits.py``'s (the
 one table, shared with the engine's ``Run``). Output that cannot be written (stdout closed with
 ``>&-``) is an error too. The same contract read the other ways lives here: how ``supervise``
-reads its child's exit code and which code it exits with, and which Job action ``k8s render``
-gives each code.
+reads its child's exit code and which code it exits with, which Job action ``k8s render``
+gives each code, and what ``slurm after`` answers a rendered batch script (``policy.after_launch``).
 
 ``trainjob run`` is one client of the engine's ``Run`` (``train`` below drives a Trainer through
 it), as a user's own training script is another.
@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int,
                    help="number of ranks (default: $WORLD_SIZE, else 1); without a rank, starts them all here")
     r.add_argument("--rank", type=int,
-                   help="this process's rank (default: $RANK, else $JOB_COMPLETION_INDEX); 0 coordinates")
+                   help="this process's rank (default: $RANK, else an srun task's $SLURM_PROCID, else "
+                        "$JOB_COMPLETION_INDEX); 0 coordinates")
     r.add_argument("--rank-timeout", type=float, default=d.rank_timeout,
                    help="seconds any wait for another rank may take before exiting 75")
     r.add_argument("--async-checkpoint", action="store_true",
