@@ -119,3 +119,17 @@ def test_an_own_loop_runs_its_script_idempotent_on_the_pvc_it_names(tmp_path):
     code, out, err = run_cli("slurm", "render", "--pvc", str(tmp_path / "other"), "--", "python", "loop.py",
                              "--pvc", pvc)
     assert code == 2 and out == "" and "is not slurm render's --pvc" in err
+
+
+def test_slurm_after_counts_progress_from_the_log_and_stops_a_stalled_requeue(tmp_path):
+    pvc = tmp_path / "pvc"
+    pvc.mkdir()
+    line = '{"ts": "2026-01-01T00:00:00Z", "event": "checkpointed", "detail": "step=%d loss_milli=5"}\n'
+    (pvc / "log.jsonl").write_text(line % 10 + line % 20)
+    assert run_cli("slurm", "before", "--pvc", str(pvc))[:2] == (0, "2\n")
+    assert run_cli("slurm", "before", "--pvc", str(tmp_path / "fresh"))[:2] == (0, "0\n")  # no log yet
+    judge = ["slurm", "after", "--pvc", str(pvc), "--backoff-limit", "2", "--code", "75", "--max-stalls", "3"]
+    assert run_cli(*judge, "--before", "1", "--stalls", "2")[1] == "requeue 75 0\n"  # a checkpoint: progress
+    code, out, err = run_cli(*judge, "--before", "2", "--stalls", "2")  # none: the third stall in a row
+    assert (code, out) == (0, "fail 1 3\n") and f"storage at {pvc}" in err
+    assert run_cli(*judge, "--before", "-", "--stalls", "0")[1] == "requeue 75 1\n"  # unreadable before: no progress
