@@ -30,7 +30,7 @@ from .errors import InputError, TrainJobError, UsageError, importing, one_line, 
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
-from .storage.pvc import check_path
+from .storage.durable import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
 
@@ -258,7 +258,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
     with importing("the command's modules"):
-        from .storage.pvc import atomic_write, make_dir
+        from .storage.durable import atomic_write, make_dir
 
     dataset = DATASETS[args.dataset]
     files = dataset.generate()  # before creating anything: a missing optional package is exit 2
@@ -717,7 +717,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Every path argument, before any work (``pvc.check_path``)."""
+    """Every path argument, before any work (``durable.check_path``)."""
     for value in vars(args).values():
         if isinstance(value, Path):
             check_path(value)
