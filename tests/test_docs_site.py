@@ -86,9 +86,14 @@ def test_the_site_builds_strict_with_the_api_every_subcommand_and_the_examples_a
     site = built_site / "site"
 
     api = (site / "reference/api/index.html").read_text()
-    for entry in ("trainjob.Run", "trainjob.Run.gate", "trainjob.Run.report", "trainjob.torch.TrainingState",
-                  "trainjob.errors.TrainJobError", "trainjob.errors.TryAgainLater", "trainjob.errors.Refused"):
+    for entry in ("trainjob.Run", "trainjob.Run.gate", "trainjob.Run.report", "trainjob.State", "trainjob.torch.TrainingState",
+                  "trainjob.integrations.hf.run", "trainjob.integrations.hf.metric", "trainjob.integrations.lightning.TrainJob",
+                  "trainjob.engine.job.StopFlag", "trainjob.errors.TrainJobError", "trainjob.errors.TryAgainLater",
+                  "trainjob.errors.Refused", "trainjob.errors.ReplicasDisagree"):
         assert f'id="{entry}"' in api, entry
+    run_signature = text_of(re.search(r'id="trainjob.Run".*?<div class="doc-signature.*?</div>', api, re.S)[0])
+    assert "async_checkpoint" in run_signature and max(map(len, run_signature.splitlines())) <= 100, \
+        "Run's signature is one long line: the docs extra's Black wraps it (mkdocstrings' line_length)"
 
     cli = (site / "reference/cli/index.html").read_text()
     cli_text = text_of(cli)
