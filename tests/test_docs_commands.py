@@ -11,15 +11,17 @@ How a block runs, so that it tests the page and not this machine:
   can reach the internet, and a server a page starts on its fixed port meets no other test's;
 - ``pip`` installs nothing: a stand-in (tests/helpers/docs_env/pip) checks that each extra the page
   names exists and each other package is installed here, and records the extras; until a page has
-  installed an extra, its modules cannot be imported (tests/helpers/docs_env/sitecustomize.py), so a
-  page that forgets to say ``pip install 'trainjob[torch]'`` fails as it would in a fresh venv;
+  installed an extra, its packages are absent to Python (tests/helpers/docs_env/sitecustomize.py),
+  so a page that forgets ``pip install -e '.[torch]'`` fails as it would in a fresh venv;
 - the shell's process group must be empty when the block ends: a page stops what it starts.
 
-One test per page: its blocks run in order in one shell, as a user follows the page in one terminal.
-A block that cannot run here says why in an HTML comment just above it (``<!-- not run by the docs
-test: needs a Kubernetes cluster -->``). A page that launches several ranks or ``trainjob prove`` is
-whole launches (tens of seconds to minutes each): it carries the ``acceptance`` marker too, so the
-test command runs it in its acceptance step.
+One test per page: its blocks run in order in one shell, as a user follows the page in one
+terminal. A block that cannot run here says why in an HTML comment just above it (``<!-- not run
+by the docs test: needs a Kubernetes cluster -->``). A ``text`` block under ``<!-- output -->``
+shows what the commands print: each of its lines must be a line of their output (``…`` stands for
+anything). A page that launches several ranks or ``trainjob prove`` is whole launches (tens of
+seconds to minutes each): it carries the ``acceptance`` marker too, so the test command runs it
+in its acceptance step.
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ from conftest import ROOT, kinds_started
 
 RUN_SECTIONS = ("Getting started", "How-to")  # the nav sections whose shell blocks are run
 SHELL = ("sh", "bash")
-SKIP = re.compile(r"<!-- not run by the docs test: (.+?) -->\s*\Z", re.S)
+NOTE = re.compile(r"<!-- ((?:(?!-->).)+) -->\s*\Z", re.S)  # an HTML comment just above a block says what it is
+SKIP = "not run by the docs test: "
+OUTPUT = "output"  # a text block of lines the page's commands print ("…" stands for anything)
 FENCE = re.compile(r"^(?P<indent> *)```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^(?P=indent)```[ \t]*$", re.S | re.M)
 EXIT = re.compile(r"\bexit (\d+)\b")
 HEAVY = ("torchrun", "trainjob prove")  # whole launches: the acceptance step runs them
@@ -75,14 +79,19 @@ def run_pages() -> list[str]:
     return pages
 
 
-def fences(page: str) -> list[tuple[str, str, str | None]]:
-    """Every fenced block of a page: its language, its body, and why it is not run (or None)."""
+def fences(page: str) -> list[tuple[str, str, str]]:
+    """Every fenced block of a page: its language, its body, and the HTML comment just above it ("" if none)."""
     text = (ROOT / "docs" / page).read_text()
     found = []
     for m in FENCE.finditer(text):
-        skip = SKIP.search(text[:m.start()].rstrip() + " ")
-        found.append((m["lang"], re.sub(rf"^{m['indent']}", "", m["body"], flags=re.M), skip and skip[1]))
+        note = NOTE.search(text[:m.start()])
+        found.append((m["lang"], re.sub(rf"^{m['indent']}", "", m["body"], flags=re.M), note[1] if note else ""))
     return found
+
+
+def printed(body: str) -> list[re.Pattern[str]]:
+    """An output block's lines as patterns a line of the output must match ("…" matches anything)."""
+    return [re.compile(".*".join(map(re.escape, line.strip().split("…")))) for line in body.splitlines() if line.strip()]
 
 
 def split_comment(line: str) -> tuple[str, str]:
@@ -126,24 +135,26 @@ def script(page: str, body: str) -> str:
 
 def pages() -> list:
     """One test per page: its shell blocks in order, in one shell, as a user follows the page in one
-    terminal (an ``export`` or an install carries on to the next block)."""
+    terminal (an ``export`` or an install carries on to the next block), and its output blocks."""
     params = []
     for page in run_pages():
-        run = [body for lang, body, skip in fences(page) if lang in SHELL and not skip]
-        if not run:
+        blocks = fences(page)
+        body = "".join(b for lang, b, note in blocks if lang in SHELL and not note.startswith(SKIP))
+        if not body:
             continue
-        body = "".join(run)
+        shown = [pattern for lang, b, note in blocks if lang == "text" and note == OUTPUT for pattern in printed(b)]
         kinds = kinds_started(body.split())
         marks = [pytest.mark.docs, pytest.mark.process, *(getattr(pytest.mark, k) for k in sorted(kinds))]
         if any(word in body for word in HEAVY):
             marks.append(pytest.mark.acceptance)
-        params.append(pytest.param(page, body, marks=marks, id=page.removesuffix(".md")))
+        params.append(pytest.param(page, body, shown, marks=marks, id=page.removesuffix(".md")))
     return params
 
 
-def extras_modules() -> dict[str, list[str]]:
-    """The top-level modules each extra of pyproject.toml brings (its direct requirements, as
-    installed here), the core dependencies' left out; the test extra is everything, so left out too."""
+def extras_brought() -> dict[str, dict[str, list[str]]]:
+    """What each extra of pyproject.toml brings (its direct requirements, as installed here): their
+    distributions and top-level modules, the core dependencies' left out; the test extra is
+    everything, so it is left out too."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
     def name(requirement: str) -> str:
@@ -153,9 +164,13 @@ def extras_modules() -> dict[str, list[str]]:
     for module, dists in importlib.metadata.packages_distributions().items():
         for dist in dists:
             by_dist.setdefault(name(dist), set()).add(module)
-    core = {m for r in project["dependencies"] for m in by_dist.get(name(r), ())}
-    return {extra: sorted({m for r in reqs for m in by_dist.get(name(r), ())} - core)
-            for extra, reqs in project["optional-dependencies"].items() if extra != "test"}
+    core = {name(r) for r in project["dependencies"]}
+    brought = {}
+    for extra, requirements in project["optional-dependencies"].items():
+        dists = sorted({name(r) for r in requirements} - core)
+        if extra != "test":
+            brought[extra] = {"dists": dists, "modules": sorted({m for d in dists for m in by_dist.get(d, ())})}
+    return brought
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +196,9 @@ def own_network() -> list[str]:
         and shutil.which("ip") else []
 
 
-@pytest.mark.parametrize(("page", "body"), pages())
-def test_the_pages_commands_exit_as_the_page_says(page: str, body: str, tmp_path: Path, stand_ins) -> None:
+@pytest.mark.parametrize(("page", "body", "shown"), pages())
+def test_the_pages_commands_exit_as_the_page_says(page: str, body: str, shown: list[re.Pattern[str]], tmp_path: Path,
+                                                  stand_ins) -> None:
     bin_dir, venv_bin = stand_ins
     isolate = own_network()
     if not isolate and "weed" in body and not os.environ.get("CI"):
@@ -193,7 +209,7 @@ def test_the_pages_commands_exit_as_the_page_says(page: str, body: str, tmp_path
         (work / linked).symlink_to(ROOT / linked)
     (tmp_path / "block.sh").write_text(script(page, body))
     env = {**os.environ, "PATH": f"{bin_dir}:{venv_bin}:{os.environ['PATH']}", "TRAINJOB_DOCS_ROOT": str(ROOT),
-           "TRAINJOB_DOCS_EXTRAS": json.dumps(extras_modules()),
+           "TRAINJOB_DOCS_EXTRAS": json.dumps(extras_brought()),
            "TRAINJOB_DOCS_INSTALLED": str(tmp_path / "installed-extras")}
     for leaked in ("PYTHONPATH", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "TRAINJOB_IDEMPOTENT"):
         env.pop(leaked, None)  # a user's shell has none of the test run's
@@ -205,9 +221,12 @@ def test_the_pages_commands_exit_as_the_page_says(page: str, body: str, tmp_path
             code = shell.wait(timeout)
         finally:
             left = _stop_group(shell.pid)
-    said = (tmp_path / "output").read_text(errors="replace")[-4000:]
-    assert code == 0, f"{page}: the block failed (exit {code}); its output ends:\n{said}"
+    output = (tmp_path / "output").read_text(errors="replace")
+    assert code == 0, f"{page}: the block failed (exit {code}); its output ends:\n{output[-4000:]}"
     assert not left, f"{page}: the block left processes running (a page stops what it starts): {left}"
+    lines = [line.strip() for line in output.splitlines()]
+    missing = [p.pattern for p in shown if not any(p.fullmatch(line) for line in lines)]
+    assert missing == [], f"{page} shows output its commands did not print; they printed:\n{output[-4000:]}"
 
 
 def _stop_group(pgid: int) -> list[str]:

@@ -20,10 +20,12 @@ from trainjob.cli import build_parser
 
 IN_CI = bool(os.environ.get("CI"))  # CI installs the test extra: there a missing mkdocs fails, never skips
 # The files the pages include (pymdownx.snippets), each with the page that shows it.
-INCLUDED = {"howto/own-loop": "examples/own_loop.py", "howto/typical-script": "examples/finetune.py",
-            "howto/fsdp": "examples/fsdp.py", "howto/trainer": "examples/minimal_trainer.py",
-            "howto/vision": "examples/vision.py",
-            "tutorial/walkthrough": "scripts/demo.sh"}
+INCLUDED = [("howto/own-loop", "examples/own_loop.py"), ("howto/typical-script", "examples/finetune.py"),
+            ("howto/fsdp", "examples/fsdp.py"), ("trainers", "examples/minimal_trainer.py"),
+            ("howto/vision", "examples/vision.py"), ("tutorial/walkthrough", "scripts/demo.sh"),
+            ("howto/load-model", "examples/load_model.py"),
+            # the Quickstart shows the two as one diff (scripts/mkdocs_hooks.py makes it from the files)
+            ("quickstart", "examples/quickstart_before.py"), ("quickstart", "examples/quickstart_after.py")]
 
 
 def leaves(parser: argparse.ArgumentParser, prefix: str = "trainjob") -> dict[str, argparse.ArgumentParser]:
@@ -105,7 +107,7 @@ def test_the_site_builds_strict_with_the_api_every_subcommand_and_the_examples_a
             for flag in [] if isinstance(action, argparse._HelpAction) else action.option_strings:
                 assert flag in section[:section.find("¶", len(name) + 1)], f"{name} {flag}"
 
-    for page, example in INCLUDED.items():
+    for page, example in INCLUDED:
         shown = text_of((site / page / "index.html").read_text())
         lines = [line.strip() for line in (ROOT / example).read_text().splitlines() if line.strip()]
         assert [line for line in lines if line not in shown] == [], f"{page} does not show {example} as it is"
@@ -204,3 +206,18 @@ def test_the_built_site_draws_the_machine_and_its_pictures_from_disk_with_the_ne
     assert browser.execute_script(DRAWN)["svgs"][0]["label"] < 10  # the whole machine in the column: too small
     browser.find_element("css selector", "article figure.diagram svg").click()
     assert browser.execute_script(DRAWN)["svgs"][0]["label"] >= 12  # its own size: Graphviz's 14 pt as 14 px
+
+
+def test_every_file_the_docs_name_exists_and_both_pages_name_the_exit_code_tables_home():
+    """A page that names a module, a test or a script names one that is there; the exit code → Job
+    action table is named where it is defined, by both pages that describe it (exit-codes.md and
+    kubernetes.md once named different modules for it)."""
+    texts = [*ROOT.glob("docs/**/*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md"]
+    named = {(str(f.relative_to(ROOT)), m[1]) for f in texts
+             for m in re.finditer(r"`((?:trainjob|tests|scripts|examples)/[\w/.-]+\.\w+)`", f.read_text())}
+    assert len(named) > 30 and sorted(n for n in named if not (ROOT / n[1]).exists()) == []
+    home = [str(p.relative_to(ROOT)) for p in ROOT.glob("trainjob/**/*.py")
+            if re.search(r"^JOB_ACTION_FOR_EXIT\b", p.read_text(), re.M)]
+    assert len(home) == 1
+    for page in ("docs/kubernetes.md", "docs/reference/exit-codes.md"):
+        assert re.search(rf"`JOB_ACTION_FOR_EXIT`, `{re.escape(home[0])}`", (ROOT / page).read_text()), page
