@@ -108,7 +108,7 @@ def split_comment(line: str) -> tuple[str, str]:
 
 
 def commands(body: str) -> list[tuple[str, int | None]]:
-    """The block's logical lines (backslash continuations joined), each with the exit code the page
+    """The commands' logical lines (backslash continuations joined), each with the exit code the page
     gives it; None for a line sent to the background (``&``), whose code the shell never sees."""
     lines = re.sub(r"\\\n", " ", body).splitlines()
     out = []
@@ -123,7 +123,7 @@ def commands(body: str) -> list[tuple[str, int | None]]:
 
 
 def script(page: str, body: str) -> str:
-    """The block as one bash script that stops at the first line whose exit code is not the page's."""
+    """The page's commands as one bash script that stops at the first whose exit code is not the page's."""
     out = []
     for n, (command, expected) in enumerate(commands(body), 1):
         out.append(command)
@@ -174,10 +174,11 @@ def extras_brought() -> dict[str, dict[str, list[str]]]:
 
 
 @pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def stand_ins(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """``python``, ``python3``, ``trainjob`` and ``pip`` as the pages' commands find them on PATH:
     this environment's, with the clone and the import guard first on their PYTHONPATH (a page may
-    set its own, ``PYTHONPATH=examples``: it is kept, after them)."""
+    set its own, ``PYTHONPATH=examples``: it is kept, after them); and this environment's bin
+    directory, for the rest (torchrun, weed)."""
     bin_dir = tmp_path_factory.mktemp("docs-bin")
     venv_bin = Path(sys.executable).parent
     prefix = f"{ENV}:{ROOT}"
