@@ -64,7 +64,10 @@ def _argument(action: argparse.Action, formatter: argparse.HelpFormatter) -> tup
     else:
         name = f"`{formatter._format_args(action, action.dest)}`"
     default = action.default
-    shown = "" if default in (None, False, argparse.SUPPRESS) or action.nargs == 0 else f"`{default}`"
+    # No default to show: none, a flag's False, an empty string (the help says what it stands for).
+    # By identity: 0 == False, and a default of 0 is shown.
+    unset = default is None or default is False or default is argparse.SUPPRESS or default == ""
+    shown = "" if unset or action.nargs == 0 else f"`{default}`"
     if action.required and action.option_strings:
         shown = "required"
     help_text = formatter._expand_help(action) if action.help else ""
