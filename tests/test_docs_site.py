@@ -223,3 +223,16 @@ def test_every_file_the_docs_name_exists_and_both_pages_name_the_exit_code_table
     assert len(home) == 1
     for page in ("docs/kubernetes.md", "docs/reference/exit-codes.md"):
         assert re.search(rf"`JOB_ACTION_FOR_EXIT`, `{re.escape(home[0])}`", (ROOT / page).read_text()), page
+
+
+def test_the_walkthrough_names_every_step_of_the_test_command():
+    """The tutorial says what `bash scripts/test.sh` runs: each of its named steps, in order (it once
+    left out the fourth, the acceptance runs)."""
+    steps = re.findall(r'^step "([^"]+)"', (ROOT / "scripts/test.sh").read_text(), re.M)
+    said = " ".join((ROOT / "docs/tutorial/walkthrough.md").read_text().split())
+    intro = re.search(r"Set up and run the whole test suite in (\w+) steps: (.*?):", said)
+    assert intro and intro[1] == {3: "three", 4: "four", 5: "five"}.get(len(steps)), (steps, intro and intro[0])
+    words = {"pytest": "pytest", "lab checks": "the lab's nine checks", "chaos campaign": "the chaos campaign",
+             "acceptance": "the examples the issues were accepted on"}
+    positions = [intro[2].find(words.get(step, step)) for step in steps]
+    assert -1 not in positions and positions == sorted(positions), (steps, intro[2])
