@@ -15,7 +15,7 @@
   link them as ``/diagrams/...``: a link GitHub resolves from the repository's root, and MkDocs
   (``validation.links.absolute_links: relative_to_docs``) checks and rewrites like any other.
 
-Owns: nothing of trainjob's; it must not change a page's prose, only fill the marker.
+Owns: nothing of trainjob's; it must not change a page's prose, only fill its markers and draw its pictures.
 """
 
 from __future__ import annotations
