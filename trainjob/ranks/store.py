@@ -27,7 +27,9 @@ other rank, waiting to join, reads its share of it (``CheckpointStore.load_local
 ``ok``, ``refused:`` and why (the checkpoint is damaged: every rank refuses it, rank 0 sets it
 aside and tries the next), or ``failed:`` and why (the rank itself failed, and ends with its own
 code; rank 0 ends with PeerFailed, 75). So no rank reads or hashes more than its share, and rank
-0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md).
+0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md). A stop
+reaching rank 0 before every answer is in ends the round (rank 0 sets the missing answers to
+``stopped``, read by nobody): rank 0 verifies every shard itself, and the launch ends unbegun.
 
 A checkpoint takes no word from rank 0 before the shards: every rank knows the staging
 directory's name, and the first to get there makes it (``StoreFollower.wait_staging``). Rank 0
