@@ -150,9 +150,10 @@ class CheckpointStore:
         each file it opens instead: W stat calls, or bucket requests, per rank add up)."""
         directory = self.path(ref)
         if self.pvc.local:  # a bucket has no directories, and no links to follow
-            st = os.lstat(directory) if os.path.lexists(directory) else None
-            if st is None:
-                raise InputError(f"{self.rel(directory)}: missing")
+            try:  # not lexists() then lstat(): rotation may take it away in between (verify runs beside a job)
+                st = os.lstat(directory)
+            except FileNotFoundError:
+                raise InputError(f"{self.rel(directory)}: missing") from None
             if not stat.S_ISDIR(st.st_mode):
                 raise InputError(f"{self.rel(directory)}: not a directory (a symlink is never followed)")
         path = directory / MANIFEST

@@ -42,6 +42,10 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
     ``gate`` before the last step       UsageError, exit 2
     a Run entered off the main thread   UsageError, exit 2 (signal handlers are the main thread's)
 
+At W > 1, a launch that ends before its first step (a refused start, a rank that never answered,
+a stop before every rank joined) ends the process at ``for step in run``, on every rank, with its
+exit code: the rest of the block (the gate's collectives) could wait on a rank that is not there.
+
 Signals: SIGTERM and SIGINT are noted, the step finishes, its checkpoint is saved, exit 75. A
 Run inside another's ``with`` block is allowed: the signal is passed on to the handler the
 inner Run displaced (``StopFlag``), so every enclosing Run stops too, as does a script's own
@@ -343,6 +347,11 @@ class Run:
         return self._steps()
 
     def _steps(self) -> Iterator[int]:
+        if (self.final is not None or self.error is not None) and self._peers is not None and not self._peers.solo:
+            # The launch ended before it began, at W > 1: nothing trains and the gate does nothing,
+            # and the rest of the block could wait on a rank that is not there (a collective with a
+            # stopped or dead peer waits out the process group's timeout). Every rank ends here.
+            raise SystemExit(self.exit_code)
         while self.final is None and self.error is None:
             try:
                 yield from self._train()
