@@ -85,6 +85,12 @@ def _place(view: np.ndarray, h: TensorSlice) -> np.ndarray | list:
     return view if view.flags.c_contiguous else [(tuple(slice(0, n) for n in h.shape), view)]
 
 
+def expected_sha256(pointer: CheckpointPointer | None, ref: Ref) -> str | None:
+    """The sha256 ``checkpoint.json`` recorded for ``ref``'s manifest when it names ``ref``: what
+    every reader of that checkpoint checks its manifest against (None: it names another)."""
+    return pointer.manifest_sha256 if pointer is not None and pointer.dir == f"checkpoints/{ref.name}" else None
+
+
 @attrs.frozen
 class Verification:
     """What ``verify`` found: ``reason`` is None when the checkpoint is sound. ``tensors`` is the
