@@ -92,11 +92,13 @@ class CheckpointPointer:
 
 # --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
 
-# 2: every shard is hashed in parts (its header, each slice), so a rank verifies what it reads
-# without hashing whole shards (docs/checkpoints.md). 1: each shard's sha256 is its whole file's;
-# still read, never written.
-MANIFEST_SCHEMA = 2
-MANIFEST_SCHEMAS = (1, 2)
+# 3: as 2, and each shard's header says where each of its slices sits (checkpoint/plan.py's
+# ``placement``), so every manifest is proven by its shards, not only the one checkpoint.json's
+# sha256 names. 2: every shard is hashed in parts (its header, each slice), so a rank verifies
+# what it reads without hashing whole shards (docs/checkpoints.md). 1: each shard's sha256 is its
+# whole file's. 1 and 2 are still read (what they prove: docs/checkpoints.md), never written.
+MANIFEST_SCHEMA = 3
+MANIFEST_SCHEMAS = (1, 2, 3)
 # The safetensors dtypes trainjob can load into numpy, each with its numpy dtype (little-endian,
 # as safetensors stores them; "bfloat16" is the numpy dtype ml_dtypes registers, which
 # checkpoint/shards.py imports). A manifest claiming any other is an input error, not a crash at
@@ -149,7 +151,7 @@ class TensorSlice:
     # the digest of the whole entry as this rank held it, which rank 0 compared with every other
     # rank's before the commit. None (omitted) otherwise.
     digest: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(DIGEST_HEX)))
-    # (schema 2) The sha256 of this slice's bytes in its shard file.
+    # (schema 2 and later) The sha256 of this slice's bytes in its shard file.
     sha256: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(SHA256_HEX)))
 
     @property
@@ -172,7 +174,7 @@ class TensorSlice:
 class ShardEntry:
     """One shard file: who wrote it, its exact size and sha256 (hashed while written), its contents.
 
-    Schema 2: the file is hashed in parts, ``header`` bytes (the safetensors header, its length
+    Schema 2 and 3: the file is hashed in parts, ``header`` bytes (the safetensors header, its length
     included) hashing to ``header_sha256``, then each of ``holds`` in name order, back to back,
     hashing to its ``sha256``; ``sha256`` is then the root (``storage.digest.root``) of those
     digests, header first. Schema 1: ``sha256`` is the whole file's, and the parts are absent.

@@ -198,10 +198,11 @@ def test_a_sharded_checkpoint_loads_into_another_sharding_reading_only_the_slice
     traced_reads.clear()
     loaded = store2.load_local(ref2, specs2, {"w": ((11, 0), (10, 4))}, 9)  # rows 11..20: shards 1 and 2 (a rank 9 of no shard)
     assert np.array_equal(loaded.tensors["w"], whole["w"][11:21])
-    # Rank 0's header (the plain values) and the two slices that overlap rows 11..20 (9 rows of
-    # 16 bytes each), every byte read once; nothing else of any file, shard 3 never.
-    assert traced_reads == {m2.shards[0].file: m2.shards[0].header, m2.shards[1].file: 9 * 16,
-                            m2.shards[2].file: 9 * 16}
+    # Rank 0's header (the plain values), and of shards 1 and 2 the header (which says where
+    # their slices sit) and the slice that overlaps rows 11..20 (9 rows of 16 bytes each), every
+    # byte read once; nothing else of any file, shard 3 never.
+    assert traced_reads == {m2.shards[0].file: m2.shards[0].header, m2.shards[1].file: m2.shards[1].header + 9 * 16,
+                            m2.shards[2].file: m2.shards[2].header + 9 * 16}
 
 
 def test_a_rank_resuming_at_its_own_sharding_reads_its_own_shard_rank_0s_header_and_the_small_entries(tmp_path, traced_reads):
@@ -296,8 +297,109 @@ def test_a_manifest_mixing_the_schemas_is_refused_naming_the_shard(tmp_path):
     manifest, _ = store.read_manifest(ref)
     half = attrs.evolve(manifest, shards=[manifest.shards[0], attrs.evolve(manifest.shards[1], header=None)])
     (store.path(ref) / "manifest.json").write_text(dumps(half) + "\n")
-    with pytest.raises(InputError, match="rank 1's shard lacks the part digests schema 2 has"):
+    with pytest.raises(InputError, match=f"rank 1's shard lacks the part digests schema {MANIFEST_SCHEMA} has"):
         store.read_manifest(ref)
     (store.path(ref) / "manifest.json").write_text(dumps(attrs.evolve(manifest, schema=1)) + "\n")
     with pytest.raises(InputError, match="rank 0's shard has part digests, which schema 1 has not"):
         store.read_manifest(ref)
+
+
+# --- every manifest proven by what its shards hold (issue 54, item 3) -------------------------
+
+def rewrite(store, ref, change) -> str:
+    """Apply ``change`` to ``ref``'s manifest as parsed JSON, write it back; its new sha256."""
+    import hashlib
+    import json
+    path = store.path(ref) / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m))
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def swap_places(name: str, a: int = 0, b: int = 1):
+    """Swap where ranks ``a`` and ``b``'s slices of ``name`` sit (``start`` and ``offsets``): the
+    shards and every digest untouched, the slices still a partition of the tensor."""
+    def change(m):
+        x, y = (next(h for h in m["shards"][r]["holds"] if h["name"] == name) for r in (a, b))
+        for key in ("start", "offsets"):
+            if key in x or key in y:
+                x[key], y[key] = y.get(key), x.get(key)
+    return change
+
+
+def refusals(store, ref, specs, wanted: list[dict], expect: str | None = None) -> list[str]:
+    """What each reader says of ``ref``: verify's reason, then load's and each rank's load_local's
+    error (every one must refuse: pytest.raises)."""
+    from trainjob.errors import InputError
+    said = [store.verify(ref, expect).reason]
+    assert said[0] is not None
+    for read in (lambda: store.load(ref, expect),
+                 *(lambda rank=rank, w=w: store.load_local(ref, specs, w, rank, expect) for rank, w in enumerate(wanted))):
+        with pytest.raises(InputError) as refused:
+            read()
+        said.append(str(refused.value))
+    return said
+
+
+ROWS = [{"w": ((0, 0), (4, 3))}, {"w": ((4, 0), (4, 3))}]  # what each of two ranks holds of an (8, 3) tensor
+
+
+def test_a_manifest_that_puts_a_slice_elsewhere_is_refused_by_every_reader_bound_or_not(tmp_path):
+    """Each shard's header (hashed with it) says where each of its slices sits, so no edit of any
+    manifest, the newest or an older one, makes a reader put bytes in another place."""
+    whole = {"w": np.arange(24, dtype=np.float32).reshape(8, 3)}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 2, {})
+    sha = rewrite(store, ref, swap_places("w"))
+    for expect in (None, sha):  # whether or not checkpoint.json names it
+        assert all("its header puts w" in said for said in refusals(store, ref, specs, ROWS, expect))
+    columns = {"v": np.arange(6.0).reshape(2, 3)}  # a DTensor's Shard(1): offsets along the second axis
+    store, ref, specs = write_sharded(tmp_path / "fsdp", columns, 3, {"v": 1})
+    rewrite(store, ref, swap_places("v", 0, 2))
+    wanted = [{"v": ((0, c), (2, 1))} for c in range(3)]
+    assert all("its header puts v" in said for said in refusals(store, ref, specs, wanted))
+
+
+def test_shards_swapped_between_ranks_in_the_manifest_are_refused_by_the_rank_their_headers_name(tmp_path):
+    """Each entry moved to the other rank, its slice moved to that rank's rows: a partition in
+    rank order, every digest matching its file; only the headers' ranks tell (any schema)."""
+    from old_formats import as_schema_2
+    whole = {"w": np.arange(24, dtype=np.float32).reshape(8, 3)}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 2, {})
+    as_schema_2(store, ref)
+
+    def swap_entries(m):
+        a, b = m["shards"]
+        m["shards"] = [dict(b, rank=0), dict(a, rank=1)]
+        m["shards"][0]["holds"][0]["start"], m["shards"][1]["holds"][0]["start"] = 0, 4
+    rewrite(store, ref, swap_entries)
+    assert all("its header says rank 1" in said or "its header says rank 0" in said
+               for said in refusals(store, ref, specs, ROWS))
+
+
+def test_an_older_schema_proves_what_its_headers_pin_down_and_only_the_pointer_vouches_for_the_rest(tmp_path):
+    """Schema 2 (and 1) shard headers give each slice's rank and shape, not its place: a tensor
+    whose slices are whole rows back to back in rank order (the documented split, Shard(0) on one
+    mesh axis) is pinned down and loads wherever it is; a forged order, or a place only a
+    manifest says (Shard(1), a 2-D mesh), is refused unless checkpoint.json's sha256 vouches for
+    that very manifest."""
+    from old_formats import as_schema_2
+    whole = {"w": np.arange(24, dtype=np.float32).reshape(8, 3)}
+    store, ref, specs = write_sharded(tmp_path / "pvc", whole, 2, {})
+    as_schema_2(store, ref)
+    assert store.read_manifest(ref)[0].schema == 2 and store.verify(ref).reason is None
+    assert np.array_equal(store.load(ref).tensors["w"], whole["w"])
+    assert np.array_equal(store.load_local(ref, specs, ROWS[1], 1).tensors["w"], whole["w"][4:])
+    sha = rewrite(store, ref, swap_places("w"))
+    assert all("cannot say where" in said for said in refusals(store, ref, specs, ROWS))
+    assert store.verify(ref, sha).reason is None  # a manifest checkpoint.json vouches for is taken as it says
+
+    columns = {"v": np.arange(6.0).reshape(2, 3)}
+    store, ref, specs = write_sharded(tmp_path / "fsdp", columns, 3, {"v": 1})
+    as_schema_2(store, ref)
+    wanted = [{"v": ((0, c), (2, 1))} for c in range(3)]
+    assert all("cannot say where" in said for said in refusals(store, ref, specs, wanted))
+    sha = rewrite(store, ref, lambda m: None)  # the manifest's own sha256, as checkpoint.json records it
+    assert store.verify(ref, sha).reason is None  # the newest, named by the pointer: loads as before
+    assert np.array_equal(store.load(ref, sha).tensors["v"], columns["v"])
+    assert np.array_equal(store.load_local(ref, specs, wanted[2], 2, sha).tensors["v"], columns["v"][:, 2:])

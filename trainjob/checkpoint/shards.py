@@ -240,10 +240,14 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
+MetaCheck = Callable[[Mapping[str, str]], str | None]  # why a header's metadata is not what it must be, or None
+
+
 def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
                   metadata: dict[str, str] | None = None,
-                  parts: Sequence[tuple[str, int, str]] | None = None) -> str | None:
+                  parts: Sequence[tuple[str, int, str]] | None = None,
+                  check_meta: MetaCheck | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
     every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
     header says exactly what ``holds`` says, else the reason.
@@ -256,6 +260,8 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
     slices that overlap its own). The header is parsed here as data (JSON, size-capped),
     following the safetensors format; nothing in the file can run code. ``parts`` (a schema-2
     shard: ``shard_parts``): the file is hashed in those parts and ``sha256`` is their root.
+    ``check_meta``: what the header's metadata must say (``plan.header_problem``), asked before a
+    tensor byte is read.
     """
     src, reason = _open(path, size)
     if reason:
@@ -279,9 +285,13 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
         except ValueError as exc:
             raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
         seen = 8 + n
+        in_file = _check_header(path.name, header, holds, total - seen)
+        meta = _metadata(path.name, header)
+        if check_meta is not None and (problem := check_meta(meta)):
+            raise ValueError(f"{path.name}: {problem}")
         if metadata is not None:  # handed out as read; the caller uses it only once this returns None
-            metadata.update(_metadata(path.name, header))
-        for h in _check_header(path.name, header, holds, total - seen):
+            metadata.update(meta)
+        for h in in_file:
             if dest is None:  # verify only: the same checks, the bytes through a bounded buffer
                 want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
                 got = _skim(src, want, digest)
@@ -345,29 +355,38 @@ class _Window:
 
 
 def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, Any],
-               metadata: dict[str, str] | None = None) -> str | None:
-    """(schema 2) Read only the slices of ``shard`` that ``dest`` names (as ``read_verified``
-    takes them: an array, or pieces), by offset, each hashed and checked against its digest in
-    the manifest; with ``metadata``, the header too (checked against ``header_sha256``, then
-    its metadata handed out). Nothing else of the file is read; None, or the reason."""
+               metadata: dict[str, str] | None = None, check_meta: MetaCheck | None = None) -> str | None:
+    """(schema 2 and later) Read the header of ``shard``, checked against ``header_sha256``, against
+    the manifest's slices as ``read_verified`` checks it, and against ``check_meta``, then only the
+    slices ``dest`` names (as ``read_verified`` takes them: an array, or pieces), by offset, each
+    hashed and checked against its digest in the manifest; with ``metadata``, the header's metadata
+    handed out. Nothing else of the file is read; None, or the reason."""
     src, reason = _open(path, shard.size)
     if reason:
         return reason
     try:
+        assert shard.header is not None
+        head = bytearray(shard.header)
+        digest = Sha256Pipe()
+        if _read_exact(_Window(src, 0, shard.header), memoryview(head), digest) != shard.header:
+            return f"{shard.file}: changed size while being read"
+        if digest.hexdigest() != shard.header_sha256:
+            return f"{shard.file}: its header: sha256 differs from the manifest's"
+        n = int.from_bytes(head[:8], "little")
+        try:
+            header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except (ValueError, RecursionError):
+            return f"{shard.file}: not a valid safetensors file (its header)"
+        # The slices' offsets below are the manifest's (name order, back to back): the header
+        # must say the same of each, or a slice would be read as another dtype or shape.
+        in_file = _check_header(shard.file, header, shard.holds, shard.size - shard.header)
+        if [h.name for h in in_file] != sorted(h.name for h in shard.holds):
+            return f"{shard.file}: its tensors are not in name order, as trainjob writes them"
+        meta = _metadata(shard.file, header)
+        if check_meta is not None and (problem := check_meta(meta)):
+            return f"{shard.file}: {problem}"
         if metadata is not None:
-            assert shard.header is not None
-            head = bytearray(shard.header)
-            digest = Sha256Pipe()
-            if _read_exact(_Window(src, 0, shard.header), memoryview(head), digest) != shard.header:
-                return f"{shard.file}: changed size while being read"
-            if digest.hexdigest() != shard.header_sha256:
-                return f"{shard.file}: its header: sha256 differs from the manifest's"
-            n = int.from_bytes(head[:8], "little")
-            try:
-                header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-            except (ValueError, RecursionError):
-                return f"{shard.file}: not a valid safetensors file (its header)"
-            metadata.update(_metadata(shard.file, header))
+            metadata.update(meta)
         for h, at in slice_offsets(shard):
             if h.name not in dest:
                 continue

@@ -109,7 +109,7 @@ class Reshard(MachineModel):
             mine = self.store.load_local(self.source, src.tensors, {h.name: (h.origin, h.shape) for h in holds},
                                          src.world_size, self.source_sha).tensors
             documents = {PLAIN_KEY: self.plain} if rank == 0 and self.plain is not None else {}
-            entries.append(self.store.write_slices(staging, rank, n, src.step, holds, mine, documents))
+            entries.append(self.store.write_slices(staging, rank, n, src.step, src.tensors, holds, mine, documents))
             del mine
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,
