@@ -213,3 +213,41 @@ def test_overlapping_or_escaping_dtensor_slices_are_problems():
     shards = [ShardEntry(rank=r, file=plan.shard_file(r, 2), size=56, sha256="0" * 64, holds=(x,))
               for r, x in enumerate((a, b))]
     assert plan.coverage_problems([spec], shards) == ["w: two shards hold the same elements"]
+
+
+# --- one verification: what the manifest alone must hold for every reader (issue 54, item 4) ----
+
+def parted(m: Manifest) -> Manifest:
+    """``m`` as schema 2 writes it: each shard with part digests and their root."""
+    from trainjob.storage.digest import root
+    shards = []
+    for s in m.shards:
+        holds = [attrs.evolve(h, sha256=f"{h.start + 1:064x}") for h in s.holds]
+        parts = ["1" * 64, *(h.sha256 for h in sorted(holds, key=lambda h: h.name))]
+        shards.append(attrs.evolve(s, header=8, header_sha256="1" * 64, holds=holds, sha256=root(parts)))
+    return attrs.evolve(m, schema=2, shards=shards)
+
+
+def test_a_shards_sha256_that_is_not_the_root_of_its_part_digests_is_a_problem():
+    """A whole-file reader checks the root, a reader of one slice its digest: were they allowed to
+    disagree, one would accept what the other refuses (verify ok, an FSDP resume refusing)."""
+    m = parted(manifest_for({"params": np.zeros(4)}, 2))
+    assert plan.manifest_problems(m) == []
+    one_digit = attrs.evolve(m.shards[1].holds[0], sha256="f" + m.shards[1].holds[0].sha256[1:])
+    edited = attrs.evolve(m, shards=[m.shards[0], attrs.evolve(m.shards[1], holds=[one_digit])])
+    assert plan.manifest_problems(edited) == ["rank 1's sha256 is not the root of its part digests"]
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62), (2**61, 0, 2**61), (0,) * 7 + (2**62,)])
+def test_a_shape_no_array_can_have_is_a_problem_even_without_an_element(shape):
+    """numpy refuses a shape whose dimensions, zeros aside, multiply past what an index can count
+    ("array is too big"), whether or not it holds an element: such a manifest is refused as
+    corrupt, never left to crash a resume (70)."""
+    spec = TensorSpec(name="z", dtype="F64", shape=shape)
+    holds = (TensorSlice(name="z", dtype="F64", shape=shape, start=0),)
+    m = Manifest(schema=1, step=1, attempt=1, world_size=1, loss_milli=0, tensors=[spec],
+                 shards=[ShardEntry(rank=0, file=plan.shard_file(0, 1), size=8, sha256="0" * 64, holds=holds)])
+    assert [p for p in plan.manifest_problems(m) if "beyond what an array can hold" in p]
+    fine = attrs.evolve(m, tensors=[attrs.evolve(spec, shape=(0, 2**40))],
+                        shards=[attrs.evolve(m.shards[0], holds=[attrs.evolve(holds[0], shape=(0, 2**40))])])
+    assert plan.manifest_problems(fine) == []

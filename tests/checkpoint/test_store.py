@@ -8,8 +8,11 @@ from __future__ import annotations
 import shutil
 from collections import namedtuple
 
+import attrs
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import events, snapshot, trainjob
 from trainjob import cli
@@ -290,7 +293,6 @@ def test_a_checkpoint_written_before_part_digests_still_verifies_loads_and_refus
 
 
 def test_a_manifest_mixing_the_schemas_is_refused_naming_the_shard(tmp_path):
-    import attrs
     from trainjob.errors import InputError
     from trainjob.records import dumps
     store, ref, _ = write_sharded(tmp_path / "pvc", {"w": np.arange(8.0).reshape(4, 2)}, 2, {"w": 0})
@@ -403,3 +405,155 @@ def test_an_older_schema_proves_what_its_headers_pin_down_and_only_the_pointer_v
     assert store.verify(ref, sha).reason is None  # the newest, named by the pointer: loads as before
     assert np.array_equal(store.load(ref, sha).tensors["v"], columns["v"])
     assert np.array_equal(store.load_local(ref, specs, wanted[2], 2, sha).tensors["v"], columns["v"][:, 2:])
+
+
+# --- one verification for every reader (issue 54, item 4) -------------------------------------
+
+def crafted(root, tensors: dict[str, tuple[str, tuple[int, ...], bytes]]):
+    """A one-rank checkpoint whose one shard holds ``tensors`` (name: dtype, shape, raw bytes),
+    every digest right: what a hand-made or damaged-then-rehashed checkpoint can say."""
+    import hashlib
+    import json
+    from trainjob.checkpoint import plan
+    from trainjob.records import ShardEntry, TensorSlice, TensorSpec
+    from trainjob.storage.digest import root as digest_root
+    specs = [TensorSpec(name=n, dtype=d, shape=s) for n, (d, s, _) in sorted(tensors.items())]
+    holds = tuple(TensorSlice(name=t.name, dtype=t.dtype, shape=t.shape, start=0) for t in specs)
+    meta = {"rank": "0", "world_size": "1", "step": "1", plan.SLICES_KEY: plan.placement_text(holds, specs)}
+    header, at = {"__metadata__": meta}, 0
+    for name, (dtype, shape, data) in sorted(tensors.items()):
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [at, at + len(data)]}
+        at += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    head = len(text + b" " * (-len(text) % 8)).to_bytes(8, "little") + text + b" " * (-len(text) % 8)
+    body = [data for _, (_, _, data) in sorted(tensors.items())]
+    store = checkpoints.Committer(Pvc(root))
+    store.pvc.create()
+    ref = Ref(attempt=1, step=1, world_size=1)
+    staging = store.create_staging(ref, 1)
+    (staging / plan.shard_file(0, 1)).write_bytes(head + b"".join(body))
+    digests = [hashlib.sha256(b).hexdigest() for b in (head, *body)]
+    entry = ShardEntry(rank=0, file=plan.shard_file(0, 1), size=len(head) + at, sha256=digest_root(digests),
+                       holds=tuple(attrs.evolve(h, sha256=d) for h, d in zip(holds, digests[1:])),
+                       header=len(head), header_sha256=digests[0])
+    store.commit(staging, ref, Manifest(schema=MANIFEST_SCHEMA, step=1, attempt=1, world_size=1, loss_milli=0,
+                                        tensors=specs, shards=[entry]))
+    return store, ref, specs
+
+
+def test_a_shape_no_array_can_have_is_refused_by_verify_and_every_load_never_a_crash(tmp_path):
+    """A 0-byte tensor of shape [0, 2**62]: every digest right, and numpy cannot make even an
+    empty array of it. verify called it ok and the resume then crashed (70); now both refuse it."""
+    from trainjob.errors import InputError
+    store, ref, specs = crafted(tmp_path / "pvc", {"params": ("F64", (2,), np.arange(2.0).tobytes()),
+                                                   "z": ("F64", (0, 2**62), b"")})
+    said = store.verify(ref).reason
+    assert said is not None and "z's shape [0, 4611686018427387904] is beyond what an array can hold" in said
+    with pytest.raises(InputError, match="beyond what an array can hold"):
+        store.load(ref)
+    with pytest.raises(InputError, match="beyond what an array can hold"):
+        store.load_local(ref, specs, {"params": ((0,), (2,)), "z": ((0, 0), (0, 2**62))}, 0)
+    store, ref, _ = crafted(tmp_path / "fine", {"params": ("F64", (2,), np.arange(2.0).tobytes()),
+                                                "z": ("F64", (0, 7), b"")})
+    assert store.verify(ref).reason is None and store.load(ref).tensors["z"].shape == (0, 7)
+
+
+ONE_CHECKPOINT = {"w": np.arange(21, dtype=np.float32).reshape(7, 3),  # Shard(0): rows 3 | 3 | 1
+                  "v": np.arange(8.0).reshape(2, 4),                   # Shard(1): columns 2 | 2 | none
+                  "b": np.arange(5.0)}                                 # small and plain: rank 0 writes it whole
+OWN_BOXES = [{"w": ((0, 0), (3, 3)), "v": ((0, 0), (2, 2)), "b": ((0,), (5,))},
+             {"w": ((3, 0), (3, 3)), "v": ((0, 2), (2, 2)), "b": ((0,), (5,))},
+             {"w": ((6, 0), (1, 3)), "v": ((0, 4), (2, 0)), "b": ((0,), (5,))}]
+WHOLE = {n: ((0,) * a.ndim, a.shape) for n, a in ONE_CHECKPOINT.items()}
+
+
+@pytest.fixture(scope="module")
+def one_checkpoint(tmp_path_factory):
+    """A three-rank DTensor checkpoint, written once: its manifest is what each example edits."""
+    store, ref, specs = write_sharded(tmp_path_factory.mktemp("one") / "pvc", ONE_CHECKPOINT, 3, {"w": 0, "v": 1})
+    return store, ref, specs, (store.path(ref) / "manifest.json").read_bytes()
+
+
+def leaves(value, path=()):
+    """Every path to a value inside parsed JSON (the containers' own paths too)."""
+    yield path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield from leaves(inner, (*path, key))
+
+
+def at(doc, path):
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+@st.composite
+def edits(draw, original: dict):
+    """One to three edits of a manifest, each of a kind a forgery or a damaged file makes: a field
+    swapped between two slices of one tensor (their places, digests, shapes) or between two shards
+    (files, digests, sizes, ranks, what they hold), a number or a list changed, one hex digit of
+    a digest changed, a key dropped."""
+    import copy
+    doc = copy.deepcopy(original)
+    for _ in range(draw(st.integers(1, 3))):
+        paths = [p for p in leaves(doc) if p and isinstance(p[-1], str)]
+        kind = draw(st.sampled_from(["slices", "shards", "number", "digit", "drop"]))
+        if kind in ("slices", "shards"):
+            depth = 4 if kind == "slices" else 2  # shards/R/holds/I/field or shards/R/field
+            pairs = [(a, b) for a in paths for b in paths if len(a) == len(b) == depth + 1 and a < b
+                     and a[-1] == b[-1] and a[0] == b[0] == "shards"
+                     and (kind == "shards" or at(doc, a[:-1]).get("name") == at(doc, b[:-1]).get("name"))]
+            if not pairs:
+                continue
+            a, b = draw(st.sampled_from(pairs))
+            at(doc, a[:-1])[a[-1]], at(doc, b[:-1])[b[-1]] = at(doc, b), at(doc, a)
+            continue
+        path = draw(st.sampled_from(paths))
+        parent, key, value = at(doc, path[:-1]), path[-1], at(doc, path)
+        if kind == "drop":
+            del parent[key]
+        elif kind == "digit" and isinstance(value, str) and value:
+            i = draw(st.integers(0, len(value) - 1))
+            parent[key] = value[:i] + draw(st.sampled_from("0f9a")) + value[i + 1:]
+        elif isinstance(value, int) and not isinstance(value, bool):
+            parent[key] = draw(st.sampled_from([0, 1, 2, 3, 4, 7, value + 1, value - 1, 2**31, 2**62, -1]))
+        elif isinstance(value, list) and all(isinstance(x, int) for x in value):
+            parent[key] = draw(st.sampled_from([value[:-1], [*value, 0], value[::-1], [0, 2**62], [2**62] * len(value)]))
+    return doc
+
+
+@given(data=st.data())
+@settings(max_examples=30)
+def test_what_verify_calls_ok_every_reader_loads_with_the_very_bytes_and_nothing_else(one_checkpoint, data):
+    """One verification for every reader: whatever edit a manifest suffers, `verify`, a whole
+    load (a resume at W = 1 or of a plain state), each rank's load of its own share (the verdict
+    round: together they refuse what verify refuses) and a load into another sharding (reshard)
+    all accept it, with the very bytes that were saved, or all refuse it (InputError: never a
+    crash), whether or not checkpoint.json vouches for the edited manifest."""
+    import hashlib
+    import json
+    from trainjob.errors import InputError
+    store, ref, specs, original = one_checkpoint
+    path = store.path(ref) / "manifest.json"
+    path.write_text(json.dumps(data.draw(edits(json.loads(original)))))
+    try:
+        for expect in (None, hashlib.sha256(path.read_bytes()).hexdigest()):
+            def outcome(read, boxes):
+                try:
+                    tensors = read().tensors
+                except InputError:
+                    return False
+                for name, (origin, shape) in boxes.items():  # accepted: the very bytes saved
+                    want = ONE_CHECKPOINT[name][tuple(slice(o, o + n) for o, n in zip(origin, shape))]
+                    assert tensors[name].shape == want.shape and np.array_equal(tensors[name], want), name
+                return True
+            ok = store.verify(ref, expect).reason is None
+            assert outcome(lambda: store.load(ref, expect), WHOLE) == ok
+            assert all(outcome(lambda r=r: store.load_local(ref, specs, OWN_BOXES[r], r, expect), OWN_BOXES[r])
+                       for r in range(3)) == ok
+            assert outcome(lambda: store.load_local(ref, specs, WHOLE, 0, expect, verify_all=True), WHOLE) == ok
+            if ok:  # another sharding (a reshard's new shard) reads by parts what verify vouched for
+                assert outcome(lambda: store.load_local(ref, specs, WHOLE, 5, expect), WHOLE)
+    finally:
+        path.write_bytes(original)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, ShardEntry, TensorSlice, TensorSpec
+from ..storage.digest import root
 
 MANIFEST = "manifest.json"
 # A shard header's metadata key (manifest schema 3): where each of its slices sits in which tensor
@@ -34,6 +35,10 @@ SLICES_KEY = "trainjob.slices"
 # values) instead of opening every other rank's shard for a few bytes.
 SMALL_BYTES = 64 << 10
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
+# The most bytes a tensor's shape may span, each zero dimension counted as 1: numpy refuses to make
+# an array (even an empty one) whose dimensions, zeros aside, multiply past what an index counts
+# ("array is too big"), so a manifest naming such a shape is corrupt, not a crash (70) at load.
+MAX_EXTENT = 1 << 62
 _NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
 
 
@@ -267,6 +272,11 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     if len({t.name for t in m.tensors}) != len(m.tensors):
         problems.append("two tensors have the same name")
         return problems
+    for t in m.tensors:  # a slice fits inside its tensor (coverage_problems), so bounding these bounds all
+        if DTYPE_BYTES[t.dtype] * math.prod(n or 1 for n in t.shape) >= MAX_EXTENT:
+            problems.append(f"{t.name}'s shape {list(t.shape)} is beyond what an array can hold")
+    if problems:
+        return problems
     problems += coverage_problems(m.tensors, m.shards)
     for shard in m.shards:
         if (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
@@ -279,7 +289,18 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
         elif m.schema >= 2 and shard.header is not None and shard.header + claimed != shard.size:
             problems.append(f"rank {shard.rank}'s header ({shard.header} bytes) and tensors ({claimed}) are not "
                             f"its {shard.size}-byte file")
+        elif (parts := part_digests(shard)) is not None and shard.sha256 != root(parts):
+            # A whole-file reader checks the root, a reader of one slice its digest: they must agree.
+            problems.append(f"rank {shard.rank}'s sha256 is not the root of its part digests")
     return problems
+
+
+def part_digests(shard: ShardEntry) -> list[str] | None:
+    """(schema 2 and later) A shard's part digests in file order, the header's first: what its
+    ``sha256`` is the root of (``storage.digest.root``); None for a shard without them."""
+    if shard.header_sha256 is None or any(h.sha256 is None for h in shard.holds):
+        return None
+    return [shard.header_sha256, *(h.sha256 or "" for h in sorted(shard.holds, key=lambda h: h.name))]
 
 
 # --- what a shard's own header proves of its manifest ---------------------------------------------

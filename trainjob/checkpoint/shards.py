@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import InputError, TryAgainLater, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
-from ..records import ShardEntry, TensorSlice, TensorSpec
+from ..records import ShardEntry, TensorSlice, TensorSpec, once_each
 from .plan import slice_bytes, slice_offsets
 from ..tensors import dtype_code, np_dtype
 
@@ -196,13 +196,6 @@ def _size_and_hash(path: Path | ByteSource, seen: int, size: int, digest: Sha256
     return None
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key appears twice in the header")
-    return out
-
-
 def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_size: int) -> list[TensorSlice]:
     """The holds in file order, once the header says exactly what the manifest says; else ValueError.
 
@@ -279,7 +272,7 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
         if _read_exact(src, memoryview(text), digest) != n:
             raise ValueError(f"{path.name}: changed size while being read")
         try:
-            header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(text.decode("utf-8"), object_pairs_hook=once_each)
         except RecursionError:  # a header nested deeper than the parser's stack: not a crash
             raise ValueError(f"{path.name}: not a valid safetensors file (header nested too deeply)") from None
         except ValueError as exc:
@@ -374,7 +367,7 @@ def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, An
             return f"{shard.file}: its header: sha256 differs from the manifest's"
         n = int.from_bytes(head[:8], "little")
         try:
-            header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=once_each)
         except (ValueError, RecursionError):
             return f"{shard.file}: not a valid safetensors file (its header)"
         # The slices' offsets below are the manifest's (name order, back to back): the header
@@ -468,7 +461,7 @@ def read_metadata(data: bytes) -> dict[str, str]:
     if not 0 <= n <= min(len(data) - 8, _MAX_HEADER):
         raise ValueError("not a valid safetensors file (header length)")
     try:
-        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=once_each)
     except ValueError as exc:
         raise ValueError(f"not a valid safetensors file ({exc})") from None
     return _metadata("", header).copy()
