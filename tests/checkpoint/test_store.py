@@ -557,3 +557,37 @@ def test_what_verify_calls_ok_every_reader_loads_with_the_very_bytes_and_nothing
                 assert outcome(lambda: store.load_local(ref, specs, WHOLE, 5, expect), WHOLE)
     finally:
         path.write_bytes(original)
+
+
+# --- a read error is storage trouble, not damage (issue 54, item 1) -----------------------------
+
+@pytest.fixture
+def failing_reads(monkeypatch):
+    """Every read of a shard (front to back and by offset, the two ways a shard is read) fails
+    with ``failing_reads.errno``, as a failing disk or an NFS server gone quiet fails it."""
+    import errno as errnos
+    import os
+
+    class Failing:
+        errno = errnos.EIO
+
+    def fail(self, view, *at):
+        raise OSError(Failing.errno, os.strerror(Failing.errno))
+    for method in ("readinto", "read_at"):
+        monkeypatch.setattr(checkpoints.shards._File, method, fail)
+    return Failing
+
+
+@pytest.mark.parametrize("code", ["EIO", "ETIMEDOUT", "ESTALE"])
+def test_a_shard_read_failing_is_storage_trouble_for_every_reader_never_a_verdict(tmp_path, failing_reads, code):
+    """verify, a whole load and a load by parts (each rank's share) raise the storage error
+    (exit 75): none calls the checkpoint damaged, which would set it aside for ever."""
+    import errno as errnos
+    from trainjob.errors import TryAgainLater
+    failing_reads.errno = getattr(errnos, code)
+    store, ref, specs = write_sharded(tmp_path / "pvc", ONE_CHECKPOINT, 3, {"w": 0, "v": 1})
+    for read in (lambda: store.verify(ref), lambda: store.load(ref),
+                 lambda: store.load_local(ref, specs, OWN_BOXES[1], 1),
+                 lambda: store.load_local(ref, specs, WHOLE, 5)):  # by parts from every shard
+        with pytest.raises(TryAgainLater, match=r"shard-0000\d-of-00003.safetensors: .*storage"):
+            read()

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, TryAgainLater, open_regular
+from ..errors import InputError, TryAgainLater, classify, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
 from ..records import ShardEntry, TensorSlice, TensorSpec, once_each
@@ -133,7 +133,7 @@ def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
         except InputError:
             return None, f"{path.name}: not a regular file (a symlink is never followed)"
         except OSError as exc:
-            return None, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
+            return None, unreadable(path, exc, "cannot open (a symlink is never followed)")
     else:
         src = path
         if src.size < 0:
@@ -143,6 +143,17 @@ def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
         src.close()
         return None, f"{src.name}: {actual} bytes, the manifest says {size}"
     return src, None
+
+
+def unreadable(path: Path | ByteSource, exc: OSError, doing: str = "read failed") -> str:
+    """The reason a shard that cannot be opened or read gives (it is damaged: a resume sets the
+    checkpoint aside); but storage trouble (EIO, ETIMEDOUT, ESTALE...: ``errors.classify``) is
+    raised as such, exit 75: a failing disk says nothing of the checkpoint, and nothing good may
+    be set aside, nor a resume fall back a step, because a read failed."""
+    if (kind := classify(exc, InputError)) is not InputError:
+        raise kind(f"{path}: {doing} ({exc.strerror}): storage trouble, not a damaged checkpoint; relaunch once "
+                   "the storage answers (nothing was set aside)") from exc
+    return f"{path.name}: {doing} ({exc.strerror})"
 
 
 def _read_exact(src: ByteSource, view: memoryview, digest: Sha256Pipe) -> int:
@@ -182,7 +193,7 @@ def hash_file(path: Path | ByteSource, size: int, sha256: str) -> str | None:
     except TryAgainLater:  # the store failed mid-stream: no verdict on the shard
         raise
     except OSError as exc:
-        return f"{path.name}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     finally:
         src.close()
 
@@ -318,7 +329,7 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
     except TryAgainLater:
         raise
     except OSError as exc:
-        return f"{path.name}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -402,7 +413,7 @@ def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, An
     except TryAgainLater:
         raise
     except OSError as exc:
-        return f"{shard.file}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     except ValueError as exc:
         return str(exc)
     finally:

@@ -41,7 +41,7 @@ import numpy as np
 from . import plan
 from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
-from ..errors import InputError, NoSpace, StateMismatch
+from ..errors import InputError, NoSpace, StateMismatch, os_errors
 from .plan import MANIFEST, Ref
 from ..storage.pvc import TMP, Pvc, record_bytes
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
@@ -158,7 +158,8 @@ class CheckpointStore:
         every slice where its shards' headers pin it down (``plan.unpinned``)."""
         directory = self.path(ref)
         if self.pvc.local:  # a bucket has no directories, and no links to follow
-            st = os.lstat(directory) if os.path.lexists(directory) else None
+            with os_errors(self.rel(directory), "cannot stat it", InputError):  # EIO: storage trouble (75)
+                st = os.lstat(directory) if os.path.lexists(directory) else None
             if st is None:
                 raise InputError(f"{self.rel(directory)}: missing")
             if not stat.S_ISDIR(st.st_mode):
@@ -190,7 +191,7 @@ class CheckpointStore:
             try:
                 actual = self.backend.size(self.rel(directory / shard.file))
             except OSError as exc:
-                problems.append(f"{shard.file}: {exc.strerror}")
+                problems.append(shards.unreadable(directory / shard.file, exc, "cannot stat"))
                 continue
             if actual is None:
                 problems.append(f"{shard.file}: No such file or directory")
