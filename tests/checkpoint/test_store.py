@@ -1,4 +1,6 @@
-"""The checkpoint store in a real run: rotation bounds, the free-space check, cleanup, --keep.
+"""The checkpoint store in a real run: rotation bounds, the free-space check, cleanup, --keep; and
+its readers: loads in place and by offsets, every manifest proven by its shards' headers, one
+verification for every reader, a read error as storage trouble.
 
 In-process runs (``cli.main``) with a wrapped commit, so every commit is observed as it happens.
 """
