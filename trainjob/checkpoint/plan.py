@@ -351,11 +351,11 @@ def unpinned(m: Manifest) -> list[str]:
     them (the documented split; a DTensor's Shard(0) on one mesh axis; a tensor one rank writes
     whole), since each rank's row count then fixes every start. Any other place (Shard(1), a 2-D
     mesh) only a sha256 recorded elsewhere can vouch for (``checkpoint.json``'s, of the newest)."""
-    out = []
+    out, by_rank = [], [{h.name: h for h in s.holds} for s in sorted(m.shards, key=lambda s: s.rank)]
     for t in m.tensors:
         row = 0
-        for shard in sorted(m.shards, key=lambda s: s.rank):
-            h = next((h for h in shard.holds if h.name == t.name), None)
+        for holds in by_rank:
+            h = holds.get(t.name)
             if h is None or not math.prod(h.shape):
                 continue
             if h.origin != (row, *(0 for _ in h.shape[1:])) or h.shape[1:] != t.shape[1:]:
