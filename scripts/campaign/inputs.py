@@ -132,9 +132,10 @@ def forged_manifests(campaign: Campaign, trials: int, flags: list[str] = W2_STEP
         before = snapshot(pvc)
         if target == committed[-1]:
             result = trainjob("reshard", "--pvc", pvc, "--world-size", "4")
-            if result.returncode != 2 or len(result.stderr.strip().splitlines()) != 1 or snapshot(pvc) != before:
+            changed = snapshot(pvc) != before
+            if result.returncode != 2 or len(result.stderr.strip().splitlines()) != 1 or changed:
                 section.violation(trial, f"{where}: reshard exited {result.returncode}, the PVC "
-                                         f"{'un' if snapshot(pvc) == before else ''}changed: {result.stderr.strip()[-200:]}")
+                                         f"{'' if changed else 'un'}changed: {result.stderr.strip()[-200:]}")
             continue
         shard = committed[-1] / "shard-00001-of-00002.safetensors"
         shard.write_bytes(flip(shard.read_bytes(), campaign.rng))

@@ -280,8 +280,9 @@ def test_a_header_that_says_another_rank_step_or_place_than_the_manifest_is_a_pr
     assert plan.header_problem(m, shard, {**said, "rank": "0"}) == "its header says rank 0, the manifest 1"
     assert "step" in plan.header_problem(m, shard, {**said, "step": "2"})
     elsewhere = plan.placement_text([attrs.evolve(shard.holds[0], start=0)], m.tensors)
-    assert plan.header_problem(m, shard, {**said, plan.SLICES_KEY: elsewhere}) == \
-        "its header puts params at {'offsets': [0, 0], 'whole': [4, 2]}, the manifest at {'offsets': [2, 0], 'whole': [4, 2]}"
+    assert plan.header_problem(m, shard, {**said, plan.SLICES_KEY: elsewhere}) == (
+        "its header puts params at {'offsets': [0, 0], 'whole': [4, 2]}, "
+        "the manifest at {'offsets': [2, 0], 'whole': [4, 2]}")
     without = {k: v for k, v in said.items() if k != plan.SLICES_KEY}
     assert plan.header_problem(m, shard, without) is None  # schema 1 and 2: headers never said it
     assert "does not say where" in plan.header_problem(attrs.evolve(m, schema=3), shard, without)

@@ -339,7 +339,8 @@ def refusals(store, ref, specs, wanted: list[dict], expect: str | None = None) -
     said = [store.verify(ref, expect).reason]
     assert said[0] is not None
     for read in (lambda: store.load(ref, expect),
-                 *(lambda rank=rank, w=w: store.load_local(ref, specs, w, rank, expect) for rank, w in enumerate(wanted))):
+                 *(lambda rank=rank, w=w: store.load_local(ref, specs, w, rank, expect)
+                   for rank, w in enumerate(wanted))):
         with pytest.raises(InputError) as refused:
             read()
         said.append(str(refused.value))
@@ -521,7 +522,8 @@ def edits(draw, original: dict):
         elif isinstance(value, int) and not isinstance(value, bool):
             parent[key] = draw(st.sampled_from([0, 1, 2, 3, 4, 7, value + 1, value - 1, 2**31, 2**62, -1]))
         elif isinstance(value, list) and all(isinstance(x, int) for x in value):
-            parent[key] = draw(st.sampled_from([value[:-1], [*value, 0], value[::-1], [0, 2**62], [2**62] * len(value)]))
+            parent[key] = draw(st.sampled_from([value[:-1], [*value, 0], value[::-1], [0, 2**62],
+                                                [2**62] * len(value)]))
     return doc
 
 
