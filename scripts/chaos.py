@@ -2,7 +2,7 @@
 """Reliability campaign: inject real faults into real trainjob processes, many times, and count.
 
     python scripts/chaos.py [--kills N] [--sigterms N] [--faults N] [--inputs N] [--races N] [--s3 N]
-                            [--seed S] [--launcher local|torchrun]
+                            [--reads N] [--verdicts N] [--forged N] [--seed S] [--launcher local|torchrun]
 
 Sections (each trial is a fresh PVC; everything is seeded, so a failure can be replayed; one module
 each in scripts/campaign/):
@@ -13,11 +13,15 @@ each in scripts/campaign/):
                   a torch trainer (``--torch``: scripts/bench_torch.py's model, sync and async)
   sigterm storm   SIGTERM at random instants: each must checkpoint and exit 75
   io faults       libfiu (fiu-run/fiu-ctrl) makes write/fsync/rename/open fail mid-run
+  read faults     libfiu fails a resume's shard reads (EIO, ETIMEDOUT) at W=1, W=2, and in rank 1
+                  alone in an FSDP verdict round: 75, nothing set aside, then the relaunch resumes
   import faults   libfiu makes open fail (EMFILE, ENOMEM, EIO) while `run` loads its command's modules
   full disk       a real tiny tmpfs as the PVC (skipped, with the reason, if it cannot mount)
   hostile inputs  corrupted data, baseline, state, attempts, log and checkpoint files, or, in half
                   the trials, special files in their place (FIFOs, sockets, devices, links to
                   /dev/zero, sparse gigabytes), absurd manifest sizes, hostile log lines
+  forged manifests  an older manifest edited so its slices land elsewhere (digests intact), behind
+                  a damaged newest; or the newest, then resharded: never resumed, never resharded
   races           several runs started at once on one PVC
   security        no unpickling or eval, no group/world-writable files, no forged log lines
   s3 faults       a run on ``--pvc s3://BUCKET/PREFIX`` while its server (a local SeaweedFS) is
@@ -55,6 +59,11 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=8)
     parser.add_argument("--inputs", type=int, default=40)
     parser.add_argument("--races", type=int, default=2)
+    parser.add_argument("--reads", type=int, default=2,
+                        help="shard-read-fault trials at W=1 and at W=2 each (EIO and ETIMEDOUT in turn)")
+    parser.add_argument("--verdicts", type=int, default=1,
+                        help="FSDP verdict-round read-fault trials (skipped, with a note, without torch)")
+    parser.add_argument("--forged", type=int, default=2, help="forged-manifest trials")
     parser.add_argument("--ranks", type=int, default=2, help="two-rank kill and SIGTERM trials, reshard kills")
     parser.add_argument("--asyncs", type=int, default=2,
                         help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
@@ -86,6 +95,9 @@ def main() -> int:
             races.reshard_kills(campaign, args.ranks * 2),
             faults.io_faults(campaign, args.faults),
             faults.import_faults(campaign, max(1, args.faults // 4)),
+            faults.read_faults(campaign, args.reads),
+            faults.read_faults(campaign, args.reads, w2),
+            faults.verdict_read_faults(campaign, args.verdicts),
             signals.kill_storm(campaign, args.asyncs, ASYNC_STEPS),
             signals.kill_storm(campaign, args.asyncs, W2_ASYNC_STEPS),
             signals.sigterm_storm(campaign, args.asyncs, ASYNC_STEPS),
@@ -95,6 +107,7 @@ def main() -> int:
             signals.kill_storm(campaign, args.torch, [*TORCH_STEPS, ASYNC]),
             faults.full_disk(campaign),
             inputs.hostile_inputs(campaign, args.inputs),
+            inputs.forged_manifests(campaign, args.forged, w2),
             races.races(campaign, args.races),
             races.reshard_races(campaign, args.races),
             security.security(campaign),
