@@ -1,7 +1,8 @@
 """A launch as a supervisor sees it: started in a session of its own, signalled whole, read from its PVC.
 
 Shared by ``trainjob prove`` and the reliability campaign (scripts/chaos.py), so that both kill a
-launch the same way a dying node does. Reads the PVC's files directly and never writes them.
+launch the same way a dying node does, and judge every launch by the same rule: the exit code and
+the log it left agree (``disagreement``). Reads the PVC's files directly and never writes them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from ..exits import EXIT_INTERNAL, EXIT_RELAUNCH, TRAINJOBS, exit_code_for_state
 
 POLL = 0.002  # how often a watcher looks at the log: a checkpoint of a small model takes milliseconds
 
@@ -92,3 +95,27 @@ def artifacts(pvc: Path) -> dict[str, bytes]:
     """Every published artifact by name: a resume that cost an attempt publishes another name."""
     folder = pvc / "artifacts"
     return {p.name: p.read_bytes() for p in sorted(folder.glob("model-v*"))} if folder.is_dir() else {}
+
+
+def disagreement(code: int, logged: Sequence[dict], before: int = 0) -> str | None:
+    """Why a launch's exit status ``code`` and the log it left disagree, or None.
+
+    ``trainjob status`` reads the log's last event as a code (``exits.exit_code_for_state``: a
+    final event's, else 75, the attempt in flight); for every way a launch ends, that is the code
+    the launch exited with. A crash (70) leaves the attempt in flight: status says 75. ``logged``:
+    the log's events once the launch ended; ``before``: how many it held when the launch started.
+    A launch that logged nothing left the job as it found it (refused before it began, a busy PVC,
+    a signal before its start), so only its code is judged: one of trainjob's. A SIGKILL is never
+    judged, since nothing can be said after it; any other signal must not end a launch, whose
+    code is trainjob's (a SIGTERM is a stop: 75)."""
+    if code in (-signal.SIGKILL, 128 + signal.SIGKILL):
+        return None
+    if code not in TRAINJOBS:
+        return f"exited {code}, not with one of trainjob's codes"
+    if len(logged) <= before:
+        return None
+    last = logged[-1]["event"]
+    said = exit_code_for_state(last)
+    if said != (EXIT_RELAUNCH if code == EXIT_INTERNAL else code):
+        return f"exited {code} but its log ends at {last!r}, for which `trainjob status` says {said}"
+    return None
