@@ -179,6 +179,40 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
 
 
+@pytest.mark.parametrize("export, says", [
+    ({}, "export: an empty mapping, an artifact with nothing in it"),
+    ({"": np.ones(2)}, "export: the name '' cannot be stored; a name is 1 to 200 letters"),
+    ({"x" * 5000: np.ones(2)}, "export: the name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (5000 characters) cannot"),
+    ({"w": np.ones(2, dtype=object)}, "export['w']: dtype object cannot be stored"),
+], ids=["empty", "empty-name", "long-name", "object-dtype"])
+def test_an_export_with_nothing_or_a_bad_entry_is_refused_in_one_line_naming_it_and_logged(pvc, capsys, export,
+                                                                                          says):
+    """An empty export published an artifact with nothing in it, exit 0; a name a file cannot
+    hold was refused with a dump of the record's attrs validator; an entry that cannot be
+    stored was blamed on ``state_dict()``. Each is now one line about the export, exit 2, and
+    the log says ``refused``; nothing is published."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=0, total=1), export=export)
+    assert run.exit_code == 2 and str(run.error).startswith(says), run.error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Attribute(" not in err[0] and "state_dict()" not in err[0], err
+    assert events(pvc / "log.jsonl")[-1] == ("refused", f"at_step=2 reason={run.error}")
+    assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
+
+
+def test_more_steps_or_attempts_than_a_checkpoints_name_holds_are_refused_before_the_pvc_is_touched(pvc):
+    """Past step 99,999,999 a checkpoint's name no longer parses: its checkpoints were invisible
+    (rotation stopped, verify missed the pointer's directory, a relaunch resumed backwards)."""
+    run, _ = own(pvc, good, steps=10 ** 8)
+    assert run.exit_code == 2 and "--steps must be at most 99999999" in str(run.error)
+    run, _ = own(pvc, good, backoff_limit=9999)
+    assert run.exit_code == 2 and "--backoff-limit must be at most 9998" in str(run.error)
+    assert not pvc.exists()
+
+
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
     def early(run, state, step):
         good(run, state, step)

@@ -30,7 +30,7 @@ MANIFEST = "manifest.json"
 # values) instead of opening every other rank's shard for a few bytes.
 SMALL_BYTES = 64 << 10
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
-_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
+_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")  # at most defaults.MAX_STEP and MAX_ATTEMPT
 
 
 # --- names -------------------------------------------------------------------------------------
