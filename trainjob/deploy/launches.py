@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import attrs
+
 from ..exits import EXIT_INTERNAL, EXIT_RELAUNCH, TRAINJOBS, exit_code_for_state
 
 POLL = 0.002  # how often a watcher looks at the log: a checkpoint of a small model takes milliseconds
@@ -45,22 +47,68 @@ def kill_launch(proc: subprocess.Popen, torchrun: bool = True, sig: int = signal
             pass
 
 
-def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], sig: int = signal.SIGKILL,
+@attrs.frozen
+class Stop:
+    """How a scheduler stops a launch: ``sig`` to every process of it (``everyone``: Slurm's
+    ``scancel`` and preemption, systemd, a dying node) or to its first process alone (the kubelet,
+    a supervisor), again after ``repeat`` seconds if it still runs (Slurm's preemption signals
+    twice), and SIGKILL to every process after ``kill_after`` seconds if it still runs (the end of
+    Kubernetes's grace period)."""
+
+    name: str
+    sig: int
+    everyone: bool = False
+    repeat: float | None = None
+    kill_after: float | None = None
+
+
+NODE_DIES = Stop("KILL", signal.SIGKILL, everyone=True)
+KUBELET = Stop("TERM", signal.SIGTERM)  # to PID 1 alone; the launcher must pass it on
+PREEMPTED = Stop("TERM all x2", signal.SIGTERM, everyone=True, repeat=0.5)
+
+
+def grace_ended(seconds: float) -> Stop:
+    """The kubelet's SIGTERM, then its SIGKILL of every process ``seconds`` later."""
+    return Stop(f"TERM+KILL {seconds:.2f}s", signal.SIGTERM, kill_after=seconds)
+
+
+def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:
+    try:
+        proc.wait(timeout=max(0.0, seconds))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def stop_launch(proc: subprocess.Popen, how: Stop, torchrun: bool = True) -> None:
+    """Deliver ``how`` to the launch, returning once its last signal is sent (a repeat or a
+    SIGKILL after a grace waits for them, unless the launch exits first)."""
+    started = time.monotonic()
+    for n in range(2 if how.repeat is not None else 1):
+        if n and _exits_within(proc, how.repeat or 0.0):
+            return
+        if how.everyone:
+            kill_launch(proc, torchrun, how.sig)
+        else:
+            proc.send_signal(how.sig)
+    if how.kill_after is not None and not _exits_within(proc, how.kill_after - (time.monotonic() - started)):
+        kill_launch(proc, torchrun, signal.SIGKILL)
+
+
+def kill_when(proc: subprocess.Popen, ready: Callable[[], bool], sig: int | Stop = signal.SIGKILL,
               torchrun: bool = True) -> bool:
-    """Signal the launch the first time ``ready()`` holds while it runs; True when the signal was
-    delivered to a launch that had not ended by itself in between. SIGKILL goes to every process of
-    the launch (a node dies); any other signal to its first process alone, as the kubelet sends
-    SIGTERM: the launcher must pass it on."""
+    """Stop the launch the first time ``ready()`` holds while it runs; True when the signal was
+    delivered to a launch that had not ended by itself in between. A bare signal: SIGKILL goes to
+    every process of the launch (a node dies); any other signal to its first process alone, as the
+    kubelet sends SIGTERM: the launcher must pass it on. A ``Stop``: as it says."""
+    how = sig if isinstance(sig, Stop) else NODE_DIES if sig == signal.SIGKILL else attrs.evolve(KUBELET, sig=sig)
     while proc.poll() is None and not ready():
         time.sleep(POLL)
     if proc.poll() is not None:
         return False
-    if sig == signal.SIGKILL:
-        kill_launch(proc, torchrun, sig)
-    else:
-        proc.send_signal(sig)
+    stop_launch(proc, how, torchrun)
     # A SIGKILL that found the launch already exiting shows as its own exit status, not -9.
-    return sig != signal.SIGKILL or proc.wait() == -signal.SIGKILL
+    return how.sig != signal.SIGKILL or proc.wait() == -signal.SIGKILL
 
 
 def events(pvc: Path) -> list[dict]:
