@@ -67,6 +67,13 @@ def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
 
 
+def log_length(pvc: Path) -> int:
+    """How many events the PVC's log holds now: what a launch about to start found."""
+    from trainjob.deploy.launches import events as logged
+
+    return len(logged(pvc))
+
+
 def agrees_with_its_log(code: int, pvc: Path, before: int = 0) -> None:
     """Assert that a launch (or a Run) that ended with ``code`` left a log that `trainjob status`
     reads as the same code (``launches.disagreement``); ``before``: the log's events when it

@@ -88,18 +88,21 @@ def _stops(campaign: Campaign, name: str, trials: int) -> Section:
         return section
     seconds = time.monotonic() - started
     checkpoints = sum(e["event"] == "checkpointed" for e in events(reference))
+    gap = seconds / max(checkpoints, 1)
     graces_cut = 0
     for trial in range(trials):
         section.trials += 1
         pvc = campaign.pvc(name)
-        how = PREEMPTED if trial % 2 == 0 else grace_ended(campaign.rng.uniform(0, seconds / max(checkpoints, 1)))
+        how = PREEMPTED if trial % 2 == 0 else grace_ended(campaign.rng.uniform(0, gap))
         proc = launch(script, pvc, flags)
-        # A random instant once the first checkpoint is logged: the workers run, a resume is at stake.
-        delay = campaign.rng.uniform(0, seconds / 3)
+        # A random instant after a random checkpoint but the last (prove's "between checkpoints"):
+        # the workers run, a resume is at stake, and mostly a validation has run (its loader's
+        # workers are alive).
+        nth, delay = campaign.rng.randint(1, max(1, checkpoints - 1)), campaign.rng.uniform(0, gap)
         since: list[float] = []
 
         def ready() -> bool:
-            if not since and any(e["event"] == "checkpointed" for e in events(pvc)):
+            if not since and sum(e["event"] == "checkpointed" for e in events(pvc)) >= nth:
                 since.append(time.monotonic())
             return bool(since) and time.monotonic() - since[0] >= delay
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, skip_without
+from conftest import ROOT, agrees_with_its_log, built_once, log_length, skip_without
 
 skip_without("lightning", "lightning (the lightning extra) is not installed")
 skip_without("torchdata", "torchdata (the torch extra) is not installed")
@@ -45,8 +45,10 @@ def losses(text: str) -> dict[int, str]:
 
 
 def finish(script: Path, pvc: Path) -> tuple[int, dict[int, str], str]:
+    before = log_length(pvc)
     proc = launch(script, "--pvc", str(pvc))
     out, err = proc.communicate(timeout=600)
+    agrees_with_its_log(proc.returncode, pvc, before)  # every launch: its log says its exit code
     return proc.returncode, losses(out), err
 
 
@@ -55,6 +57,7 @@ def stopped(script: Path, pvc: Path, at_line: int, sig: signal.Signals, then: fl
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
     ``sig``: to the script alone, or with ``group`` to its whole process group (Slurm's, systemd's
     way); with ``twice``, again half a second later (Slurm's preemption)."""
+    before = log_length(pvc)
     proc = launch(script, "--pvc", str(pvc), start_new_session=group)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -66,6 +69,7 @@ def stopped(script: Path, pvc: Path, at_line: int, sig: signal.Signals, then: fl
         if proc.poll() is None:
             os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
+    agrees_with_its_log(proc.returncode, pvc, before)
     if group:
         try:
             os.killpg(proc.pid, 0)
@@ -173,6 +177,7 @@ def test_a_sigterm_from_the_moment_the_run_began_is_the_runs_saved_killed_and_75
     time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
+    agrees_with_its_log(proc.returncode, pvc)
     log = [(e["event"], e["detail"].split(" loss_milli=")[0]) for e in events(pvc)]
     assert proc.returncode == 75 and not losses(out).keys() - {1}, err[-2000:]
     assert log[-2:] == [("checkpointed", "step=1"), ("killed", "at_step=1 signal=SIGTERM")], (log, err[-2000:])
