@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -148,6 +149,56 @@ def s3_pvc(s3_server: object, monkeypatch: pytest.MonkeyPatch, request: pytest.F
     return f"s3://{BUCKET}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
 
 
+SLURM_CLUSTER = "slurm-cluster"  # under the run's shared temp directory (built_once's)
+
+
+def _slurm_sh(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts/slurm.sh"), *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The loopback Slurm cluster (scripts/slurm.sh): started once per pytest run by the first test
+    that needs it, under a lock (all xdist workers share it), stopped by ``pytest_sessionfinish``
+    when the run ends. Where it cannot start (not root, no apt) its tests skip with the reason;
+    under CI=true they fail. The environment its clients need, with this tree first on the path."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / SLURM_CLUSTER
+    with FileLock(f"{directory}.lock"):
+        if not (directory / "up").exists():
+            started = _slurm_sh("up", directory)
+            if started.returncode != 0:
+                reason = f"no Slurm cluster: {started.stderr.strip().splitlines()[-1:]}"
+                _slurm_sh("down", directory)
+                if os.environ.get("CI") == "true":
+                    pytest.fail(reason)
+                pytest.skip(reason)
+            (directory / "up").write_text(started.stdout)
+    return {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")])}
+
+
+@pytest.fixture
+def slurm(slurm_cluster: dict[str, str]) -> Iterator[dict[str, str]]:
+    """The cluster to this test alone: its tests run one at a time (a preemption must find only its
+    own job to preempt, and the node has a CPU per core), whichever xdist worker runs them."""
+    with FileLock(str(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock")):
+        yield slurm_cluster
+        subprocess.run(["scancel", "--quiet", "--user", "root"], env=slurm_cluster, check=False)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the Slurm cluster, once every worker is done: in the controller (or the one process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    directory = factory.getbasetemp() / SLURM_CLUSTER if factory is not None else None
+    if directory is not None and (directory / "pids").exists():
+        _slurm_sh("down", directory)
+
+
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` with its bytes, to prove nothing changed."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -201,6 +252,8 @@ def kinds_started(argv: object) -> set[str]:
         kinds.add("browser")
     if "weed" in names:
         kinds.add("s3")
+    if names & {"sbatch", "srun", "scontrol", "scancel", "squeue", "slurm.sh"}:
+        kinds.add("slurm")
     return kinds
 
 

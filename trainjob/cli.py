@@ -3,8 +3,8 @@
 The codes themselves, and which error and which final state gets which, are ``exits.py``'s (the
 one table, shared with the engine's ``Run``). Output that cannot be written (stdout closed with
 ``>&-``) is an error too. The same contract read the other ways lives here: how ``supervise``
-reads its child's exit code and which code it exits with, and which Job action ``k8s render``
-gives each code.
+reads its child's exit code and which code it exits with, which Job action ``k8s render``
+gives each code, and what ``slurm after`` answers a rendered batch script (``policy.after_launch``).
 
 ``trainjob run`` is one client of the engine's ``Run`` (``train`` below drives a Trainer through
 it), as a user's own training script is another.
@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import NoReturn
 
 from .defaults import VERSION
-from .deploy import k8s, policy
+from .deploy import k8s, policy, slurm
 from .engine.config import DEFAULT_LOG, RunConfig, idempotent_from
 from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
-from .storage.pvc import check_path
+from .storage.durable import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
 
@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--world-size", type=int,
                    help="number of ranks (default: $WORLD_SIZE, else 1); without a rank, starts them all here")
     r.add_argument("--rank", type=int,
-                   help="this process's rank (default: $RANK, else $JOB_COMPLETION_INDEX); 0 coordinates")
+                   help="this process's rank (default: $RANK, else an srun task's $SLURM_PROCID, else "
+                        "$JOB_COMPLETION_INDEX); 0 coordinates")
     r.add_argument("--rank-timeout", type=float, default=d.rank_timeout,
                    help="seconds any wait for another rank may take before exiting 75")
     r.add_argument("--async-checkpoint", action="store_true",
@@ -194,6 +195,46 @@ def build_parser() -> argparse.ArgumentParser:
                     help="extra `trainjob run` flags, or an own loop (a script around trainjob.Run, with "
                          "--pvc {pvc}) that the pods run made idempotent (docs/kubernetes.md)")
 
+    sl = sub.add_parser("slurm", help="a Slurm batch script that runs trainjob, requeued by its exit code")
+    sl_sub = sl.add_subparsers(dest="slurm_command", required=True, parser_class=_Parser)
+    sr = sl_sub.add_parser("render", help="print an sbatch script (docs/howto/slurm.md)")
+    st = slurm.Target(pvc="")
+    sr.add_argument("--pvc", type=location_arg,
+                    help="a directory every node sees (or s3://BUCKET/PREFIX) for the job's files; an own loop "
+                         "may name it in its own --pvc instead")
+    sr.add_argument("--name", default=st.name, help="the job's name (default %(default)s)")
+    sr.add_argument("--nodes", type=int, default=st.nodes, help="nodes (default %(default)s)")
+    sr.add_argument("--ntasks-per-node", type=int, default=st.ntasks_per_node,
+                    help="srun tasks per node, each a rank (default %(default)s)")
+    sr.add_argument("--nproc-per-node", type=int, default=st.nproc_per_node,
+                    help="instead: one `trainjob torchrun` per node with this many ranks (c10d rendezvous on the "
+                         "first host)")
+    sr.add_argument("--time", default=st.time, help="the job's time limit, as sbatch --time takes it")
+    sr.add_argument("--partition", default=st.partition, help="the partition(s), as sbatch --partition takes them")
+    sr.add_argument("--grace", type=int, default=st.grace,
+                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a "
+                         "checkpoint's time (default %(default)s)")
+    sr.add_argument("--backoff-limit", type=int, default=st.backoff_limit,
+                    help="the run's retry budget: a failed gate is requeued while it has attempts left")
+    sr.add_argument("--max-stalls", type=int, default=st.max_stalls,
+                    help="launches in a row without a new checkpoint before the job stops (default %(default)s)")
+    sr.add_argument("--trainjob", default=st.trainjob, help="how the nodes start trainjob (default %(default)s)")
+    sr.add_argument("child", nargs="*", metavar="-- run ARGS | -- python SCRIPT ARGS",
+                    help="extra `trainjob run` flags, or an own loop (a script around trainjob.Run, with "
+                         "--pvc {pvc})")
+    for name, helped in (("before", "(the rendered script's) count the log's checkpoints before a launch"),
+                         ("after", "(the rendered script's) what a launch's exit code makes the job do")):
+        judge = sl_sub.add_parser(name, help=helped)
+        judge.add_argument("--pvc", type=location_arg, required=True, help="the job's PVC")
+        judge.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
+        judge.add_argument("--backoff-limit", type=int,
+                           help="the run's retry budget (absent: an own loop's, read from its log)")
+        if name == "after":
+            judge.add_argument("--code", type=int, required=True, help="the launch's exit code")
+            judge.add_argument("--before", required=True, help="what `slurm before` printed (- if nothing)")
+            judge.add_argument("--stalls", type=int, default=0, help="launches in a row without progress so far")
+            judge.add_argument("--max-stalls", type=int, default=st.max_stalls, help="the bound on them")
+
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
                     help="default: the one -o's suffix names (.mmd .dot .svg .png), else mermaid")
@@ -217,7 +258,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
     with importing("the command's modules"):
-        from .storage.pvc import atomic_write, make_dir
+        from .storage.durable import atomic_write, make_dir
 
     dataset = DATASETS[args.dataset]
     files = dataset.generate()  # before creating anything: a missing optional package is exit 2
@@ -534,6 +575,97 @@ def cmd_k8s(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_slurm(args: argparse.Namespace) -> int:
+    if args.slurm_command == "render":
+        return _slurm_render(args)
+    with importing("the command's modules"):
+        from .storage.eventlog import log_exists, read_log
+    log = args.log if args.log is not None else args.pvc / DEFAULT_LOG
+    try:  # the checkpoints the log records; storage that cannot be read answers "-" (no progress)
+        checkpoints = sum(1 for line in read_log(log) if line.event is not None
+                          and line.event.event == "checkpointed" and line.event.source is None) \
+            if log_exists(log) else 0
+    except (TrainJobError, OSError) as exc:
+        warn(f"trainjob slurm {args.slurm_command}: cannot count checkpoints in {log}: {one_line(str(exc))}")
+        checkpoints = None
+    if args.slurm_command == "before":
+        emit("-" if checkpoints is None else str(checkpoints))
+        return EXIT_OK
+    before = int(args.before) if args.before.isdigit() else None
+    progressed = before is not None and checkpoints is not None and checkpoints > before
+    verdict = policy.after_launch(args.code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
+                                  args.max_stalls, str(log), str(args.pvc))
+    warn(f"trainjob slurm: {one_line(verdict.line)}")
+    emit(f"{verdict.action} {verdict.code} {verdict.stalls}")
+    return EXIT_OK
+
+
+def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy.Over | None:
+    """Would the next launch end at once, and with which code? ``ended_job``'s answer for ``run``
+    (its budget known); for an own loop, completion, or a log that ends in ``job_failed``.
+    Storage that cannot answer says nothing (None): the launch's own code decides."""
+    with importing("the command's modules"):
+        from .engine.completion import completed_job, ended_job
+        from .storage.eventlog import EventLog
+        from .storage.pvc import Pvc
+
+    try:
+        if backoff_limit is not None:
+            ended = ended_job(Pvc(pvc), log, backoff_limit, idempotent=True)
+            return None if ended is None else policy.Over(ended.code, ended.line)
+        if (done := completed_job(Pvc(pvc), log)) is not None:
+            return policy.Over(EXIT_OK, done.line())
+        if EventLog(log).last_event() == "job_failed":
+            return policy.Over(EXIT_FAILED, f"the job failed: {log} ends in job_failed, its retry budget spent")
+    except TrainJobError as exc:
+        if exit_code_for(type(exc)) == EXIT_USAGE:  # a job whose next launch would be refused: it ends here
+            return policy.Over(EXIT_USAGE, one_line(str(exc)))
+        warn(f"trainjob slurm after: cannot read the job's state: {one_line(str(exc))}")
+    return None
+
+
+def _slurm_render(args: argparse.Namespace) -> int:
+    location = None if args.pvc is None else args.pvc if isinstance(args.pvc, Url) else args.pvc.absolute()
+    settings = dict(name=args.name, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
+                    nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, grace=args.grace,
+                    backoff_limit=args.backoff_limit, max_stalls=args.max_stalls, trainjob=args.trainjob)
+    if args.child and k8s.is_python(args.child[0]):  # an own loop: its Run is made idempotent by the job's env
+        bucket = str(location) if isinstance(location, Url) else ""
+        loop = k8s.own_loop(args.child, bucket, mount=str(location or k8s.MOUNT))
+        where = loop.bucket or loop.mount
+        if location is not None and where != str(location):
+            raise UsageError(f"the script's --pvc {where} is not slurm render's --pvc {location}; give one, or pass "
+                             f"the script --pvc {k8s.PVC_PLACEHOLDER}")
+        if loop.bucket:
+            _storage_location(loop.bucket)  # a malformed URL: the same one line as render --pvc's
+        target = slurm.Target(**settings, pvc=where, loop=loop)
+        target.check()
+        emit(slurm.script(target).splitlines())
+        return EXIT_OK
+    if args.child and args.child[0] != "run":
+        raise UsageError(f"expected `-- run ARGS...` or `-- python SCRIPT ARGS...` after the flags, got "
+                         f"{' '.join(args.child)}")
+    if location is None:
+        raise UsageError("slurm render needs --pvc: a directory every node sees, or s3://BUCKET/PREFIX")
+    target = slurm.Target(**settings, pvc=str(location), run_args=tuple(args.child[1:]))
+    target.check()
+    # Every rank's command line must pass run's own checks. The script owns --pvc and --backoff-limit;
+    # argparse lets a later flag win, so the user's arguments after -- must not override them.
+    ran = _parse_run(target.run_flags())
+    if (str(ran.pvc), ran.backoff_limit) != (target.pvc, target.backoff_limit):
+        raise UsageError("the script sets the run's --pvc and --backoff-limit itself (use `slurm render --pvc` "
+                         "and `--backoff-limit`); drop them after --")
+    if ran.world_size is not None or ran.rank is not None:
+        raise UsageError("the script gives each rank its place (--nodes, --ntasks-per-node, --nproc-per-node); "
+                         "drop --world-size and --rank after --")
+    if ran.log is not None:
+        with importing("the command's modules"):
+            import attrs
+        target = attrs.evolve(target, log=str(ran.log))
+    emit(slurm.script(target).splitlines())
+    return EXIT_OK
+
+
 def _write_output(data: bytes, output: Path | None) -> None:
     if output is None:
         emit(data)
@@ -585,14 +717,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Every path argument, before any work (``pvc.check_path``)."""
+    """Every path argument, before any work (``durable.check_path``)."""
     for value in vars(args).values():
         if isinstance(value, Path):
             check_path(value)
 
 
 COMMANDS = {"gen": cmd_gen, "run": cmd_run, "torchrun": cmd_torchrun, "status": cmd_status, "supervise": cmd_supervise,
-            "k8s": cmd_k8s, "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
+            "k8s": cmd_k8s, "slurm": cmd_slurm, "diagram": cmd_diagram, "plot": cmd_plot, "verify": cmd_verify, "reshard": cmd_reshard,
             "replay": cmd_replay, "prove": cmd_prove}
 
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import events, snapshot, trainjob
 from trainjob import cli
 from trainjob.checkpoint import store as checkpoints
-from trainjob.storage import pvc as pvc_module
+from trainjob.storage import local
 from trainjob.checkpoint.plan import Ref
 from trainjob.views.history import replay
 from trainjob.storage.pvc import Pvc
@@ -28,7 +28,7 @@ def committed(pvc):
 @pytest.mark.parametrize("keep", [1, 3])
 def test_rotation_never_exceeds_k_plus_one_and_never_loses_the_newest(tmp_path, monkeypatch, keep):
     pvc, seen = tmp_path / "pvc", []
-    real_commit = pvc_module.commit_dir
+    real_commit = local.commit_dir
 
     def observed(staging, final, *args):  # at every commit: K committed at most, plus this one in flight
         on_disk = [p.name for p in (pvc / "checkpoints").iterdir()]
@@ -36,7 +36,7 @@ def test_rotation_never_exceeds_k_plus_one_and_never_loses_the_newest(tmp_path, 
         real_commit(staging, final, *args)
         assert final.name == committed(pvc)[-1]  # the newest is the one just committed
 
-    monkeypatch.setattr(pvc_module, "commit_dir", observed)
+    monkeypatch.setattr(local, "commit_dir", observed)
     assert cli.main(["run", "--pvc", str(pvc), "--ckpt-every", "1", "--keep", str(keep)]) == 0
     assert len(seen) == 10 and max(seen) == keep + 1
     assert committed(pvc) == [f"step-{s:08d}-a0001-w001" for s in range(11 - keep, 11)]
@@ -54,7 +54,7 @@ def test_a_save_that_cannot_fit_exits_75_and_keeps_every_checkpoint(tmp_path, mo
     assert trainjob("run", "--pvc", pvc, "--die-at", 4).returncode == 75
     before = snapshot(pvc / "checkpoints")
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(pvc_module.shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 100, 100))
+    monkeypatch.setattr(local.shutil, "disk_usage", lambda _p: usage(10**6, 10**6 - 100, 100))
     assert cli.main(["run", "--pvc", str(pvc)]) == 75
     assert "bytes free, but the next checkpoint needs about" in capsys.readouterr().err
     assert snapshot(pvc / "checkpoints") == before

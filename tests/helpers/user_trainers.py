@@ -2,6 +2,7 @@
 
 import os
 import sys
+import time
 
 from trainjob.errors import InputError
 from trainjob.trainers.data import load_dataset
@@ -70,3 +71,16 @@ def refused_at_rank_1(data, lr):
     if os.environ.get("RANK") == "1" or ("--rank" in argv and argv[argv.index("--rank") + 1] == "1"):
         raise InputError("rank 1: its data cannot be read")
     return Watched(load_dataset(data), lr)
+
+
+class Slow(LinearTrainer):
+    """The linear trainer, each step taking TRAINJOB_TEST_STEP_SECONDS (default 0.05) longer: a
+    run long enough to be signalled mid-way, whose bytes do not depend on the delay."""
+
+    def step(self, step):
+        time.sleep(float(os.environ.get("TRAINJOB_TEST_STEP_SECONDS", "0.05")))
+        return super().step(step)
+
+
+def slow(data, lr):
+    return Slow(load_dataset(data), lr)

@@ -2,7 +2,7 @@
 
 safetensors (maintained by Hugging Face) is a header of JSON plus raw little-endian tensor bytes:
 loading it runs no code, unlike pickled files. Writing is done here rather than with the package's
-``save_file`` because the bytes must be hashed as they are written (``pvc.atomic_write`` does
+``save_file`` because the bytes must be hashed as they are written (``durable.atomic_write`` does
 that chunk by chunk) and must never be held twice in memory; ``tests/checkpoint/test_shards.py`` checks the
 output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading is done here too
 (``read_verified``, following the format's spec): the bytes go straight from the file into the

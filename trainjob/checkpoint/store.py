@@ -43,7 +43,8 @@ from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
 from ..errors import InputError, NoSpace, StateMismatch
 from .plan import MANIFEST, Ref
-from ..storage.pvc import TMP, Pvc, record_bytes
+from ..storage.deletion import TMP
+from ..storage.pvc import Pvc, record_bytes
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 from ..tensors import np_dtype, tensor_specs
 
@@ -423,7 +424,7 @@ class Committer(ShardWriter):
                others: Callable[[], object] | None = None) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
         place; return the manifest's sha256. ``point``: then replace ``checkpoint.json`` with a
-        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``), and leave the
+        pointer to it, its fsync beside the commit's last one (``durable.commit_dir``), and leave the
         fsync that makes its rename durable running: ``rotate`` waits for it, so the
         ``checkpointed`` line's fsync can run beside it (docs/checkpoints.md). ``others()``: waits
         until the other ranks' shards are durable (``Coordinator.durable``), called while this

@@ -91,7 +91,8 @@ from ..records import Candidate, Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
 from ..storage.backend import Url, as_location
-from ..storage.pvc import Pvc, check_path, make_dir, missing_dirs, remove_empty
+from ..storage.durable import check_path, make_dir, missing_dirs, remove_empty
+from ..storage.pvc import Pvc
 from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
 
 # A run that names no data: the empty input's hash, so a resume cannot tell other data apart.

@@ -68,7 +68,8 @@ from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
 from ..exits import EXIT_RELAUNCH, exit_code_for
 from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps, load
-from ..storage.pvc import Pvc, make_dir
+from ..storage.durable import make_dir
+from ..storage.pvc import Pvc
 from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
                     wait_for)
 

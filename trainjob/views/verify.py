@@ -22,7 +22,8 @@ from ..checkpoint.plan import MANIFEST, Ref
 from ..checkpoint.store import REJECTED, CheckpointStore
 from ..engine.completion import Item, check_artifact, logged_artifacts
 from ..errors import InputError
-from ..storage.pvc import TMP, TRASH, Pvc
+from ..storage.deletion import TMP, TRASH
+from ..storage.pvc import Pvc
 
 
 @attrs.frozen

@@ -1,0 +1,211 @@
+"""`trainjob slurm render` on a real Slurm cluster (scripts/slurm.sh, one node on loopback): the
+rendered scripts submitted with sbatch, interrupted the ways a cluster interrupts jobs, and read
+back with `scontrol show job`. Each test has the cluster to itself (the ``slurm`` fixture); a
+requeued job waits about 12 s (cred_expire, then a scheduling cycle) before it runs again, which is
+most of these tests' time: each interrupts one job several times rather than submitting several."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, snapshot, trainjob
+
+pytestmark = [pytest.mark.process, pytest.mark.slurm]
+
+# The lab's linear model, each step 0.05 s longer (tests/helpers/user_trainers.py): 15 s of training.
+SLOW = ["--trainer", "user_trainers:slow", "--steps", "300", "--ckpt-every", "10"]
+
+
+def render(env: dict[str, str], *argv: str | Path) -> str:
+    result = trainjob("slurm", "render", *map(str, argv), env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def submit(env: dict[str, str], tmp_path: Path, script: str, *sbatch: str) -> str:
+    path = tmp_path / "job.sh"
+    path.write_text(script)
+    done = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path}/job-%j.out", *sbatch, str(path)],
+                          env=env, capture_output=True, text=True, cwd=tmp_path, check=True)
+    return done.stdout.strip().split(";")[0]
+
+
+def show(env: dict[str, str], job: str) -> dict[str, str]:
+    """`scontrol show job -o`'s fields (Comment and Command may hold spaces; not read here)."""
+    line = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                          check=True).stdout
+    return dict(word.split("=", 1) for word in line.split() if "=" in word)
+
+
+def wait_for(what: str, check, timeout: float = 120):  # noqa: ANN001 (a predicate)
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (found := check()):
+            return found
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def logged(pvc: Path) -> list[str]:
+    try:
+        return [json.loads(line)["event"] for line in (pvc / "log.jsonl").read_text().splitlines() if line]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def ended(env: dict[str, str], job: str, timeout: float = 180) -> dict[str, str]:
+    return wait_for(f"job {job} to end", lambda: (f := show(env, job))["JobState"] in
+                    ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL") and f, timeout)
+
+
+def output(tmp_path: Path) -> str:
+    return "".join(p.read_text() for p in sorted(tmp_path.glob("job-*.out")))
+
+
+def reference(tmp_path: Path, *run_args: str) -> dict[str, bytes]:
+    """The artifacts of the same run, uninterrupted and without Slurm."""
+    pvc = tmp_path / "reference"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")]),
+           "TRAINJOB_TEST_STEP_SECONDS": "0"}
+    result = trainjob("run", "--pvc", pvc, *run_args, env=env)
+    assert result.returncode == 0, result.stderr
+    return snapshot(pvc / "artifacts")
+
+
+def resumes(pvc: Path) -> int:
+    return logged(pvc).count("resumed")
+
+
+def test_requeue_scancel_and_preemption_each_resume_to_the_uninterrupted_bytes(slurm, tmp_path):
+    """One lab job, interrupted three ways in turn: `scontrol requeue` mid-run, `scancel
+    --signal=TERM` (the tasks only: the script requeues itself on 75), and a preemption by a job in
+    a higher-priority partition (PreemptMode=REQUEUE, GraceTime 20 s). About a minute: three
+    requeues, each waited out."""
+    pvc = tmp_path / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--partition", "low", "--grace", "20", "--", "run", *SLOW))
+
+    def interrupt(how: list[str], n: int) -> None:
+        wait_for(f"a checkpoint after resume {n}", lambda: resumes(pvc) == n and logged(pvc)[-1:] == ["checkpointed"])
+        subprocess.run(how, env=slurm, check=True, capture_output=True)
+        wait_for(f"resume {n + 1}", lambda: resumes(pvc) == n + 1)
+
+    interrupt(["scontrol", "requeue", job], 0)
+    interrupt(["scancel", "--signal=TERM", job], 1)
+    cpus = show(slurm, job)["NumCPUs"]
+    node_cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], env=slurm, capture_output=True, text=True).stdout.strip()
+    assert cpus == "1"
+    preemptor = subprocess.run(["sbatch", "--parsable", "--partition=high", f"--cpus-per-task={node_cpus}",
+                                f"--output={tmp_path}/preemptor.out", "--wrap", "sleep 1"],
+                               env=slurm, capture_output=True, text=True, check=True).stdout.strip()
+    wait_for("resume 3", lambda: resumes(pvc) == 3)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 3
+    assert show(slurm, preemptor)["JobState"] == "COMPLETED"
+    events = logged(pvc)
+    assert events.count("killed") == 3 and events.count("job_started") == 1, events  # no attempt spent
+    assert events[-1] == "completed"
+    assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW)
+
+
+def test_bad_input_fails_at_once_and_a_failed_gate_is_requeued_only_within_its_budget(slurm, tmp_path):
+    """Three jobs at once: bad data (exit 2, never requeued), a gate that fails with --backoff-limit
+    0 (exit 1, never requeued) and with --backoff-limit 1 (exactly one requeue, a fresh attempt,
+    then FAILED: the script reads that the budget is spent, so no launch is spent only to log
+    job_failed). The lab's quick model; one requeue waited out."""
+    bad = tmp_path / "bad-data"
+    bad.mkdir()
+    for name in ("train.jsonl", "holdout.jsonl", "baseline.json"):
+        (bad / name).write_text("not json\n")
+    jobs = {}
+    for name, args in {"bad": ["--", "run", "--data", str(bad)],
+                       "budget0": ["--backoff-limit", "0", "--", "run", "--force-weights", "0,0,0"],
+                       "budget1": ["--backoff-limit", "1", "--", "run", "--force-weights", "0,0,0"]}.items():
+        (tmp_path / name).mkdir()
+        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", tmp_path / name / "pvc", *args))
+    expected = {"bad": ("2:0", 0, []), "budget0": ("1:0", 0, ["job_started", "drift_failed"]),
+                "budget1": ("1:0", 1, ["job_started", "drift_failed", "job_started", "drift_failed"])}
+    for name, job in jobs.items():
+        fields = ended(slurm, job)
+        code, restarts, events = expected[name]
+        said = output(tmp_path / name)
+        assert (fields["JobState"], fields["ExitCode"], int(fields["Restarts"])) == ("FAILED", code, restarts), said
+        assert [e for e in logged(tmp_path / name / "pvc") if e in ("job_started", "drift_failed", "job_failed")] \
+            == events, name
+    assert "bad input (exit 2): not requeued" in output(tmp_path / "bad")
+    assert "retry budget is spent" in output(tmp_path / "budget0")
+    assert "requeued for a fresh attempt" in output(tmp_path / "budget1")
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path):
+    """A 256 KiB tmpfs, filled: every write fails with ENOSPC. Needs root (the cluster does too)."""
+    where = tmp_path / "full"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], check=True)
+    try:
+        with open(where / "fill", "wb") as fill:
+            try:
+                fill.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_storage_that_always_fails_stops_after_the_no_progress_bound_naming_it(slurm, tmp_path, full_tmpfs):
+    """A PVC on a full tmpfs: every launch exits 75 with no checkpoint. With --max-stalls 2 the job
+    is requeued once, then ends FAILED with one line naming the storage: no endless requeue."""
+    pvc = full_tmpfs / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--max-stalls", "2", "--", "run"))
+    fields = ended(slurm, job)
+    said = output(tmp_path)
+    assert (fields["JobState"], fields["ExitCode"], int(fields["Restarts"])) == ("FAILED", "1:0", 1), said
+    assert said.count("No space left on device") == 2
+    (stop,) = [line for line in said.splitlines() if "no new checkpoint" in line]
+    assert f"storage at {pvc}" in stop and "2 launches in a row" in stop
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("ranks", [["--ntasks-per-node", "2"], ["--nproc-per-node", "2"]], ids=["srun-tasks", "torchrun"])
+def test_w2_preempted_and_requeued_reaches_the_uninterrupted_w2_bytes(slurm, tmp_path, ranks):
+    """W=2 as two srun tasks (ranks from SLURM_PROCID, agreeing through files on the PVC) and as one
+    `trainjob torchrun --nproc-per-node 2` (its store): preempted by a job of the high partition
+    once checkpointed, requeued, completed with the bytes of an uninterrupted W=2 run."""
+    pvc = tmp_path / "pvc"
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--partition", "low", "--grace", "20", *ranks,
+                                         "--", "run", *SLOW))
+    wait_for("a checkpoint", lambda: "checkpointed" in logged(pvc))
+    subprocess.run(["sbatch", "--partition=high", "--cpus-per-task=2", f"--output={tmp_path}/preemptor.out",
+                    "--wrap", "sleep 1"], env=slurm, capture_output=True, text=True, check=True)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 1
+    events = logged(pvc)
+    assert "killed" in events and "resumed" in events and events.count("job_started") == 1, events
+    assert snapshot(pvc / "artifacts") == reference(tmp_path, *SLOW, "--world-size", "2")
+
+
+@pytest.mark.torchrun  # examples/own_loop.py imports torch
+def test_an_own_loop_rendered_with_python_is_requeued_after_scancel_term_and_completes(slurm, tmp_path):
+    """examples/own_loop.py rendered with `-- python ... --pvc {pvc}`: scancel --signal=TERM after
+    its first checkpoint, requeued by the script on 75, resumed, completed (its Run idempotent from
+    the script's TRAINJOB_IDEMPOTENT=1)."""
+    pvc = tmp_path / "pvc"
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "200", "--ckpt-every", "10"]
+    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--", *loop))
+    wait_for("a checkpoint", lambda: "checkpointed" in logged(pvc))
+    subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
+    fields = ended(slurm, job)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 1
+    events = logged(pvc)
+    assert "killed" in events and "resumed" in events and events[-1] == "completed", events

@@ -1,0 +1,198 @@
+"""A Slurm batch script that runs trainjob on a cluster: ``trainjob slurm render``.
+
+Owns how trainjob's contract becomes an sbatch script. The job is requeueable and appends to its
+output (``--requeue --open-mode=append``); ``--signal=TERM@GRACE`` warns the tasks GRACE seconds
+before the time limit; the batch shell traps SIGTERM and keeps waiting, and never forwards it to
+``srun`` (that kills the tasks at once, their checkpoint unwritten): Slurm signals the tasks
+itself on ``scancel``, a requeue, a preemption and the time limit. When the launch ends, the
+script asks ``trainjob slurm after`` what its code means (``policy.after_launch``: complete, fail,
+or requeue) and requeues itself with ``scontrol requeue`` (array-aware), so a 75 runs again on a
+cluster whose admin set no ``RequeueExit=75``. The count of launches in a row that committed no
+checkpoint, which bounds requeues, lives in the job's own ``Comment`` (it survives requeues and
+needs no storage, which may be what is failing); ``trainjob slurm before`` counts the log's
+checkpoints before the launch.
+
+The ranks: W = nodes x tasks per node ``srun`` tasks, each one rank (``SLURM_PROCID``: ranks/
+identity.py), coordinating through files on the shared PVC; or, with ``nproc_per_node``, one
+``trainjob torchrun`` per node, meeting at a c10d rendezvous on the job's first host
+(``--rdzv-id=$SLURM_JOB_ID``), its shutdown timeout at least the grace, so torchrun does not
+SIGKILL workers that Slurm still lets checkpoint. An own loop (``-- python SCRIPT ARGS``) runs
+under torchrun at W > 1 (it reads torchrun's ``RANK``), with ``TRAINJOB_IDEMPOTENT=1`` as in a pod.
+
+It builds text only: it never talks to a cluster or reads a file. Every value that reaches the
+shell is quoted with ``shlex.quote``. ``cli.py`` checks the run's flags with ``run``'s own parser
+before rendering. docs/howto/slurm.md explains each line.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+
+import attrs
+
+from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV, VERSION
+from ..errors import UsageError
+from .k8s import PVC_ENV, OwnLoop
+from .policy import MAX_STALLS
+
+# The job's Comment while it runs: launches in a row without a new checkpoint (policy.after_launch).
+STALLS = "trainjob-stalls"
+RDZV_PORT_BASE = 29400  # torchrun's default; the job id is added (mod PORT_SPAN), so jobs sharing a node differ
+PORT_SPAN = 1000
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+")  # sbatch's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+_PARTITION = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+
+
+@attrs.frozen
+class Target:
+    """What to render: the ``slurm render`` flags, with the run's arguments already checked."""
+
+    pvc: str  # a shared directory (absolute) or s3://BUCKET/PREFIX
+    log: str = ""  # the run's --log, when not PVC/log.jsonl
+    name: str = "trainjob"
+    nodes: int = 1
+    ntasks_per_node: int = 1  # srun tasks per node, each a rank
+    nproc_per_node: int = 0  # > 0: one `trainjob torchrun` per node, this many ranks each
+    time: str = ""
+    partition: str = ""
+    grace: int = 60
+    backoff_limit: int = BACKOFF_LIMIT
+    max_stalls: int = MAX_STALLS
+    run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc, --backoff-limit and --idempotent
+    loop: OwnLoop | None = None  # an own loop's script, in place of `trainjob run`
+    trainjob: str = "trainjob"  # how the nodes start trainjob
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * (self.nproc_per_node or self.ntasks_per_node)
+
+    @property
+    def torchrun(self) -> bool:
+        return self.nproc_per_node > 0
+
+    def check(self) -> None:
+        """Raise UsageError for a flag sbatch would reject or that breaks the contract."""
+        if not _NAME.fullmatch(self.name):
+            raise UsageError(f"--name must be letters, digits, '.', '_' or '-' (at most 128), got {self.name!r}")
+        for flag, value in (("--nodes", self.nodes), ("--ntasks-per-node", self.ntasks_per_node)):
+            if value < 1:
+                raise UsageError(f"{flag} must be at least 1, got {value}")
+        if self.nproc_per_node < 0:
+            raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.torchrun and self.ntasks_per_node != 1:
+            raise UsageError("--nproc-per-node runs one `trainjob torchrun` per node: drop --ntasks-per-node")
+        if self.time and not _TIME.fullmatch(self.time):
+            raise UsageError(f"--time must be sbatch's MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS or "
+                             f"DAYS-HOURS[:MINUTES[:SECONDS]], got {self.time!r}")
+        if self.partition and not _PARTITION.fullmatch(self.partition):
+            raise UsageError(f"--partition must be a partition name (or several, comma-separated), "
+                             f"got {self.partition!r}")
+        if self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
+            raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
+        if self.max_stalls < 1:
+            raise UsageError(f"--max-stalls must be at least 1, got {self.max_stalls}")
+        if self.world_size > 1 and not self.torchrun:
+            if self.loop is not None:
+                raise UsageError("an own loop reads its rank from torchrun: at W > 1 give --nproc-per-node "
+                                 "(one `trainjob torchrun` per node), not --ntasks-per-node")
+            if self.pvc.startswith("s3://"):
+                raise UsageError(f"{self.pvc}: a bucket PVC runs W > 1 ranks under torchrun (they agree through "
+                                 "its store): give --nproc-per-node; srun tasks agree through files on a directory")
+        if self.world_size > 1:
+            from ..checkpoint.plan import world_size_problem  # records and cattrs: only when W > 1
+
+            if (problem := world_size_problem(self.world_size)) is not None:
+                raise UsageError(problem)
+
+    def run_flags(self) -> list[str]:
+        """The `trainjob run` flags every rank passes: the job's PVC and budget, idempotent (a
+        launch after the job completed verifies the artifact and exits 0, never the refusal)."""
+        return ["--pvc", self.pvc, "--backoff-limit", str(self.backoff_limit), "--idempotent", *self.run_args]
+
+    def program(self) -> list[str]:
+        """What each rank runs: ``trainjob run`` (under torchrun: ``-m trainjob run``), or the loop."""
+        ranks = ["--world-size", str(self.world_size)] if self.world_size > 1 else []
+        if self.loop is not None:
+            return ([] if self.torchrun else [self.loop.python]) + [*self.loop.program, *self.loop.args]
+        run = ["-m", "trainjob", "run"] if self.torchrun else [self.trainjob, "run"]
+        return [*run, *self.run_flags(), *ranks]
+
+    def step(self) -> list[str]:
+        """The launch: ``srun`` (a task's non-zero exit ends the step's other tasks), each task a
+        rank, or one ``trainjob torchrun`` per node."""
+        srun = ["srun", "--kill-on-bad-exit=1"]
+        if not self.torchrun:
+            return [*srun, *self.program()]
+        return [*srun, "--ntasks-per-node=1", self.trainjob, "torchrun", "--nnodes", str(self.nodes),
+                "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", '"$head:$port"', "--rdzv-id", '"$SLURM_JOB_ID"', "--max-restarts", "0",
+                # torchrun SIGKILLs its workers this long after passing SIGTERM on: not before Slurm would.
+                "--shutdown-timeout", str(self.grace), *self.program()]
+
+    def judge(self) -> list[str]:
+        """Where the after-launch judgment reads the job: the PVC, its log, the budget (``run``
+        only: an own loop's budget is its script's, and its log says when it is spent)."""
+        where = ["--pvc", self.pvc, *(["--log", self.log] if self.log else [])]
+        return where if self.loop is not None else [*where, "--backoff-limit", str(self.backoff_limit)]
+
+
+def _words(words: Sequence[str]) -> str:
+    """A command line for the shell: each word quoted, except the script's own "$variables"."""
+    return " ".join(w if w.startswith('"$') else shlex.quote(w) for w in words)
+
+
+def script(target: Target) -> str:
+    """The sbatch script, ``#SBATCH`` lines first (sbatch reads them only before the first command)."""
+    options = [f"--job-name={target.name}", f"--nodes={target.nodes}",
+               f"--ntasks-per-node={1 if target.torchrun else target.ntasks_per_node}",
+               "--requeue", "--open-mode=append", f"--signal=TERM@{target.grace}",
+               *([f"--time={target.time}"] if target.time else []),
+               *([f"--partition={target.partition}"] if target.partition else [])]
+    tj = shlex.quote(target.trainjob)
+    judge = _words(target.judge())
+    env = [f"export {IDEMPOTENT_ENV}=1"]
+    if target.loop is not None and target.torchrun:
+        env.append(f"export {PVC_ENV}={shlex.quote(target.pvc)}")  # trainjob torchrun's completion check
+    rendezvous = []
+    if target.torchrun:
+        rendezvous = ['head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                      f"port=$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN} ))"]
+    lines = [
+        "#!/bin/bash",
+        f"# Rendered by `trainjob slurm render` (trainjob {VERSION}); docs/howto/slurm.md explains each line.",
+        *(f"#SBATCH {option}" for option in options),
+        "set -u",
+        *env,
+        "# The job as scontrol names it: an array task's own ARRAYJOB_TASK, else the job.",
+        'job=${SLURM_ARRAY_JOB_ID:+${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}}',
+        'job=${job:-$SLURM_JOB_ID}',
+        "# SIGTERM (scancel, a requeue, a preemption) reaches the tasks from Slurm itself. This shell",
+        "# survives its own and keeps waiting for their verdict; it never forwards it to srun, which",
+        "# would kill them at once, their checkpoint unwritten.",
+        "trap 'echo \"trainjob slurm: SIGTERM: waiting for the tasks to checkpoint and exit\" >&2' TERM",
+        *rendezvous,
+        "# The log's checkpoints before this launch: a launch that adds none has made no progress.",
+        f"before=$({tj} slurm before {judge} || echo -)",
+        f"{_words(target.step())} &",
+        "launch=$!",
+        'while kill -0 "$launch" 2>/dev/null; do wait "$launch"; done',
+        'wait "$launch"; code=$?',
+        "# What the launch's code makes the job do; launches without progress so far, from the job's Comment.",
+        f"stalls=$(scontrol show job \"$job\" -o 2>/dev/null | sed -n 's/.*Comment={STALLS}=\\([0-9]*\\).*/\\1/p')",
+        f"verdict=$({tj} slurm after --code \"$code\" --before \"$before\" --stalls \"${{stalls:-0}}\" "
+        f"--max-stalls {target.max_stalls} {judge})",
+        'read -r action exit stalls <<<"$verdict"',
+        'case "${action:-}" in',
+        "    complete|fail) exit \"$exit\" ;;",
+        f"    requeue) scontrol update JobId=\"$job\" Comment=\"{STALLS}=$stalls\" || true",
+        '             scontrol requeue "$job" || echo "trainjob slurm: scontrol requeue $job failed; the job '
+        'ends here (submit it again to resume)" >&2',
+        '             exit "$exit" ;;',
+        f'    *) echo "trainjob slurm: the launch exited $code and trainjob slurm after could not judge it; '
+        f'not requeued" >&2; exit 70 ;;',
+        "esac",
+    ]
+    return "\n".join(lines) + "\n"
