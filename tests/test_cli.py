@@ -102,6 +102,8 @@ def test_log_flag_puts_the_log_elsewhere(tmp_path, pvc):
     "flags, message",
     [
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--steps", "100000000"], "--steps must be at most 99999999 (a checkpoint's name holds the step in 8"),
+        (["--backoff-limit", "9999"], "--backoff-limit must be at most 9998"),
         (["--ckpt-every", "0"], "--ckpt-every must be at least 1"),
         (["--die-at", "11"], "--die-at must be a step from 1 to --steps"),
         (["--backoff-limit", "-1"], "--backoff-limit"),

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import trainjob
-from conftest import events, snapshot
+from conftest import agrees_with_its_log, events, snapshot
 from trainjob import Run, Score, cli
 from trainjob.trainers.linear import make as linear
 
@@ -109,6 +109,7 @@ def resumes_after(pvc: Path, first_code: int, capsys) -> None:
     """The misuse left the attempt in flight: a correct relaunch resumes it and completes."""
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trainjob: ") and f"(exit {first_code})" in err[0], err
+    agrees_with_its_log(first_code, pvc)  # the log says so too: `refused`, status 2
     run, state = own(pvc, good)
     assert run.exit_code == 0
     kinds = [e for e, _ in events(pvc / "log.jsonl")]
@@ -132,7 +133,8 @@ def test_a_step_reported_twice_is_exit_2_and_saves_nothing_of_it(pvc, capsys):
 def test_a_step_without_report_is_exit_2(pvc, capsys):
     run, _ = own(pvc, lambda run, state, step: state.step(step) if step == 2 else good(run, state, step))
     assert run.exit_code == 2 and "step 2 ended without run.report" in str(run.error)
-    assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started"]
+    assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started", "refused"]
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=2 reason=step 2 ended without run.report")
     resumes_after(pvc, 2, capsys)
 
 
@@ -145,14 +147,15 @@ def test_a_break_out_of_the_loop_is_exit_2_never_a_success(pvc, capsys):
                 break
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1), export={})
     assert run.exit_code == 2 and "gate(...) comes after" in str(run.error)
-    assert json.loads((pvc / "state.json").read_text())["state"] == "checkpointed"  # in flight, at step 2
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=3 reason=run.gate(...) comes after")
+    assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 2  # in flight, from step 2
     resumes_after(pvc, 2, capsys)
 
 
 def test_leaving_without_the_gate_is_exit_2_and_the_relaunch_gates(pvc, capsys):
     run, _ = own(pvc, good, gate=False)
     assert run.exit_code == 2 and "gate(...) was never called" in str(run.error)
-    assert [e for e, _ in events(pvc / "log.jsonl")][-1] == "checkpointed"
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=4 reason=the loop trained the last step")
     resumes_after(pvc, 2, capsys)
 
 
@@ -174,6 +177,40 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
     assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
     resumes_after(pvc, 2, capsys)
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
+
+
+@pytest.mark.parametrize("export, says", [
+    ({}, "export: an empty mapping, an artifact with nothing in it"),
+    ({"": np.ones(2)}, "export: the name '' cannot be stored; a name is 1 to 200 letters"),
+    ({"x" * 5000: np.ones(2)}, "export: the name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (5000 characters) cannot"),
+    ({"w": np.ones(2, dtype=object)}, "export['w']: dtype object cannot be stored"),
+], ids=["empty", "empty-name", "long-name", "object-dtype"])
+def test_an_export_with_nothing_or_a_bad_entry_is_refused_in_one_line_naming_it_and_logged(pvc, capsys, export,
+                                                                                          says):
+    """An empty export published an artifact with nothing in it, exit 0; a name a file cannot
+    hold was refused with a dump of the record's attrs validator; an entry that cannot be
+    stored was blamed on ``state_dict()``. Each is now one line about the export, exit 2, and
+    the log says ``refused``; nothing is published."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=0, total=1), export=export)
+    assert run.exit_code == 2 and str(run.error).startswith(says), run.error
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Attribute(" not in err[0] and "state_dict()" not in err[0], err
+    assert events(pvc / "log.jsonl")[-1] == ("refused", f"at_step=2 reason={run.error}")
+    assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
+
+
+def test_more_steps_or_attempts_than_a_checkpoints_name_holds_are_refused_before_the_pvc_is_touched(pvc):
+    """Past step 99,999,999 a checkpoint's name no longer parses: its checkpoints were invisible
+    (rotation stopped, verify missed the pointer's directory, a relaunch resumed backwards)."""
+    run, _ = own(pvc, good, steps=10 ** 8)
+    assert run.exit_code == 2 and "--steps must be at most 99999999" in str(run.error)
+    run, _ = own(pvc, good, backoff_limit=9999)
+    assert run.exit_code == 2 and "--backoff-limit must be at most 9998" in str(run.error)
+    assert not pvc.exists()
 
 
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
@@ -200,6 +237,23 @@ def test_an_exception_in_the_body_is_70_with_its_traceback_never_1_and_no_checkp
     assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started"]  # step 2 was never saved
     run, _ = own(pvc, good)
     assert run.exit_code == 0
+
+
+def test_an_error_after_the_outcome_is_said_and_the_exit_code_stays_the_logged_outcomes(pvc, capsys):
+    """The script's own code after ``gate``, inside the ``with``, fails: the job completed and the
+    log says so, so the process exits 0 as `status` says (it exited 70 before), and the error is
+    printed in full."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+        raise ZeroDivisionError("the script's own code after the gate")
+    assert (run.exit_code, run.final, run.error) == (0, "completed", None)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError: the script's own code after the gate" in err
+    assert err.strip().splitlines()[-1].endswith("after the run's outcome (completed), which stands (exit 0)")
+    agrees_with_its_log(run.exit_code, pvc)
 
 
 def test_a_trainjob_error_in_the_body_keeps_its_code(pvc, capsys):
@@ -494,11 +548,15 @@ def test_an_odd_but_legal_loss_is_recorded_exactly(pvc, value, milli):
     (np.array([0.5, 0.6]), "2 elements"), (np.array([]), "0 elements"), ("0.5", "not a number"),
     (float("nan"), "not a finite number"),
 ], ids=["1e308", "1e16", "10**30", "10**5000", "two-elements", "empty", "str", "nan"])
-def test_an_odd_and_wrong_loss_is_exit_2_in_one_line(pvc, capsys, value, says):
+def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, capsys, value, says):
+    """The log says it too (``refused``): it used to end at ``job_started``, so `status` said 75
+    (relaunch) where the run had exited 2."""
     run, _ = own(pvc, reporting(value), steps=2)
     assert run.exit_code == 2 and says in str(run.error), run.error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("trainjob: step 1: ") and err[0].endswith("(exit 2)"), err
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=1 reason=step 1: the loss ")
+    assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
 
 
 def test_a_torch_loss_of_one_element_is_accepted_more_or_a_meta_one_is_exit_2(pvc, capsys):

@@ -87,7 +87,7 @@ from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import (InputError, PeerFailed, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
                       TryAgainLater, UsageError, memory_errors, one_line, os_errors)
-from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
+from ..exits import EXIT_INTERNAL, EXIT_USAGE, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
@@ -522,12 +522,7 @@ class Run:
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
-        try:
-            self._gate(holdout, baseline, export)
-        except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
-            if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
-                self._job.refuse(at_step=self.cfg.steps, reason=one_line(str(exc))[:400])
-            raise
+        self._gate(holdout, baseline, export)  # an export that cannot be published: 2, logged (``_log_refusal``)
 
     def _gate(self, holdout: Score, baseline: Score, export: State) -> None:
         if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
@@ -570,8 +565,14 @@ class Run:
 
     def _leave(self, exc: BaseException | None) -> bool:
         leaving = exc is not None and not isinstance(exc, Exception)
-        if leaving and self.final is not None and self.error is None:
-            exc = None  # the outcome stands: the script ends the process with its code
+        after = exc if exc is not None and self._decided() else None
+        if after is not None:
+            # The outcome stands, as the log says it: the script ends the process with its code.
+            # An error after it (the script's own code after ``gate``, a collective a peer that
+            # already exited cannot join) is said, and changes neither.
+            if not leaving:
+                self._said_after_the_outcome(after)
+            exc = None
         made: BaseException | None = None
         if exc is None and self.final is None and self.error is None:
             exc = made = self._unfinished()
@@ -586,15 +587,30 @@ class Run:
             try:
                 self._stack.close()
             except Exception as late:  # putting the signal handlers back, letting go of the lock
-                self._end_with(late)
-                made = late
+                if self._decided():
+                    self._said_after_the_outcome(late)
+                else:
+                    self._end_with(late)
+                    made = late
             if self.completion is not None and not self.raise_errors:
                 _say(f"trainjob: {self.completion.line()}")
         if leaving:
             raise SystemExit(self.exit_code) from None
         if made is not None and self.raise_errors:
             raise made
-        return exc is not None and exc is not made and not self.raise_errors
+        return after is not None or (exc is not None and exc is not made and not self.raise_errors)
+
+    def _decided(self) -> bool:
+        """The launch's outcome is decided, and logged by rank 0: completed, drift_failed,
+        job_failed, killed, or an idempotent finding."""
+        return self.final is not None and self.error is None
+
+    def _said_after_the_outcome(self, exc: BaseException) -> None:
+        code = self.exit_code
+        if not isinstance(exc, TrainJobError):  # a bug, here or in the script: all of it
+            _say("".join(traceback.format_exception(exc)).rstrip())
+        _say(f"trainjob: {one_line(str(exc)) or type(exc).__name__}: after the run's outcome ({self.final}), "
+             f"which stands (exit {code})")
 
     def _lost_peer(self, exc: BaseException) -> PeerFailed | None:
         """A collective that failed because a peer went away (``ranks/lost.py``), escaping the
@@ -636,6 +652,7 @@ class Run:
         self.error = exc
         try:
             self._close_writes()
+            self._log_refusal(exc)
             if self._launch_open:
                 self._launch_open = False
                 self._peers.finish("error", f"{type(exc).__name__}: {exc}", exit_code_for(type(exc)))
@@ -653,6 +670,19 @@ class Run:
             if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
                 _say("".join(traceback.format_exception(exc)).rstrip())
             _say(f"trainjob: {one_line(str(exc))} (exit {code})")
+
+    def _log_refusal(self, exc: BaseException) -> None:
+        """(rank 0) An error that ends a launch which began (``job_started`` or ``resumed`` is
+        logged) with exit 2 is said in the log too, ``refused``, so that ``status`` says 2 as the
+        process does: a loss that is not a number, a step without ``report``, a ``break``, a
+        missing ``gate``, a state that cannot be checkpointed. The attempt stays in flight for the
+        mended script, as every refusal leaves it."""
+        job = self._job
+        if (self.rank != 0 or job is None or exit_code_for(type(exc)) != EXIT_USAGE
+                or job.state not in (*machine.TRAINING, JobState.snapshotted)):
+            return
+        step = self._step if self._step is not None else self._peers.step
+        job.refuse(at_step=step, reason=one_line(str(exc))[:400])
 
     @property
     def exit_code(self) -> int:

@@ -6,10 +6,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
                         the newest verified checkpoint into the live state (``state.py``); on a
-                        fresh start, the loader's workers start anew, wrapped (``restart_workers``)
-    on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
-                        again (Lightning's would raise its own exit mid-epoch, and under DDP it
-                        broadcasts from inside the handler)
+                        fresh start, the loader's workers start anew, wrapped (``restart_workers``);
+                        SIGTERM and SIGINT stay the Run's from here on (``_keep_signals``)
     on_train_batch_end  after a batch that stepped the optimizer: ``report`` its loss, and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
                         saved, ``killed``); when Lightning validates after the batch, that comes
@@ -110,19 +108,13 @@ class TrainJob(pl.Callback):
             # Nothing to train (out of retries, an error, an idempotent relaunch of a completed
             # job): the process ends here, before Lightning trains anything, 0 included.
             self._leave(always=True)
+        assert self.run.stop is not None
+        _keep_signals(trainer, self.run.stop._handle)
         with self._guard():
             if not state.loaded:  # a fresh start (a resume's load started the workers anew)
                 state.restart_workers()
             self._steps = iter(self.run)
             self._next()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.run is not None and self.run.stop is not None
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.run.stop._handle)
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:  # a SIGTERM since Lightning's handler went in: the Run's flag has it too
-            connector.received_sigterm = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -232,6 +224,35 @@ class TrainJob(pl.Callback):
                 pass
         if always or self.run.exit_code != 0:
             raise _Ended(self.run.exit_code)
+
+
+def _keep_signals(trainer: pl.Trainer, handler: Callable[[int, Any], None]) -> None:
+    """SIGTERM and SIGINT stay the Run's (``handler``) from the moment it began. Lightning
+    registers its own SIGTERM handler after ``on_fit_start``, with the Run's behind it: a SIGTERM
+    there (its sanity check, its first batch) raised Lightning's own exit ("Received SIGTERM"),
+    nothing saved and no ``killed`` logged, and under DDP it broadcasts from inside the handler.
+    And its teardown puts back the handlers it found, the Run's among them, after the Run has
+    left (a stop's ``_Ended``): Python resets a handler to the default while it shuts down, so a
+    second SIGTERM then (Slurm's preemption sends two) ended the process by the signal, 143.
+    So its registration is wrapped, on this trainer only: signals wait while Lightning
+    registers, the Run's handler goes back in, and Lightning neither restores nor claims these two."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or threading.current_thread() is not threading.main_thread():
+        return
+    register = connector.register_signal_handlers
+    stops = {signal.SIGTERM, signal.SIGINT}
+
+    def register_around_the_run() -> None:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # one sent meanwhile waits for the Run's handler
+        try:
+            register()
+            signal.signal(signal.SIGTERM, handler)
+            for sig in stops:
+                getattr(connector, "_original_handlers", {}).pop(sig, None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    connector.register_signal_handlers = register_around_the_run
 
 
 def _loss(outputs: Any, step: int | None) -> Any:
