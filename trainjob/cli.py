@@ -231,9 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the run's retry budget (absent: an own loop's, read from its log)")
         if name == "after":
             judge.add_argument("--code", type=int, required=True, help="the launch's exit code")
+            judge.add_argument("--from-tasks", action="store_true",
+                               help="the code is srun's over `trainjob slurm task`s (their ranks' most telling)")
             judge.add_argument("--before", required=True, help="what `slurm before` printed (- if nothing)")
             judge.add_argument("--stalls", type=int, default=0, help="launches in a row without progress so far")
             judge.add_argument("--max-stalls", type=int, default=st.max_stalls, help="the bound on them")
+
+    tk = sl_sub.add_parser("task", help="(the rendered script's) run one srun task's rank; exit with its code's "
+                                        "place in trainjob's precedence, so that srun's highest is the job's")
+    tk.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS", help="the rank's command")
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
@@ -578,6 +584,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
 def cmd_slurm(args: argparse.Namespace) -> int:
     if args.slurm_command == "render":
         return _slurm_render(args)
+    if args.slurm_command == "task":
+        return _slurm_task(args.rank_command[1:] if args.rank_command[:1] == ["--"] else args.rank_command)
     with importing("the command's modules"):
         from .storage.eventlog import log_exists, read_log
     log = args.log if args.log is not None else args.pvc / DEFAULT_LOG
@@ -593,11 +601,36 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         return EXIT_OK
     before = int(args.before) if args.before.isdigit() else None
     progressed = before is not None and checkpoints is not None and checkpoints > before
-    verdict = policy.after_launch(args.code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
+    code = slurm.launch_code(args.code) if args.from_tasks else args.code
+    verdict = policy.after_launch(code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
                                   args.max_stalls, str(log), str(args.pvc))
     warn(f"trainjob slurm: {one_line(verdict.line)}")
     emit(f"{verdict.action} {verdict.code} {verdict.stalls}")
     return EXIT_OK
+
+
+def _slurm_task(command: list[str]) -> int:
+    """One srun task: run its rank's command, and exit with ``slurm.task_status`` of its code.
+    Slurm signals every process of the step itself (scancel, a requeue, a preemption, the time
+    limit), so the rank gets its SIGTERM from Slurm: this process only outlives it, to report."""
+    import subprocess
+
+    if not command:
+        raise UsageError("slurm task needs the rank's command after --")
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a handler, not SIG_IGN, which the rank would inherit
+        signal.signal(signum, lambda *_: None)
+    try:
+        with os_errors(command[0], "cannot start the rank", otherwise=InputError):
+            code = subprocess.call(command)
+    except TrainJobError as exc:
+        warn(f"trainjob slurm task: {one_line(str(exc))}")
+        code = exit_code_for(type(exc))
+    status = slurm.task_status(code)
+    if code != EXIT_OK:
+        ended = f"exited {code}" if code >= 0 else f"was ended by signal {-code}"
+        warn(f"trainjob slurm task: rank {os.environ.get('SLURM_PROCID', '?')} {ended}; this task exits "
+             f"{status}, so that srun's highest code is the job's (docs/howto/slurm.md)")
+    return status
 
 
 def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy.Over | None:

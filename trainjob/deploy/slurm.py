@@ -19,6 +19,13 @@ identity.py), coordinating through files on the shared PVC; or, with ``nproc_per
 SIGKILL workers that Slurm still lets checkpoint. An own loop (``-- python SCRIPT ARGS``) runs
 under torchrun at W > 1 (it reads torchrun's ``RANK``), with ``TRAINJOB_IDEMPOTENT=1`` as in a pod.
 
+A launch of several tasks is read by trainjob's rule, not srun's: srun exits with the highest code
+its tasks exited with (128 + the highest signal if one was killed by a signal), where trainjob's
+``exits.job_exit`` lets the most telling code win (a 2 on one rank beside another's 75 is bad
+input, not a kill). So each task runs under ``trainjob slurm task``, which exits with its rank's
+code's place in that precedence (``task_status``): srun's highest is then the job's code, which
+``launch_code`` reads back.
+
 It builds text only: it never talks to a cluster or reads a file. Every value that reaches the
 shell is quoted with ``shlex.quote``. ``cli.py`` checks the run's flags with ``run``'s own parser
 before rendering. docs/howto/slurm.md explains each line.
@@ -34,6 +41,7 @@ import attrs
 
 from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV, VERSION
 from ..errors import UsageError
+from ..exits import EXIT_OK, PRECEDENCE, rank_exit
 from .k8s import PVC_ENV, OwnLoop
 from .policy import MAX_STALLS
 
@@ -44,6 +52,28 @@ PORT_SPAN = 1000
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+")  # sbatch's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+
+# What `trainjob slurm task` exits with for its rank's code: 0 for 0 (any other code is a bad
+# exit to srun --kill-on-bad-exit), then trainjob's codes from the least telling up, from 96: clear
+# of trainjob's own codes and of 128 + N, which srun reports for a task killed by a signal (a task
+# SIGKILLed when KillWait ran out: a kill, 75, whatever its peers said).
+TASK_BASE = 96
+TASK_STATUS = {EXIT_OK: 0, **{code: TASK_BASE + place for place, code in
+                              enumerate(c for c in reversed(PRECEDENCE) if c != EXIT_OK)}}
+_CODE_OF_TASK_STATUS = {status: code for code, status in TASK_STATUS.items()}
+
+
+def task_status(code: int) -> int:
+    """What a task exits with for its rank's exit status (negative: a signal), read by ``rank_exit``."""
+    return TASK_STATUS[rank_exit(code)]
+
+
+def launch_code(status: int) -> int:
+    """trainjob's code for srun's exit status over ``trainjob slurm task``s: the most telling rank's,
+    except that a 0 beside a 75 reads 75 (0 is the least of srun's codes; the log's ``completed``
+    then ends the job, ``policy.after_launch``). Any other status (srun's own failure, a task killed
+    by a signal) is read as a rank's."""
+    return _CODE_OF_TASK_STATUS.get(status, rank_exit(status))
 
 
 @attrs.frozen
@@ -72,6 +102,11 @@ class Target:
     @property
     def torchrun(self) -> bool:
         return self.nproc_per_node > 0
+
+    @property
+    def tasks(self) -> int:
+        """The launch's srun tasks: one per rank, or one ``trainjob torchrun`` per node."""
+        return self.nodes if self.torchrun else self.world_size
 
     def check(self) -> None:
         """Raise UsageError for a flag sbatch would reject or that breaks the contract."""
@@ -122,11 +157,12 @@ class Target:
 
     def step(self) -> list[str]:
         """The launch: ``srun`` (a task's non-zero exit ends the step's other tasks), each task a
-        rank, or one ``trainjob torchrun`` per node."""
-        srun = ["srun", "--kill-on-bad-exit=1"]
+        rank, or one ``trainjob torchrun`` per node; several tasks each under ``trainjob slurm task``."""
+        srun = ["srun", "--kill-on-bad-exit=1", *(["--ntasks-per-node=1"] if self.torchrun else []),
+                *([self.trainjob, "slurm", "task", "--"] if self.tasks > 1 else [])]
         if not self.torchrun:
             return [*srun, *self.program()]
-        return [*srun, "--ntasks-per-node=1", self.trainjob, "torchrun", "--nnodes", str(self.nodes),
+        return [*srun, self.trainjob, "torchrun", "--nnodes", str(self.nodes),
                 "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", '"$head:$port"', "--rdzv-id", '"$SLURM_JOB_ID"', "--max-restarts", "0",
                 # torchrun SIGKILLs its workers this long after passing SIGTERM on: not before Slurm would.
@@ -182,8 +218,8 @@ def script(target: Target) -> str:
         'wait "$launch"; code=$?',
         "# What the launch's code makes the job do; launches without progress so far, from the job's Comment.",
         f"stalls=$(scontrol show job \"$job\" -o 2>/dev/null | sed -n 's/.*Comment={STALLS}=\\([0-9]*\\).*/\\1/p')",
-        f"verdict=$({tj} slurm after --code \"$code\" --before \"$before\" --stalls \"${{stalls:-0}}\" "
-        f"--max-stalls {target.max_stalls} {judge})",
+        f"verdict=$({tj} slurm after --code \"$code\"{' --from-tasks' if target.tasks > 1 else ''} "
+        f"--before \"$before\" --stalls \"${{stalls:-0}}\" --max-stalls {target.max_stalls} {judge})",
         'read -r action exit stalls <<<"$verdict"',
         'case "${action:-}" in',
         "    complete|fail) exit \"$exit\" ;;",
