@@ -211,9 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "first host)")
     sr.add_argument("--time", default=st.time, help="the job's time limit, as sbatch --time takes it")
     sr.add_argument("--partition", default=st.partition, help="the partition(s), as sbatch --partition takes them")
-    sr.add_argument("--grace", type=int, default=st.grace,
-                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a "
-                         "checkpoint's time (default %(default)s)")
+    sr.add_argument("--grace", type=int,
+                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a step's and a "
+                         "checkpoint's time (default: twice what one short run of the job took here, plus 10; "
+                         f"{slurm.DEFAULT_GRACE} for an own loop)")
     sr.add_argument("--backoff-limit", type=int, default=st.backoff_limit,
                     help="the run's retry budget: a failed gate is requeued while it has attempts left")
     sr.add_argument("--max-stalls", type=int, default=st.max_stalls,
@@ -658,6 +659,8 @@ def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy
 
 
 def _slurm_render(args: argparse.Namespace) -> int:
+    import attrs  # loaded already: deploy/slurm.py's records are attrs classes
+
     location = None if args.pvc is None else args.pvc if isinstance(args.pvc, Url) else args.pvc.absolute()
     settings = dict(name=args.name, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                     nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, grace=args.grace,
@@ -673,7 +676,7 @@ def _slurm_render(args: argparse.Namespace) -> int:
             _storage_location(loop.bucket)  # a malformed URL: the same one line as render --pvc's
         target = slurm.Target(**settings, pvc=where, loop=loop)
         target.check()
-        emit(slurm.script(target).splitlines())
+        emit(slurm.script(_sized(target, None, "an own loop's checkpoint is not measured")).splitlines())
         return EXIT_OK
     if args.child and args.child[0] != "run":
         raise UsageError(f"expected `-- run ARGS...` or `-- python SCRIPT ARGS...` after the flags, got "
@@ -692,11 +695,54 @@ def _slurm_render(args: argparse.Namespace) -> int:
         raise UsageError("the script gives each rank its place (--nodes, --ntasks-per-node, --nproc-per-node); "
                          "drop --world-size and --rank after --")
     if ran.log is not None:
-        with importing("the command's modules"):
-            import attrs
         target = attrs.evolve(target, log=str(ran.log))
+    if target.grace is None:
+        stop, unmeasured = _measure_stop(target)
+        target = _sized(target, stop, unmeasured)
     emit(slurm.script(target).splitlines())
     return EXIT_OK
+
+
+def _sized(target: slurm.Target, stop: float | None, unmeasured: str) -> slurm.Target:
+    """The target with its grace: the one given, else sized from the measured ``stop``."""
+    import attrs
+
+    if target.grace is not None:
+        return target
+    grace, why = slurm.grace_for(stop, slurm.time_seconds(target.time) if target.time else None, unmeasured)
+    return attrs.evolve(target, grace=grace, grace_why=why)
+
+
+def _measure_stop(target: slurm.Target) -> tuple[float | None, str]:
+    """Seconds one step and a checkpoint of the job take: a `trainjob run` of its own flags for one
+    step, timed, on a scratch PVC beside the job's (its filesystem), removed after. It also writes
+    the artifact and starts Python: more than a stop costs, the safe side. None where it cannot
+    run, with why (a bucket PVC, a directory that cannot be written, a run that failed)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    if target.pvc.startswith("s3://"):
+        return None, "a bucket PVC's checkpoint is not measured"
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=".trainjob-grace-", dir=Path(target.pvc).parent))
+    except OSError as exc:
+        warn(f"trainjob slurm render: cannot measure a checkpoint beside {target.pvc}: {exc.strerror}")
+        return None, f"nothing could be written beside {target.pvc}"
+    try:
+        probe = [sys.executable, "-m", "trainjob", "run", *target.run_args, "--pvc", str(scratch / "pvc"),
+                 "--log", str(scratch / "log.jsonl"), "--steps", "1", "--ckpt-every", "1", "--backoff-limit", "0"]
+        started = time.monotonic()
+        done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        took = time.monotonic() - started
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if done.returncode not in (EXIT_OK, EXIT_FAILED):  # 1: the gate failed, after the checkpoint
+        said = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        warn(f"trainjob slurm render: a one-step run to measure the grace failed: {one_line(said[0])}")
+        return None, f"a one-step run to measure it exited {done.returncode}"
+    return took, ""
 
 
 def _write_output(data: bytes, output: Path | None) -> None:

@@ -4,6 +4,7 @@ judging a real PVC. The real cluster's tests are in test_slurm_cluster.py."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import re
 import shlex
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from trainjob.cli import main
 from trainjob.deploy import slurm
+from trainjob.errors import UsageError
 from trainjob.exits import EXIT_OK, EXIT_RELAUNCH, job_exit, rank_exit
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,7 +38,8 @@ def run_cli(*argv: str) -> tuple[int, str, str]:
 
 
 def render(*argv: str) -> str:
-    code, text, err = run_cli("slurm", "render", *argv)
+    """The script; with a --grace unless one is given, so that no run is started to measure one."""
+    code, text, err = run_cli("slurm", "render", *([] if "--grace" in argv else ["--grace", "60"]), *argv)
     assert code == 0, err
     return text
 
@@ -213,3 +216,54 @@ def test_slurm_after_counts_progress_from_the_log_and_stops_a_stalled_requeue(tm
     code, out, err = run_cli(*judge, "--before", "2", "--stalls", "2")  # none: the third stall in a row
     assert (code, out) == (0, "fail 1 3\n") and f"storage at {pvc}" in err
     assert run_cli(*judge, "--before", "-", "--stalls", "0")[1] == "requeue 75 1\n"  # unreadable before: no progress
+
+
+@pytest.mark.parametrize("time, seconds", [("1", 60), ("90", 5400), ("1:30", 90), ("4:00:00", 14400), ("2-0", 172800),
+                                           ("1-2:3", 93780), ("1-2:3:4", 93784)])
+def test_time_is_read_as_sbatch_reads_it(time, seconds):
+    assert slurm.time_seconds(time) == seconds
+
+
+@given(stop=st.floats(0, 3600), limit=st.one_of(st.none(), st.integers(1, 10 * 86400)))
+def test_a_sized_grace_covers_twice_the_measured_stop_and_leaves_each_launch_time_to_train(stop, limit):
+    try:
+        grace, why = slurm.grace_for(stop, limit)
+    except UsageError:
+        assert limit is not None and (limit - slurm.SLURMCTLD_PERIOD) // 2 < max(1, math.ceil(stop))
+        return
+    assert grace >= math.ceil(stop) and grace >= 1 and f"{stop:.1f} s" in why
+    if limit is None or grace < (limit - slurm.SLURMCTLD_PERIOD) // 2:
+        assert grace >= max(slurm.MIN_GRACE, 2 * stop + slurm.SCRIPT_SECONDS)
+    if limit is not None:  # signalled up to 30 s early, a launch still trains at least as long as it stops
+        assert limit - grace - slurm.SLURMCTLD_PERIOD >= grace
+
+
+def test_an_unmeasured_grace_is_the_default_cut_to_the_time_limit():
+    assert slurm.grace_for(None, None, "an own loop's is not")[0] == slurm.DEFAULT_GRACE
+    assert slurm.grace_for(None, 60)[0] == 15  # 1 minute: signalled 15 to 45 s in
+    with pytest.raises(UsageError, match="ask for more --time"):
+        slurm.grace_for(None, 31)
+
+
+def test_a_given_grace_that_the_time_limit_cannot_hold_exits_2(tmp_path):
+    code, out, err = run_cli("slurm", "render", "--pvc", str(tmp_path / "pvc"), "--time", "1", "--grace", "30")
+    assert code == 2 and out == "" and "Slurm may signal up to 30 s before the grace" in err
+    assert "#SBATCH --signal=TERM@29" in render("--pvc", str(tmp_path / "pvc"), "--time", "1:00", "--grace", "29")
+
+
+@pytest.mark.process
+def test_without_grace_render_times_a_one_step_run_beside_the_pvc_and_sizes_the_grace_from_it(tmp_path):
+    """The run's own flags, for one step, on a scratch PVC beside the job's, timed and removed:
+    the grace is twice that plus the script's own seconds, and the job's PVC is not touched."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")]),
+           "TRAINJOB_TEST_STEP_SECONDS": "3"}  # the one step takes 3 s: the grace must see it
+    done = subprocess.run([sys.executable, "-m", "trainjob", "slurm", "render", "--pvc", str(tmp_path / "pvc"),
+                           "--", "run", "--trainer", "user_trainers:slow"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (comment,) = [line for line in done.stdout.splitlines() if line.startswith("# The grace")]
+    took = float(re.search(r"twice the ([0-9.]+) s a step and a checkpoint took", comment)[1])
+    grace = int(re.search(r"#SBATCH --signal=TERM@(\d+)", done.stdout)[1])
+    assert took >= 3 and grace == math.ceil(2 * took) + slurm.SCRIPT_SECONDS
+    assert list(tmp_path.iterdir()) == [], "the scratch PVC is removed, the job's never made"
+    own = run_cli("slurm", "render", "--pvc", str(tmp_path / "pvc"), "--", "python", "loop.py", "--pvc", "{pvc}")[1]
+    assert f"#SBATCH --signal=TERM@{slurm.DEFAULT_GRACE}" in own and "own loop's checkpoint is not measured" in own
