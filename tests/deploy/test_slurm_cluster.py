@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -213,6 +214,29 @@ def test_w2_as_srun_tasks_and_as_torchrun_preempted_and_requeued_reach_the_unint
         events = logged(pvcs[way])
         assert "killed" in events and "resumed" in events and events.count("job_started") == 1, (way, events)
         assert snapshot(pvcs[way] / "artifacts") == expected, way
+
+
+@pytest.mark.acceptance
+def test_a_one_minute_time_limit_runs_the_job_in_chunks_to_the_uninterrupted_bytes(slurm, tmp_path):
+    """`--time 1` with the grace render sizes itself (a measured stop, cut to half of what one
+    minute leaves after slurmctld's 30 s timer): each launch is signalled 15 to 45 s in, checkpoints,
+    exits 75 and requeues itself before the limit would end it (TIMEOUT, not requeued). 100 s of
+    training cannot fit in two such launches: at least two requeues, no attempt spent, and the bytes
+    of an uninterrupted run. About three minutes of one-minute chunks: the acceptance step."""
+    pvc = tmp_path / "pvc"
+    env = {**slurm, "TRAINJOB_TEST_STEP_SECONDS": "0.25"}
+    args = ["--trainer", "user_trainers:slow", "--steps", "400", "--ckpt-every", "10"]
+    script = render(env, "--pvc", pvc, "--time", "1", "--", "run", *args)
+    grace = int(re.search(r"^#SBATCH --signal=TERM@(\d+)$", script, re.M)[1])
+    assert grace <= 15 and "a step and a checkpoint took at render" in script
+    job = submit(env, tmp_path, script)
+    fields = ended(env, job, timeout=900)
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
+    assert int(fields["Restarts"]) >= 2 and fields["TimeLimit"] == "00:01:00"
+    events = logged(pvc)
+    assert events.count("killed") >= 2 and events.count("resumed") >= 2 and events.count("job_started") == 1, events
+    assert "TIME LIMIT" not in output(tmp_path), "every launch stopped on the grace's signal, none at the limit"
+    assert snapshot(pvc / "artifacts") == reference(tmp_path, *args)
 
 
 @pytest.mark.torchrun  # examples/own_loop.py imports torch
