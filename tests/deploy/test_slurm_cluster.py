@@ -22,9 +22,11 @@ from conftest import ROOT, snapshot, trainjob
 
 pytestmark = [pytest.mark.process, pytest.mark.slurm]
 
-# The lab's linear model, each step 0.05 s longer (tests/helpers/user_trainers.py): 15 s of training,
-# time for signals to land mid-run; at full speed once the test's FAST file exists.
-SLOW = ["--trainer", "user_trainers:slow", "--steps", "300", "--ckpt-every", "10"]
+# The lab's linear model, each step 0.05 s longer (tests/helpers/user_trainers.py) until the test's
+# FAST file exists: up to 50 s of training, time for every signal to land mid-run however slowly
+# the jobs start; the test touches the file once its last signal has landed, and the rest runs at
+# full speed.
+SLOW = ["--trainer", "user_trainers:slow", "--steps", "1000", "--ckpt-every", "20"]
 FAST = "TRAINJOB_TEST_FAST_FILE"
 
 
@@ -88,10 +90,12 @@ def resumes(pvc: Path) -> int:
     return logged(pvc).count("resumed")
 
 
-def preempt(env: dict[str, str], tmp_path: Path) -> str:
-    """A job of the high partition that needs every CPU of the node: it preempts the low ones."""
+def preempt(env: dict[str, str], tmp_path: Path, spare: int = 0) -> str:
+    """A job of the high partition that needs every CPU of the node but ``spare``: it preempts the
+    low ones (each holding more than ``spare``), whether or not a job of the debug partition,
+    which nothing preempts, holds the spare ones."""
     cpus = subprocess.run(["sinfo", "-h", "-o", "%c"], env=env, capture_output=True, text=True, check=True).stdout
-    return subprocess.run(["sbatch", "--parsable", "--partition=high", f"--cpus-per-task={cpus.strip()}",
+    return subprocess.run(["sbatch", "--parsable", "--partition=high", f"--cpus-per-task={int(cpus) - spare}",
                            f"--output={tmp_path}/preemptor.out", "--wrap", "sleep 1"],
                           env=env, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -188,32 +192,52 @@ def test_bad_input_a_spent_budget_and_storage_that_always_fails_each_end_the_job
     assert f"storage at {pvcs['full']}" in stop and "2 launches in a row" in stop
 
 
-@pytest.mark.torchrun
-def test_w2_as_srun_tasks_and_as_torchrun_preempted_and_requeued_reach_the_uninterrupted_w2_bytes(slurm_alone, tmp_path):
-    """W=2 both ways at once: two srun tasks (ranks from SLURM_PROCID, agreeing through files on the
-    PVC) and one `trainjob torchrun --nproc-per-node 2` (its store). Once both have checkpointed, one
-    job of the high partition preempts both; each is requeued and completes with the bytes of one
-    uninterrupted W=2 run. About a minute: torch starting under torchrun, one requeue."""
+@pytest.mark.torchrun  # torchrun, and examples/own_loop.py imports torch
+def test_w2_both_ways_preempted_and_an_own_loop_scancelled_each_resume_and_complete(slurm_alone, tmp_path):
+    """Three jobs that start torch, at once, so that their slow starts overlap. W=2 as two srun tasks
+    (ranks from SLURM_PROCID, agreeing through files on the PVC) and as one `trainjob torchrun
+    --nproc-per-node 2` (its store), in the low partition: once both have checkpointed, a job of the
+    high partition that needs all CPUs but one preempts both (the one is the own loop's, whose debug
+    partition no job preempts); each is requeued and completes with the bytes of one uninterrupted
+    W=2 run. examples/own_loop.py rendered with `-- python ... --pvc {pvc}`: `scancel --signal=TERM`
+    after its first checkpoint, requeued by the script on 75, resumed, completed (its Run idempotent
+    from the script's TRAINJOB_IDEMPOTENT=1). About a minute and a half: torch starting, one requeue."""
     env = {**slurm_alone, FAST: str(tmp_path / "fast")}
     ways = {"srun-tasks": ["--ntasks-per-node", "2"], "torchrun": ["--nproc-per-node", "2"]}
-    pvcs = {way: tmp_path / way / "pvc" for way in ways}
+    pvcs = {way: tmp_path / way / "pvc" for way in [*ways, "own-loop"]}
     jobs = {}
     for way, ranks in ways.items():
         (tmp_path / way).mkdir()
         jobs[way] = submit(env, tmp_path / way, render(env, "--pvc", pvcs[way], "--partition", "low", "--grace", "20",
                                                        *ranks, "--", "run", *SLOW))
-    wait_for("a checkpoint of each", lambda: all("checkpointed" in logged(pvc) for pvc in pvcs.values()))
-    preempt(env, tmp_path)
-    wait_for("each to resume", lambda: all(resumes(pvc) == 1 for pvc in pvcs.values()), timeout=180)
+    # 1000 quick steps, a checkpoint every 10: seconds of training after the first, for the signal to land in.
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "1000", "--ckpt-every", "10"]
+    (tmp_path / "own-loop").mkdir()
+    own = submit(env, tmp_path / "own-loop", render(env, "--pvc", pvcs["own-loop"], "--", *loop))
+    signalled: set[str] = set()
+
+    def signal_each_once_checkpointed() -> bool:
+        if "own-loop" not in signalled and "checkpointed" in logged(pvcs["own-loop"]):
+            subprocess.run(["scancel", "--signal=TERM", own], env=env, check=True)
+            signalled.add("own-loop")
+        if "w2" not in signalled and all("checkpointed" in logged(pvcs[way]) for way in ways):
+            preempt(env, tmp_path, spare=1)
+            signalled.add("w2")
+        return len(signalled) == 2
+
+    wait_for("a checkpoint of each job, then its signal", signal_each_once_checkpointed, timeout=180)
+    wait_for("each W=2 job to resume", lambda: all(resumes(pvcs[way]) == 1 for way in ways), timeout=180)
     (tmp_path / "fast").touch()
     expected = reference(tmp_path, *SLOW, "--world-size", "2")
-    for way, job in jobs.items():
+    for way, job in {**jobs, "own-loop": own}.items():
         fields = ended(env, job)
         assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), (way, output(tmp_path / way))
         assert int(fields["Restarts"]) >= 1, way
         events = logged(pvcs[way])
         assert "killed" in events and "resumed" in events and events.count("job_started") == 1, (way, events)
-        assert snapshot(pvcs[way] / "artifacts") == expected, way
+        assert events[-1] == "completed", (way, events)
+        if way in ways:
+            assert snapshot(pvcs[way] / "artifacts") == expected, way
 
 
 @pytest.mark.acceptance
@@ -237,20 +261,3 @@ def test_a_one_minute_time_limit_runs_the_job_in_chunks_to_the_uninterrupted_byt
     assert events.count("killed") >= 2 and events.count("resumed") >= 2 and events.count("job_started") == 1, events
     assert "TIME LIMIT" not in output(tmp_path), "every launch stopped on the grace's signal, none at the limit"
     assert snapshot(pvc / "artifacts") == reference(tmp_path, *args)
-
-
-@pytest.mark.torchrun  # examples/own_loop.py imports torch
-def test_an_own_loop_rendered_with_python_is_requeued_after_scancel_term_and_completes(slurm, tmp_path):
-    """examples/own_loop.py rendered with `-- python ... --pvc {pvc}`: scancel --signal=TERM after
-    its first checkpoint, requeued by the script on 75, resumed, completed (its Run idempotent from
-    the script's TRAINJOB_IDEMPOTENT=1)."""
-    pvc = tmp_path / "pvc"
-    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "200", "--ckpt-every", "10"]
-    job = submit(slurm, tmp_path, render(slurm, "--pvc", pvc, "--", *loop))
-    wait_for("a checkpoint", lambda: "checkpointed" in logged(pvc))
-    subprocess.run(["scancel", "--signal=TERM", job], env=slurm, check=True)
-    fields = ended(slurm, job)
-    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), output(tmp_path)
-    assert int(fields["Restarts"]) >= 1
-    events = logged(pvc)
-    assert "killed" in events and "resumed" in events and events[-1] == "completed", events
