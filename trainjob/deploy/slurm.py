@@ -269,6 +269,8 @@ def script(target: Target) -> str:
         *rendezvous,
         "# The log's checkpoints before this launch: a launch that adds none has made no progress.",
         f"before=$({tj} slurm before {judge} || echo -)",
+        *(["# Each task under `trainjob slurm task`: srun's highest code is then the most telling rank's."]
+          if target.tasks > 1 else []),
         f"{_words(target.step())} &",
         "launch=$!",
         'while kill -0 "$launch" 2>/dev/null; do wait "$launch"; done',
