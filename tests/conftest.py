@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -180,13 +182,35 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")])}
 
 
+@contextmanager
+def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest, alone: bool) -> Iterator[dict[str, str]]:
+    """The cluster for one test, beside the others that share it or alone (``flock``: shared or
+    exclusive), whichever xdist worker runs them. Every job the test submits is named after it
+    (``SBATCH_JOB_NAME`` overrides the script's ``--job-name``), and those alone are cancelled after it."""
+    name = f"pytest-{os.getpid()}-{request.node.name}"[:100]
+    with open(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        env = {**slurm_cluster, "SBATCH_JOB_NAME": name}
+        try:
+            yield env
+        finally:
+            subprocess.run(["scancel", "--quiet", "--name", name], env=env, check=False)
+
+
 @pytest.fixture
-def slurm(slurm_cluster: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The cluster to this test alone: its tests run one at a time (a preemption must find only its
-    own job to preempt, and the node has a CPU per core), whichever xdist worker runs them."""
-    with FileLock(str(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock")):
-        yield slurm_cluster
-        subprocess.run(["scancel", "--quiet", "--user", "root"], env=slurm_cluster, check=False)
+def slurm(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster, shared with the other tests using this fixture (the node has CPUs enough for
+    their jobs at once: scripts/slurm.sh), never with one using ``slurm_alone``."""
+    with _using_cluster(slurm_cluster, request, alone=False) as env:
+        yield env
+
+
+@pytest.fixture
+def slurm_alone(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster to this test alone: a preemption by a job that needs every CPU of the node must
+    find only this test's jobs to preempt."""
+    with _using_cluster(slurm_cluster, request, alone=True) as env:
+        yield env
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

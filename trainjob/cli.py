@@ -211,9 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "first host)")
     sr.add_argument("--time", default=st.time, help="the job's time limit, as sbatch --time takes it")
     sr.add_argument("--partition", default=st.partition, help="the partition(s), as sbatch --partition takes them")
-    sr.add_argument("--grace", type=int, default=st.grace,
-                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a "
-                         "checkpoint's time (default %(default)s)")
+    sr.add_argument("--grace", type=int,
+                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a step's and a "
+                         "checkpoint's time (default: twice what one short run of the job took here, plus 10; "
+                         f"{slurm.DEFAULT_GRACE} for an own loop)")
     sr.add_argument("--backoff-limit", type=int, default=st.backoff_limit,
                     help="the run's retry budget: a failed gate is requeued while it has attempts left")
     sr.add_argument("--max-stalls", type=int, default=st.max_stalls,
@@ -231,9 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the run's retry budget (absent: an own loop's, read from its log)")
         if name == "after":
             judge.add_argument("--code", type=int, required=True, help="the launch's exit code")
+            judge.add_argument("--from-tasks", action="store_true",
+                               help="the code is srun's over `trainjob slurm task`s (their ranks' most telling)")
             judge.add_argument("--before", required=True, help="what `slurm before` printed (- if nothing)")
             judge.add_argument("--stalls", type=int, default=0, help="launches in a row without progress so far")
             judge.add_argument("--max-stalls", type=int, default=st.max_stalls, help="the bound on them")
+
+    tk = sl_sub.add_parser("task", help="(the rendered script's) run one srun task's rank; exit with its code's "
+                                        "place in trainjob's precedence, so that srun's highest is the job's")
+    tk.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS", help="the rank's command")
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
@@ -578,6 +585,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
 def cmd_slurm(args: argparse.Namespace) -> int:
     if args.slurm_command == "render":
         return _slurm_render(args)
+    if args.slurm_command == "task":
+        return _slurm_task(args.rank_command[1:] if args.rank_command[:1] == ["--"] else args.rank_command)
     with importing("the command's modules"):
         from .storage.eventlog import log_exists, read_log
     log = args.log if args.log is not None else args.pvc / DEFAULT_LOG
@@ -593,11 +602,36 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         return EXIT_OK
     before = int(args.before) if args.before.isdigit() else None
     progressed = before is not None and checkpoints is not None and checkpoints > before
-    verdict = policy.after_launch(args.code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
+    code = slurm.launch_code(args.code) if args.from_tasks else args.code
+    verdict = policy.after_launch(code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
                                   args.max_stalls, str(log), str(args.pvc))
     warn(f"trainjob slurm: {one_line(verdict.line)}")
     emit(f"{verdict.action} {verdict.code} {verdict.stalls}")
     return EXIT_OK
+
+
+def _slurm_task(command: list[str]) -> int:
+    """One srun task: run its rank's command, and exit with ``slurm.task_status`` of its code.
+    Slurm signals every process of the step itself (scancel, a requeue, a preemption, the time
+    limit), so the rank gets its SIGTERM from Slurm: this process only outlives it, to report."""
+    import subprocess
+
+    if not command:
+        raise UsageError("slurm task needs the rank's command after --")
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a handler, not SIG_IGN, which the rank would inherit
+        signal.signal(signum, lambda *_: None)
+    try:
+        with os_errors(command[0], "cannot start the rank", otherwise=InputError):
+            code = subprocess.call(command)
+    except TrainJobError as exc:
+        warn(f"trainjob slurm task: {one_line(str(exc))}")
+        code = exit_code_for(type(exc))
+    status = slurm.task_status(code)
+    if code != EXIT_OK:
+        ended = f"exited {code}" if code >= 0 else f"was ended by signal {-code}"
+        warn(f"trainjob slurm task: rank {os.environ.get('SLURM_PROCID', '?')} {ended}; this task exits "
+             f"{status}, so that srun's highest code is the job's (docs/howto/slurm.md)")
+    return status
 
 
 def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy.Over | None:
@@ -625,6 +659,8 @@ def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy
 
 
 def _slurm_render(args: argparse.Namespace) -> int:
+    import attrs  # loaded already: deploy/slurm.py's records are attrs classes
+
     location = None if args.pvc is None else args.pvc if isinstance(args.pvc, Url) else args.pvc.absolute()
     settings = dict(name=args.name, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                     nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, grace=args.grace,
@@ -640,7 +676,7 @@ def _slurm_render(args: argparse.Namespace) -> int:
             _storage_location(loop.bucket)  # a malformed URL: the same one line as render --pvc's
         target = slurm.Target(**settings, pvc=where, loop=loop)
         target.check()
-        emit(slurm.script(target).splitlines())
+        emit(slurm.script(_sized(target, None, "an own loop's checkpoint is not measured")).splitlines())
         return EXIT_OK
     if args.child and args.child[0] != "run":
         raise UsageError(f"expected `-- run ARGS...` or `-- python SCRIPT ARGS...` after the flags, got "
@@ -659,11 +695,54 @@ def _slurm_render(args: argparse.Namespace) -> int:
         raise UsageError("the script gives each rank its place (--nodes, --ntasks-per-node, --nproc-per-node); "
                          "drop --world-size and --rank after --")
     if ran.log is not None:
-        with importing("the command's modules"):
-            import attrs
         target = attrs.evolve(target, log=str(ran.log))
+    if target.grace is None:
+        stop, unmeasured = _measure_stop(target)
+        target = _sized(target, stop, unmeasured)
     emit(slurm.script(target).splitlines())
     return EXIT_OK
+
+
+def _sized(target: slurm.Target, stop: float | None, unmeasured: str) -> slurm.Target:
+    """The target with its grace: the one given, else sized from the measured ``stop``."""
+    import attrs
+
+    if target.grace is not None:
+        return target
+    grace, why = slurm.grace_for(stop, slurm.time_seconds(target.time) if target.time else None, unmeasured)
+    return attrs.evolve(target, grace=grace, grace_why=why)
+
+
+def _measure_stop(target: slurm.Target) -> tuple[float | None, str]:
+    """Seconds one step and a checkpoint of the job take: a `trainjob run` of its own flags for one
+    step, timed, on a scratch PVC beside the job's (its filesystem), removed after. It also writes
+    the artifact and starts Python: more than a stop costs, the safe side. None where it cannot
+    run, with why (a bucket PVC, a directory that cannot be written, a run that failed)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    if target.pvc.startswith("s3://"):
+        return None, "a bucket PVC's checkpoint is not measured"
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=".trainjob-grace-", dir=Path(target.pvc).parent))
+    except OSError as exc:
+        warn(f"trainjob slurm render: cannot measure a checkpoint beside {target.pvc}: {exc.strerror}")
+        return None, f"nothing could be written beside {target.pvc}"
+    try:
+        probe = [sys.executable, "-m", "trainjob", "run", *target.run_args, "--pvc", str(scratch / "pvc"),
+                 "--log", str(scratch / "log.jsonl"), "--steps", "1", "--ckpt-every", "1", "--backoff-limit", "0"]
+        started = time.monotonic()
+        done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        took = time.monotonic() - started
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if done.returncode not in (EXIT_OK, EXIT_FAILED):  # 1: the gate failed, after the checkpoint
+        said = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        warn(f"trainjob slurm render: a one-step run to measure the grace failed: {one_line(said[0])}")
+        return None, f"a one-step run to measure it exited {done.returncode}"
+    return took, ""
 
 
 def _write_output(data: bytes, output: Path | None) -> None:
