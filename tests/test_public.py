@@ -23,7 +23,7 @@ PUBLIC = [
     "__version__",
     "Run", "Stateful",
     "Factory", "Score", "State", "Trainer",
-    "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
+    "AlreadyCompleted", "ArtifactUnverified", "InputError", "MissingExtra", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
     "PeerFailed", "PeerRefused", "PvcBusy", "RankTimeout",
     "Refused", "ReplicasDisagree", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",

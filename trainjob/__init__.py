@@ -16,8 +16,8 @@ import os
 from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
-from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
-                     PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
+from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, MissingExtra, NoSpace, NoVerifiedCheckpoint,
+                     OutOfMemory, PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
                      Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
 
 if "TRAINJOB_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
@@ -45,6 +45,7 @@ __all__ = [
     "AlreadyCompleted",
     "ArtifactUnverified",
     "InputError",
+    "MissingExtra",
     "NoSpace",
     "NoVerifiedCheckpoint",
     "OutOfMemory",

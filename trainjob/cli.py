@@ -26,7 +26,8 @@ from typing import NoReturn
 from .defaults import VERSION
 from .deploy import k8s, policy
 from .engine.config import DEFAULT_LOG, RunConfig, idempotent_from
-from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
+from .errors import (InputError, TrainJobError, UsageError, importing, missing_extra, one_line, open_regular,
+                     os_errors)
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
@@ -630,10 +631,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainJobError as exc:
         warn(f"trainjob {args.command}: {one_line(str(exc))}")
         return exit_code_for(type(exc))
+    except ImportError as exc:  # an optional package the command needs (errors.EXTRA_FOR): say which extra
+        if (missing := missing_extra(exc)) is None:
+            return _internal(args.command)
+        warn(f"trainjob {args.command}: {one_line(str(missing))}")
+        return exit_code_for(type(missing))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
-        warn(traceback.format_exc().rstrip())
-        warn(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it")
-        return EXIT_INTERNAL
+        return _internal(args.command)
+
+
+def _internal(command: str) -> int:
+    """A bug (the exception being handled): its traceback and one line saying so; exit 70."""
+    warn(traceback.format_exc().rstrip())
+    warn(f"trainjob {command}: internal error (exit {EXIT_INTERNAL}); please report it")
+    return EXIT_INTERNAL
 
 
 def entry() -> NoReturn:

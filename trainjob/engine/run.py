@@ -82,7 +82,7 @@ from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
 from ..errors import (InputError, PeerFailed, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
-                      TryAgainLater, UsageError, memory_errors, one_line, os_errors)
+                      TryAgainLater, UsageError, memory_errors, missing_extra, one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
@@ -623,7 +623,7 @@ class Run:
         """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
         if self.error is not None:
             return
-        self.error = exc
+        self.error = exc = missing_extra(exc) or exc  # an optional package not installed: 2, naming its extra
         try:
             self._close_writes()
             if self._launch_open:

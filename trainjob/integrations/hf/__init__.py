@@ -18,12 +18,16 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...defaults import BACKOFF_LIMIT
-from ...engine.run import Run
-from ...errors import UsageError
-from ...records import Score
-from .hooks import Driver
-from .state import TrainerCheckpoint
+from ...errors import UsageError, require
+
+# Looked up, not imported: the script imports transformers itself (its Trainer is what run() drives).
+require("trainjob.integrations.hf", "hf", "torch", "transformers", "accelerate")
+
+from ...defaults import BACKOFF_LIMIT  # noqa: E402
+from ...engine.run import Run  # noqa: E402
+from ...records import Score  # noqa: E402
+from .hooks import Driver  # noqa: E402
+from .state import TrainerCheckpoint  # noqa: E402
 
 __all__ = ["run", "metric", "TrainerCheckpoint"]
 
