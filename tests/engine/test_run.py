@@ -176,6 +176,47 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
 
 
+def metric_gated(pvc: Path, **verdict) -> Run:
+    """Two steps of the Vector, gated by ``verdict`` (Run.gate's keywords besides export)."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2, max_drop=20) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(export=state.state_dict(), **verdict)
+    return run
+
+
+def test_a_metric_gate_publishes_a_loss_within_the_tolerance_and_refuses_one_beyond_it(tmp_path):
+    """A validation loss against its frozen value, lower is better, max_drop 20: 0.6 less 20% of
+    itself is 0.48, within 0.5 (completed, 0); 0.7 less 20% is 0.56 (drift_failed, 1). The log
+    holds the verdict in the Score rule's whole numbers: baseline / loss in millionths."""
+    loss = lambda value: trainjob.Metric(value, baseline=0.5, higher_is_better=False, name="val_loss")  # noqa: E731
+    published = metric_gated(tmp_path / "published", metric=loss(0.6))
+    assert (published.exit_code, events(tmp_path / "published/log.jsonl")[-1]) == (
+        0, ("completed", "holdout: 833333/1000000 vs baseline 1000000/1000000"))
+    refused = metric_gated(tmp_path / "refused", metric=loss(0.7))
+    assert (refused.exit_code, events(tmp_path / "refused/log.jsonl")[-1]) == (
+        1, ("drift_failed", "holdout: 714286/1000000 vs baseline 1000000/1000000 (max drop 20%); refusing artifact"))
+    accuracy = metric_gated(tmp_path / "accuracy", metric=trainjob.Metric(0.81, baseline=1.0, higher_is_better=True))
+    assert accuracy.exit_code == 0  # at least 1.0 less 20% of it
+
+
+@pytest.mark.parametrize(("verdict", "said"), [
+    (dict(metric=trainjob.Metric(float("nan"), baseline=0.5, higher_is_better=False, name="val_loss")),
+     "the gate's val_loss: its value is nan; a metric is a finite number from 0"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0, higher_is_better=False)), "its baseline is 0"),
+    (dict(metric=trainjob.Metric("0.4", baseline=0.5, higher_is_better=False)), "its value is a str, not a number"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False), holdout=Score(correct=1, total=1)),
+     "holdout= and baseline= or metric=, not both"),
+    (dict(holdout=Score(correct=1, total=1)), "takes holdout= and baseline=, two trainjob.Score, or metric="),
+])
+def test_a_metric_the_gate_cannot_judge_is_refused_exit_2_and_resumable(pvc, verdict, said):
+    run = metric_gated(pvc, **verdict)
+    assert run.exit_code == 2 and said in str(run.error)
+    assert events(pvc / "log.jsonl")[-1][0] == "refused"
+    assert metric_gated(pvc, metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False)).exit_code == 0
+
+
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
     def early(run, state, step):
         good(run, state, step)

@@ -60,6 +60,8 @@ how a launch begins (the machine does, through ``decisions.py``).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import signal
 import sys
@@ -87,7 +89,7 @@ from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
-from ..records import Candidate, Score, Session
+from ..records import Candidate, Metric, Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import EventLog, check_writable
 from ..storage.backend import Url, as_location
@@ -502,22 +504,40 @@ class Run:
 
     # --- the gate and the end -------------------------------------------------------------------
 
-    def gate(self, *, holdout: Score, baseline: Score, export: State) -> None:
+    def gate(self, *, export: State, holdout: Score | None = None, baseline: Score | None = None,
+             metric: Metric | None = None) -> None:
         """After the last step: publish ``export`` (the arrays a user of the model needs) as the
-        attempt's artifact if ``holdout`` holds up against ``baseline`` (completed, exit 0), else
-        refuse it (drift_failed, exit 1). Does nothing when the run has already ended (a stop,
-        out of retries, already completed); ranks >= 1 wait for rank 0's verdict instead."""
+        attempt's artifact if the model holds up against its frozen baseline (completed, exit 0),
+        else refuse it (drift_failed, exit 1); ``max_drop`` percent is the tolerance. The model's
+        score is either ``holdout`` and ``baseline``, two ``Score``s (correct predictions out of
+        a total), or ``metric``, a ``Metric`` (a validation loss, a perplexity, an accuracy
+        against its frozen value; ``decisions.metric_counts`` says how it is judged). A metric
+        that is not a finite number from 0 (its baseline above 0) is refused, exit 2. Does
+        nothing when the run has already ended (a stop, out of retries, already completed);
+        ranks >= 1 wait for rank 0's verdict instead."""
         if self.final is not None or self.error is not None:
             return
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
         try:
+            holdout, baseline = self._scores(holdout, baseline, metric)
             self._gate(holdout, baseline, export)
         except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
             if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
                 self._job.refuse(at_step=self.cfg.steps, reason=one_line(str(exc))[:400])
             raise
+
+    def _scores(self, holdout: Score | None, baseline: Score | None, metric: Metric | None) -> tuple[Score, Score]:
+        """The two Scores the machine's gate judges: given, or ``metric``'s (``metric_scores``)."""
+        if metric is None:
+            if not (isinstance(holdout, Score) and isinstance(baseline, Score)):
+                raise UsageError("run.gate(...) takes holdout= and baseline=, two trainjob.Score, or metric=, a "
+                                 f"trainjob.Metric; got holdout={holdout!r}, baseline={baseline!r}")
+            return holdout, baseline
+        if holdout is not None or baseline is not None:
+            raise UsageError("run.gate(...) takes holdout= and baseline= or metric=, not both")
+        return metric_scores(metric)
 
     def _gate(self, holdout: Score, baseline: Score, export: State) -> None:
         if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
@@ -652,6 +672,46 @@ class Run:
         if self.final is None:
             raise UsageError("run.exit_code is known once the `with Run(...)` block has ended")
         return exit_code_for_state(self.final)
+
+
+def metric_scores(metric: Metric) -> tuple[Score, Score]:
+    """The holdout's and the baseline's Score for ``metric`` (``decisions.metric_counts``), or a
+    UsageError (exit 2) saying what is wrong with it."""
+    if not isinstance(metric, Metric):
+        raise UsageError(f"metric= takes a trainjob.Metric, got {type(metric).__name__}")
+    name = one_line(str(metric.name))[:80]
+    largest = decisions.MAX_COUNT / decisions.METRIC_PARTS
+
+    def number(what: str, given: object) -> float:
+        if isinstance(given, bool) or not isinstance(given, numbers.Real):
+            raise UsageError(f"the gate's {name}: {what} is a {type(given).__name__}, not a number (for a tensor, "
+                             "pass its .item())")
+        value = float(given)
+        if not (math.isfinite(value) and 0 <= value <= largest):
+            raise UsageError(f"the gate's {name}: {what} is {value!r}; a metric is a finite number from 0 to "
+                             f"{largest:.4g}")
+        return value
+
+    value, baseline = number("its value", metric.value), number("its baseline", metric.baseline)
+    if baseline == 0:
+        raise UsageError(f"the gate's {name}: its baseline is 0; a baseline is above 0 (it scales the tolerance)")
+    if not isinstance(metric.higher_is_better, bool):
+        raise UsageError(f"the gate's {name}: higher_is_better is {metric.higher_is_better!r}, not True or False")
+    correct, total, baseline_correct = decisions.metric_counts(value, baseline, metric.higher_is_better)
+    return Score(correct=correct, total=total), Score(correct=baseline_correct, total=total)
+
+
+def gate_arguments(verdict: Metric | tuple[Score, Score]) -> dict[str, Any]:
+    """What an integration's ``gate`` callable returned (a Metric, or the holdout's and the
+    baseline's Score), as ``Run.gate``'s keywords."""
+    if isinstance(verdict, Metric):
+        return {"metric": verdict}
+    try:
+        holdout, baseline = verdict
+    except (TypeError, ValueError):
+        raise UsageError(f"the gate returned {type(verdict).__name__}; return a trainjob.Metric, or the holdout's "
+                         "and the baseline's trainjob.Score") from None
+    return {"holdout": holdout, "baseline": baseline}
 
 
 def _after_the_run(uninstall: Callable[[], None]) -> None:
