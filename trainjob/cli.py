@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--async-checkpoint", action="store_true",
                    help="write each checkpoint on a background thread while training goes on (one extra copy "
                         "of the state in host memory; docs/howto/async.md: when to choose it)")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a line rewritten on a terminal, else a line per checkpoint); "
+                        "the line saying how the run ended, and any error, are still printed")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
                         "(what supervise and the k8s Job pass; TRAINJOB_IDEMPOTENT=1 does the same); without it, "
@@ -289,7 +292,6 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 def cmd_run(args: argparse.Namespace) -> int:
     with importing("the command's modules"):
         from .engine.job import ARTIFACT_FORMATS, StopFlag
-        from .engine.progress import Progress
         from .engine.run import Run
         from .ranks.identity import resolve_rank
         from .trainers import protocol
@@ -315,7 +317,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
     run = Run(args.pvc, state=trainer, log=_log_path(args), rank=spec.rank, world_size=spec.world_size,
               idempotent=args.idempotent, artifact_format=artifact_format, data_sha256=trainer.data_sha256,
-              progress=Progress.for_stream(sys.stderr, cfg.steps) if spec.rank == 0 else None,
+              progress=not args.quiet,
               raise_errors=True, stop=stop, **_run_settings(cfg))
     with run:
         for step in run:

@@ -78,6 +78,7 @@ from . import decisions, machine
 from .completion import Completion, completed_job
 from .config import DEFAULT_LOG, RunConfig, as_setting, from_python, idempotent_from
 from .job import ARTIFACT_FORMATS, Job, StopFlag
+from .progress import Narrated, Narrator, metric_verdict
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
@@ -91,7 +92,7 @@ from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
 from ..records import Candidate, Metric, Score, Session
 from ..states import State as JobState
-from ..storage.eventlog import EventLog, check_writable
+from ..storage.eventlog import check_writable
 from ..storage.backend import Url, as_location
 from ..storage.pvc import Pvc, check_path, make_dir, missing_dirs, remove_empty
 from ..trainers.protocol import State, Stateful, check_loss, check_resumable, restore
@@ -99,7 +100,6 @@ from ..trainers.protocol import State, Stateful, check_loss, check_resumable, re
 # A run that names no data: the empty input's hash, so a resume cannot tell other data apart.
 NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
-Progress = Callable[[int, int], None]
 # How long a rank whose collective failed waits for the other survivors to say so, to name the
 # rank that left (``ranks/store.py``'s ``absent``): survivors meet the failure within moments.
 LOST_GRACE = 3.0
@@ -131,6 +131,9 @@ class Run:
     turns it on too (what ``k8s render`` sets in an own loop's pods).
     ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
     background thread while the loop trains on (docs/howto/async.md: when to choose it; overlap.py).
+    ``progress``: rank 0 shows the run's progress on stderr (on a terminal, a line rewritten after
+    every step; elsewhere, a line per checkpoint); False keeps only the line saying how the launch
+    ended, which rank 0 always prints (``progress.py``). The decision log is the same either way.
     """
 
     def __init__(self, pvc: str | os.PathLike[str], *, state: Stateful, steps: int, ckpt_every: int,
@@ -138,7 +141,7 @@ class Run:
                  backoff_limit: int = BACKOFF_LIMIT, keep: int = 3, log: str | os.PathLike[str] | None = None,
                  rank: int | None = None, world_size: int | None = None, rank_timeout: float = 60.0,
                  idempotent: bool = False, artifact_format: str = "safetensors", name: str = "own-loop",
-                 die_at: int | None = None, progress: Progress | None = None, raise_errors: bool = False,
+                 die_at: int | None = None, progress: bool = True, raise_errors: bool = False,
                  stop: StopFlag | None = None, async_checkpoint: bool = False) -> None:
         """Nothing is checked or touched here: entering the ``with`` does it, so that every error
         ends in ``exit_code``. ``stop``: a StopFlag already installed (the CLI installs it before
@@ -170,6 +173,7 @@ class Run:
         self._iterated = self._loop_over = self.gate_due = False
         self._entered = False  # the launch began (or found its outcome): no longer refusable untouched
         self._step: int | None = None  # the step the loop body is training
+        self._narrator: Narrator | None = None  # rank 0's voice on stderr (progress.py)
         self._loss: int | None = None  # its reported loss, in thousandths
 
     # --- entering ---------------------------------------------------------------------------
@@ -253,7 +257,8 @@ class Run:
         self._peers = peers = connect.coordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
         self._launch_open = True  # from here, an error ends the launch for every rank, with its code
         initial = self._host.snapshot(self.stateful.state_dict(), 0)  # checks the state; host views of it
-        self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
+        self._narrator = Narrator(sys.stderr, cfg.steps, str(self.pvc_path), progress=bool(self.progress))
+        self._job = job = Job(cfg, pvc, Narrated(self.log_path, self._narrator), self.data_sha256, peers)
         if not peers.solo:  # which transport the ranks agree through, logged with the launch's first event
             job.notes.append(("ranks_coordinated", dict(transport=peers.transport, world_size=cfg.world_size)))
         # Before any write: a checkpoint holding other arrays than this state's, or a
@@ -377,8 +382,8 @@ class Run:
                 raise UsageError(f"step {step} ended without run.report(loss); report every step's loss once")
             loss, self._step = self._loss, None
             peers.step = step
-            if self.progress is not None:
-                self.progress(step, loss)
+            if self._narrator is not None:
+                self._narrator.step(step, loss)
             self._between()
             if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
                 self._save(step, loss, step == target)
@@ -522,6 +527,8 @@ class Run:
         self.gate_due = False
         try:
             holdout, baseline = self._scores(holdout, baseline, metric)
+            if metric is not None and self._narrator is not None:
+                self._narrator.verdict = metric_verdict(metric, self.cfg.max_drop)
             self._gate(holdout, baseline, export)
         except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
             if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
@@ -600,6 +607,8 @@ class Run:
                 made = late
             if self.completion is not None and not self.raise_errors:
                 _say(f"trainjob: {self.completion.line()}")
+            if self._narrator is not None and self.final is not None and self.error is None:
+                self._narrator.ending(self.final, self.exit_code)
         if leaving:
             raise SystemExit(self.exit_code) from None
         if made is not None and self.raise_errors:
@@ -643,6 +652,8 @@ class Run:
         """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
         if self.error is not None:
             return
+        if self._narrator is not None:
+            self._narrator.close()  # a progress line left open: what follows starts on its own line
         self.error = exc = missing_extra(exc) or exc  # an optional package not installed: 2, naming its extra
         try:
             self._close_writes()

@@ -53,7 +53,8 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
     state = TrainerCheckpoint(trainer, refusal)
     with Run(pvc, state=state, steps=steps, ckpt_every=every, lr=float(trainer.args.learning_rate),
              max_drop=max_drop, backoff_limit=backoff_limit, keep=keep, log=log, rank_timeout=rank_timeout,
-             idempotent=idempotent, async_checkpoint=async_checkpoint, name=name) as job:
+             idempotent=idempotent, async_checkpoint=async_checkpoint, name=name,
+             progress=False) as job:  # the Trainer draws its own bar; the run adds the line saying how it ended
         if job.final is None and job.error is None:
             Driver(trainer, state, job).train()
             if job.gate_due:

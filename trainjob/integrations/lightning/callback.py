@@ -70,7 +70,8 @@ class TrainJob(pl.Callback):
     def __init__(self, pvc: str | os.PathLike[str], *, ckpt_every: int, gate: Gate, export: Export | None = None,
                  **run_options: Any) -> None:
         self.pvc, self.ckpt_every, self.gate, self.export = pvc, ckpt_every, gate, export
-        self.run_options = {"name": "lightning", **run_options}
+        # Lightning draws its own progress bar: the run adds only the line saying how it ended.
+        self.run_options = {"name": "lightning", "progress": False, **run_options}
         self.run: Run | None = None
         self._code: int | None = None  # an end decided before the Run existed
         self._steps: Iterator[int] | None = None
