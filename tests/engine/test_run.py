@@ -177,6 +177,7 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": state.w, "epoch": 3})
     assert run.exit_code == 2 and "no plain values" in str(run.error)
+    assert str(run.error).startswith("refused at step 4: export: publish a flat mapping")  # its one line says so
     last, detail = events(pvc / "log.jsonl")[-1]
     assert last == "refused" and detail.startswith("at_step=4 reason=export: publish a flat mapping")
     assert cli.main(["status", str(pvc / "log.jsonl")]) == 2

@@ -154,7 +154,7 @@ class Narrated(EventLog):
         self.narrator = narrator
 
     def append(self, event: str, detail: str, fsync: bool = True) -> Any:
-        record = super().append(event, detail, fsync)
+        record = super().append(event, detail, fsync=fsync)
         self.narrator.told(event, detail)
         return record
 

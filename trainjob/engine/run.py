@@ -84,7 +84,7 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, PeerFailed, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
+from ..errors import (InputError, PeerFailed, Refused, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
                       TryAgainLater, UsageError, memory_errors, missing_extra, one_line, os_errors)
 from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
@@ -438,7 +438,9 @@ class Run:
         except ReplicasDisagree as exc:
             job = self._job
             if job is not None and job.state in (*machine.TRAINING, JobState.snapshotted):
-                job.refuse(at_step=job.in_flight["step"] if step is None else step, reason=one_line(str(exc))[:400])
+                at_step = job.in_flight["step"] if step is None else step
+                job.refuse(at_step=at_step, reason=one_line(str(exc))[:400])
+                raise refusal(exc, at_step) from exc
             raise
 
     def _write_shard(self, step: int, arrays: dict[str, Any]) -> int:
@@ -533,6 +535,7 @@ class Run:
         except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
             if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
                 self._job.refuse(at_step=self.cfg.steps, reason=one_line(str(exc))[:400])
+                raise refusal(exc, self.cfg.steps) from exc
             raise
 
     def _scores(self, holdout: Score | None, baseline: Score | None, metric: Metric | None) -> tuple[Score, Score]:
@@ -683,6 +686,13 @@ class Run:
         if self.final is None:
             raise UsageError("run.exit_code is known once the `with Run(...)` block has ended")
         return exit_code_for_state(self.final)
+
+
+def refusal(exc: Refused, step: int) -> Refused:
+    """A refusal the log now holds (``refused``), said as the launch's one last line: what was
+    refused, and what a relaunch does. The same class, so its exit code and its catchers stay."""
+    return type(exc)(f"refused at step {step}: {exc}; a relaunch of the mended script resumes from the newest "
+                     "checkpoint")
 
 
 def metric_scores(metric: Metric) -> tuple[Score, Score]:
