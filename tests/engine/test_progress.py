@@ -83,7 +83,7 @@ def test_the_last_line_says_each_ending_with_what_to_know_next():
         "trainjob: job_failed (exit 1): 3 attempts, the retry budget (backoff limit 2) is spent; "
         "no attempt will start on this job again")
     loss = trainjob.Metric(0.7, baseline=0.5, higher_is_better=False, name="val_loss")
-    assert final_line("drift_failed", failed, "p", 1, metric_verdict(loss, 20)) == (
+    assert final_line("drift_failed", failed, "p", 1, verdict=metric_verdict(loss, 20)) == (
         "trainjob: drift_failed (exit 1): val_loss 0.7 vs baseline 0.5 (lower is better; at most 0.625 passes "
         "with max_drop 20%); nothing published")
     accuracy = trainjob.Metric(0.93, baseline=0.9, higher_is_better=True, name="accuracy")

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import machine
-from ..records import Metric
+from ..records import Event, Metric
 from ..states import State
-from ..storage.backend import Url
 from ..storage.eventlog import EventLog
 
 
@@ -54,11 +53,12 @@ def metric_verdict(metric: Metric, max_drop: int) -> str:
     return f"{metric} ({way} is better; {bound} with max_drop {max_drop}%)"
 
 
-def final_line(state: str, facts: dict[str, dict[str, Any]], where: str, code: int, verdict: str | None = None) -> str:
+def final_line(state: str, facts: dict[str, dict[str, Any]], where: str, code: int, *, saved: int = 0,
+               verdict: str | None = None) -> str:
     """The launch's last line: how it ended (``state``) and what to know next, from ``facts``, the
-    parsed details of the events it logged by event name (``saved``: the newest step it holds a
-    checkpoint of), ``where`` the job's directory (or s3:// prefix), ``code`` its exit code;
-    ``verdict`` states the gate's numbers in place of the logged Scores (a metric's)."""
+    parsed details of the events it logged by event name; ``where`` the job's directory (or s3://
+    prefix), ``code`` its exit code, ``saved`` the newest step the attempt holds a checkpoint of
+    (0: none), ``verdict`` the gate's numbers as a metric states them, in place of the Scores."""
     said = f"trainjob: {state} (exit {code})"
     if state == State.completed:
         artifact, gated = facts.get("artifact_written", {}), facts.get("completed", {})
@@ -74,7 +74,6 @@ def final_line(state: str, facts: dict[str, dict[str, Any]], where: str, code: i
         return f"{said}: {scores}; nothing published"
     if state == State.killed and (killed := facts.get("killed")):
         by = f" by {killed['signal']}" if killed.get("signal") else ""
-        saved = facts.get("saved", {}).get("step", 0)
         resume = (f"a relaunch resumes from step {saved}" if saved
                   else "no checkpoint yet: a relaunch starts the attempt over")
         return f"trainjob: killed at step {killed['at_step']}{by} (exit {code}): {resume}"
@@ -93,7 +92,8 @@ class Narrator:
         self.stream, self.steps, self.where, self.clock = stream, steps, where, clock
         self.tty = progress and _is_terminal(stream)
         self.lines = progress and not self.tty  # a line per checkpoint
-        self.facts: dict[str, dict[str, Any]] = {}
+        self.facts: dict[str, dict[str, Any]] = {}  # the parsed detail of each event logged, by name
+        self.saved = 0  # the newest step the attempt holds a checkpoint of (resumed from, or saved since)
         self.verdict: str | None = None  # the gate's numbers as a metric states them
         self.started = clock()
         self.first: int | None = None  # the step before this launch's first
@@ -116,7 +116,7 @@ class Narrator:
         facts = machine.parse_detail(event, detail) or {}
         self.facts[event] = facts
         if event in ("checkpointed", "resumed"):
-            self.facts["saved"] = {"step": facts.get("step", facts.get("from_step", 0))}
+            self.saved = facts.get("step", facts.get("from_step", 0))
         if not self.lines:
             return
         if event == "job_started":
@@ -136,7 +136,7 @@ class Narrator:
     def ending(self, state: str, code: int) -> None:
         """The final line: how the launch ended."""
         self.close()
-        self._write(final_line(state, self.facts, self.where, code, self.verdict) + "\n")
+        self._write(final_line(state, self.facts, self.where, code, saved=self.saved, verdict=self.verdict) + "\n")
 
     def _write(self, text: str) -> None:
         try:
@@ -149,11 +149,11 @@ class Narrator:
 class Narrated(EventLog):
     """The launch's decision log, telling each event to a ``Narrator`` once it is appended."""
 
-    def __init__(self, path: Path | Url, narrator: Narrator) -> None:
+    def __init__(self, path: Path, narrator: Narrator) -> None:
         super().__init__(path)
         self.narrator = narrator
 
-    def append(self, event: str, detail: str, fsync: bool = True) -> Any:
+    def append(self, event: str, detail: str, fsync: bool = True) -> Event:
         record = super().append(event, detail, fsync=fsync)
         self.narrator.told(event, detail)
         return record
