@@ -48,6 +48,14 @@ def test_on_a_terminal_the_line_is_rewritten_each_step_and_ended_before_the_last
                                  "trainjob: killed at step 4 by SIGTERM (exit 75): a relaunch resumes from step 4\n")
 
 
+def test_the_terminal_line_is_redrawn_at_most_ten_times_a_second_and_always_at_the_last_step():
+    stream = Tty()
+    narrator = Narrator(stream, 3, "out/pvc", clock=clock(0.0, 1.0, 1.05, 1.06))
+    for step in (1, 2, 3):
+        narrator.step(step, 100)
+    assert [s.split("  ")[0] for s in stream.getvalue().split("\r")[1:]] == ["step 1/3", "step 3/3"]
+
+
 def test_off_a_terminal_a_line_per_checkpoint_and_without_progress_only_the_last_line():
     said = {}
     for progress in (True, False):

@@ -4,7 +4,8 @@ For people, never a record: none of it goes to the decision log, and it cannot c
 ends (a write that fails is dropped). Rank 0 of a launch says it (``Run``); the other ranks say
 nothing, so a launch of W ranks reads as one.
 
-- On a terminal: one line, rewritten in place after every step: step/total, loss, steps/s, ETA.
+- On a terminal: one line, rewritten in place as steps end (at most ten times a second): step/total,
+  loss, steps/s, ETA.
 - Off a terminal (a pod's log, CI, a Slurm output file): a line when the launch begins and one
   per checkpoint (its step and loss, the rate and ETA), so a log stays short and each line stands
   alone.
@@ -32,6 +33,11 @@ from . import machine
 from ..records import Event, Metric
 from ..states import State
 from ..storage.eventlog import EventLog
+
+
+# The terminal line is redrawn at most this often (seconds), and at the last step: a loop of
+# thousands of steps a second pays a clock reading per step, not a write to the terminal.
+REDRAW = 0.1
 
 
 def line(step: int, steps: int, loss_milli: int, done: int, elapsed: float) -> str:
@@ -99,16 +105,21 @@ class Narrator:
         self.first: int | None = None  # the step before this launch's first
         self.done = 0  # steps trained in this launch
         self.open = False  # a terminal line is being rewritten
+        self.drawn = float("-inf")  # when it was last drawn
 
     def step(self, step: int, loss_milli: int) -> None:
         """After each step of this launch."""
         if self.first is None:  # a resumed launch's rate counts only the steps done in this launch
             self.first = step - 1
         self.done = step - self.first
-        if self.tty:
-            text = line(step, self.steps, loss_milli, self.done, self.clock() - self.started)
-            self.open = step < self.steps
-            self._write(f"\r{text}\x1b[K" + ("" if self.open else "\n"))
+        if not self.tty:
+            return
+        now = self.clock()
+        if step < self.steps and now - self.drawn < REDRAW:
+            return
+        self.drawn, self.open = now, step < self.steps
+        self._write(f"\r{line(step, self.steps, loss_milli, self.done, now - self.started)}\x1b[K"
+                    + ("" if self.open else "\n"))
 
     def told(self, event: str, detail: str) -> None:
         """After each event the launch logs: its facts kept for the final line; off a terminal,
