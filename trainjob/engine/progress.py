@@ -98,8 +98,8 @@ class Narrator:
         self.stream, self.steps, self.where, self.clock = stream, steps, where, clock
         self.tty = progress and _is_terminal(stream)
         self.lines = progress and not self.tty  # a line per checkpoint
-        self.facts: dict[str, dict[str, Any]] = {}  # the parsed detail of each event logged, by name
-        self.saved = 0  # the newest step the attempt holds a checkpoint of (resumed from, or saved since)
+        self.details: dict[str, str] = {}  # the newest detail of each event logged, by name (parsed at the end)
+        self.saved: tuple[str, str] | None = None  # the newest `checkpointed` or `resumed`: the step a relaunch resumes
         self.verdict: str | None = None  # the gate's numbers as a metric states them
         self.started = clock()
         self.first: int | None = None  # the step before this launch's first
@@ -122,14 +122,14 @@ class Narrator:
                     + ("" if self.open else "\n"))
 
     def told(self, event: str, detail: str) -> None:
-        """After each event the launch logs: its facts kept for the final line; off a terminal,
-        a line for the launch's start and each checkpoint."""
-        facts = machine.parse_detail(event, detail) or {}
-        self.facts[event] = facts
+        """After each event the launch logs: kept for the final line (read only then: a checkpoint
+        costs a dictionary entry); off a terminal, a line for the launch's start and each checkpoint."""
+        self.details[event] = detail
         if event in ("checkpointed", "resumed"):
-            self.saved = facts.get("step", facts.get("from_step", 0))
+            self.saved = event, detail
         if not self.lines:
             return
+        facts = machine.parse_detail(event, detail) or {}
         if event == "job_started":
             self._write(f"trainjob: attempt {facts.get('attempt', '?')} started: {self.steps} steps\n")
         elif event == "resumed":
@@ -147,7 +147,10 @@ class Narrator:
     def ending(self, state: str, code: int) -> None:
         """The final line: how the launch ended."""
         self.close()
-        self._write(final_line(state, self.facts, self.where, code, saved=self.saved, verdict=self.verdict) + "\n")
+        facts = {event: machine.parse_detail(event, detail) or {} for event, detail in self.details.items()}
+        saved = (machine.parse_detail(*self.saved) if self.saved else None) or {}
+        self._write(final_line(state, facts, self.where, code, saved=saved.get("step", saved.get("from_step", 0)),
+                               verdict=self.verdict) + "\n")
 
     def _write(self, text: str) -> None:
         try:
