@@ -54,6 +54,13 @@ def test_the_terminal_line_is_redrawn_at_most_ten_times_a_second_and_always_at_t
     for step in (1, 2, 3):
         narrator.step(step, 100)
     assert [s.split("  ")[0] for s in stream.getvalue().split("\r")[1:]] == ["step 1/3", "step 3/3"]
+    stopped = Tty()
+    narrator = Narrator(stopped, 3, "out/pvc", clock=clock(0.0, 1.0, 1.05, 1.06))
+    for step in (1, 2):
+        narrator.step(step, 100)
+    narrator.close()  # a stop (or an error) after a step not drawn yet: the line shows it before it ends
+    assert [s.split("  ")[0] for s in stopped.getvalue().split("\r")[1:]] == ["step 1/3", "step 2/3"]
+    assert stopped.getvalue().endswith("\x1b[K\n")
 
 
 def test_off_a_terminal_a_line_per_checkpoint_and_without_progress_only_the_last_line():

@@ -106,6 +106,7 @@ class Narrator:
         self.done = 0  # steps trained in this launch
         self.open = False  # a terminal line is being rewritten
         self.drawn = float("-inf")  # when it was last drawn
+        self.undrawn: tuple[int, int] | None = None  # the newest step and loss, when not drawn yet
 
     def step(self, step: int, loss_milli: int) -> None:
         """After each step of this launch."""
@@ -116,8 +117,12 @@ class Narrator:
             return
         now = self.clock()
         if step < self.steps and now - self.drawn < REDRAW:
+            self.undrawn = step, loss_milli
             return
-        self.drawn, self.open = now, step < self.steps
+        self._draw(step, loss_milli, now)
+
+    def _draw(self, step: int, loss_milli: int, now: float) -> None:
+        self.drawn, self.open, self.undrawn = now, step < self.steps, None
         self._write(f"\r{line(step, self.steps, loss_milli, self.done, now - self.started)}\x1b[K"
                     + ("" if self.open else "\n"))
 
@@ -139,7 +144,10 @@ class Narrator:
             self._write(f"trainjob: checkpointed {text}\n")
 
     def close(self) -> None:
-        """End a line left open on the terminal, so that what is printed next starts on its own."""
+        """End a line left open on the terminal, so that what is printed next starts on its own;
+        it shows the newest step first."""
+        if self.undrawn is not None:
+            self._draw(*self.undrawn, self.clock())
         if self.open:
             self.open = False
             self._write("\n")
