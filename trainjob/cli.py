@@ -68,12 +68,15 @@ def shown_default(action: argparse.Action) -> str | None:
 
 
 class _Help(argparse.HelpFormatter):
-    """Each argument's help ends with its default, where it has one to show (``shown_default``)."""
+    """Each argument's help ends with its default, where it has one to show (``shown_default``)
+    and the help does not say it already (``%(default)s``)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         shown = shown_default(action)
-        return text if shown is None else f"{text} (default: {shown.replace('%', '%%')})"
+        if shown is None or "%(default)" in text:
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})"
 
 
 class _Parser(argparse.ArgumentParser):
