@@ -151,15 +151,15 @@ def test_run_whose_modules_fail_to_load_on_emfile_exits_75_with_one_line(tmp_pat
 
     class Failing:  # first on the import path: the module's source cannot be opened
         def find_spec(self, name, path=None, target=None):
-            if name == "trainjob.engine.progress":
-                raise OSError(errno.EMFILE, "Too many open files", "/x/trainjob/engine/progress.py")
+            if name == "trainjob.engine.run":
+                raise OSError(errno.EMFILE, "Too many open files", "/x/trainjob/engine/run.py")
             return None
 
-    monkeypatch.delitem(sys.modules, "trainjob.engine.progress", raising=False)
+    monkeypatch.delitem(sys.modules, "trainjob.engine.run", raising=False)  # cmd_run imports it itself
     monkeypatch.setattr(sys, "meta_path", [Failing(), *sys.meta_path])
     assert cli.main(["run", "--pvc", str(tmp_path / "pvc")]) == 75
     assert capsys.readouterr().err == ("trainjob run: the command's modules: cannot load (/x/trainjob/engine/"
-                                       "progress.py): Too many open files; a fault of this node, not of the job: "
+                                       "run.py): Too many open files; a fault of this node, not of the job: "
                                        "relaunch\n")
     assert not (tmp_path / "pvc").exists()
 
