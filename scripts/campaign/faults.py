@@ -38,7 +38,8 @@ def io_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> Sect
         point = points[trial % len(points)]
         pvc = campaign.pvc("fiu")
         ctrl = campaign.work / f"fiu-{trial}"
-        proc = spawn("run", "--pvc", pvc, *flags, prefix=("fiu-run", "-x", "-f", str(ctrl)))
+        # --quiet: a fault's error must be one line, which the progress lines around it would hide.
+        proc = spawn("run", "--pvc", pvc, *flags, "--quiet", prefix=("fiu-run", "-x", "-f", str(ctrl)))
         # Arm the fault only once the run is under way: failing the interpreter's own imports
         # would test Python, not trainjob.
         while last_event(pvc) is None and proc.poll() is None:
@@ -91,7 +92,7 @@ def import_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> 
         section.trials += 1
         pvc, ctrl = campaign.pvc("fiu-import"), campaign.work / f"fiu-import-{trial}"
         proc = subprocess.Popen(["fiu-run", "-x", "-f", str(ctrl), sys.executable, "-B", "-c", ARMED_START, "run",
-                                 "--pvc", str(pvc), *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 "--pvc", str(pvc), *flags, "--quiet"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         proc.stdout.readline()  # "loaded": the command line's modules are in

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -105,9 +106,18 @@ def test_an_own_loop_completes_with_a_verified_artifact_and_exit_0(pvc):
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # a legal path of the table
 
 
+# The progress lines rank 0 prints off a terminal (engine/progress.py): where the launch began, each checkpoint.
+PROGRESS = re.compile(r"trainjob: (attempt \d+ started: \d+ steps|resumed from step \d+ of \d+|checkpointed step \d+/\d+  .*)")
+
+
+def said(capsys) -> list[str]:
+    """What the run printed on stderr besides its progress lines."""
+    return [line for line in capsys.readouterr().err.strip().splitlines() if not PROGRESS.fullmatch(line)]
+
+
 def resumes_after(pvc: Path, first_code: int, capsys) -> None:
     """The misuse left the attempt in flight: a correct relaunch resumes it and completes."""
-    err = capsys.readouterr().err.strip().splitlines()
+    err = said(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: ") and f"(exit {first_code})" in err[0], err
     agrees_with_its_log(first_code, pvc)  # the log says so too: `refused`, status 2
     run, state = own(pvc, good)
@@ -170,6 +180,7 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": state.w, "epoch": 3})
     assert run.exit_code == 2 and "no plain values" in str(run.error)
+    assert str(run.error).startswith("refused at step 4: export: publish a flat mapping")  # its one line says so
     last, detail = events(pvc / "log.jsonl")[-1]
     assert last == "refused" and detail.startswith("at_step=4 reason=export: publish a flat mapping")
     assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
@@ -196,10 +207,11 @@ def test_an_export_with_nothing_or_a_bad_entry_is_refused_in_one_line_naming_it_
         for step in run:
             run.report(state.step(step))
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=0, total=1), export=export)
-    assert run.exit_code == 2 and str(run.error).startswith(says), run.error
-    err = capsys.readouterr().err.strip().splitlines()
+    assert run.exit_code == 2 and str(run.error).startswith(f"refused at step 2: {says}"), run.error
+    err = said(capsys)
     assert len(err) == 1 and "Attribute(" not in err[0] and "state_dict()" not in err[0], err
-    assert events(pvc / "log.jsonl")[-1] == ("refused", f"at_step=2 reason={run.error}")
+    kind, detail = events(pvc / "log.jsonl")[-1]
+    assert kind == "refused" and detail.startswith(f"at_step=2 reason={says}"), detail
     assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
 
 
@@ -211,6 +223,47 @@ def test_more_steps_or_attempts_than_a_checkpoints_name_holds_are_refused_before
     run, _ = own(pvc, good, backoff_limit=9999)
     assert run.exit_code == 2 and "--backoff-limit must be at most 9998" in str(run.error)
     assert not pvc.exists()
+
+
+def metric_gated(pvc: Path, **verdict) -> Run:
+    """Two steps of the Vector, gated by ``verdict`` (Run.gate's keywords besides export)."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2, max_drop=20) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(export=state.state_dict(), **verdict)
+    return run
+
+
+def test_a_metric_gate_publishes_a_loss_within_the_tolerance_and_refuses_one_beyond_it(tmp_path):
+    """A validation loss against its frozen value, lower is better, max_drop 20: 0.6 less 20% of
+    itself is 0.48, within 0.5 (completed, 0); 0.7 less 20% is 0.56 (drift_failed, 1). The log
+    holds the verdict in the Score rule's whole numbers: baseline / loss in millionths."""
+    loss = lambda value: trainjob.Metric(value, baseline=0.5, higher_is_better=False, name="val_loss")  # noqa: E731
+    published = metric_gated(tmp_path / "published", metric=loss(0.6))
+    assert (published.exit_code, events(tmp_path / "published/log.jsonl")[-1]) == (
+        0, ("completed", "holdout: 833333/1000000 vs baseline 1000000/1000000"))
+    refused = metric_gated(tmp_path / "refused", metric=loss(0.7))
+    assert (refused.exit_code, events(tmp_path / "refused/log.jsonl")[-1]) == (
+        1, ("drift_failed", "holdout: 714286/1000000 vs baseline 1000000/1000000 (max drop 20%); refusing artifact"))
+    accuracy = metric_gated(tmp_path / "accuracy", metric=trainjob.Metric(0.81, baseline=1.0, higher_is_better=True))
+    assert accuracy.exit_code == 0  # at least 1.0 less 20% of it
+
+
+@pytest.mark.parametrize(("verdict", "said"), [
+    (dict(metric=trainjob.Metric(float("nan"), baseline=0.5, higher_is_better=False, name="val_loss")),
+     "the gate's val_loss: its value is nan; a metric is a finite number from 0"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0, higher_is_better=False)), "its baseline is 0"),
+    (dict(metric=trainjob.Metric("0.4", baseline=0.5, higher_is_better=False)), "its value is a str, not a number"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False), holdout=Score(correct=1, total=1)),
+     "holdout= and baseline= or metric=, not both"),
+    (dict(holdout=Score(correct=1, total=1)), "takes holdout= and baseline=, two trainjob.Score, or metric="),
+])
+def test_a_metric_the_gate_cannot_judge_is_refused_exit_2_and_resumable(pvc, verdict, said):
+    run = metric_gated(pvc, **verdict)
+    assert run.exit_code == 2 and said in str(run.error)
+    assert events(pvc / "log.jsonl")[-1][0] == "refused"
+    assert metric_gated(pvc, metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False)).exit_code == 0
 
 
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
@@ -262,7 +315,7 @@ def test_a_trainjob_error_in_the_body_keeps_its_code(pvc, capsys):
 
     run, _ = own(pvc, peer_gone)
     assert run.exit_code == 75
-    assert capsys.readouterr().err.strip() == "trainjob: a peer left (exit 75)"
+    assert said(capsys) == ["trainjob: a peer left (exit 75)"]
 
 
 def test_sigterm_in_the_body_saves_that_step_and_ends_killed_75(pvc):
@@ -553,7 +606,7 @@ def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, cap
     (relaunch) where the run had exited 2."""
     run, _ = own(pvc, reporting(value), steps=2)
     assert run.exit_code == 2 and says in str(run.error), run.error
-    err = capsys.readouterr().err.strip().splitlines()
+    err = said(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: step 1: ") and err[0].endswith("(exit 2)"), err
     assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=1 reason=step 1: the loss ")
     assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
@@ -562,11 +615,11 @@ def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, cap
 def test_a_torch_loss_of_one_element_is_accepted_more_or_a_meta_one_is_exit_2(pvc, capsys):
     torch = pytest.importorskip("torch")
     run, _ = own(pvc, reporting(lambda: torch.tensor([0.5], requires_grad=True) * 1), steps=2)
-    assert run.exit_code == 0
+    assert run.exit_code == 0 and said(capsys)[-1].startswith("trainjob: completed (exit 0): published ")
     for n, value in enumerate([torch.tensor([0.5, 0.6]), torch.tensor(0.5, device="meta")]):
         run, _ = own(pvc.parent / str(n), reporting(value), steps=2)
         assert run.exit_code == 2 and ("2 elements" if n == 0 else "meta") in str(run.error), run.error
-        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert len(said(capsys)) == 1
 
 
 class MetaState(Vector):
@@ -588,7 +641,7 @@ def test_a_meta_tensor_in_the_state_or_the_export_is_exit_2_in_one_line(pvc, cap
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": torch.empty(4, device="meta")})
     assert run.exit_code == 2 and "meta" in str(run.error)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = said(capsys)
     assert len(err) == 2 and all(line.endswith("(exit 2)") for line in err), err
 
 
@@ -598,7 +651,7 @@ def test_a_run_entered_off_the_main_thread_is_refused_in_one_line(pvc, capsys):
     worker.start()
     worker.join()
     assert found and found[0].exit_code == 2 and "main thread" in str(found[0].error)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = said(capsys)
     assert len(err) == 1 and err[0].endswith("(exit 2)"), err
     assert not pvc.exists()
 

@@ -321,6 +321,9 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     last = events(tmp_path / "pvc")[-1]
     holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
     assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths
+    ours = [line for line in err.splitlines() if line.startswith("trainjob")]  # the Trainer keeps its own progress
+    assert len(ours) == 1 and ours[0].startswith("trainjob: completed (exit 0): published "), ours
+    assert ours[0].endswith(" vs baseline 3.4657 (lower is better; at most 4.33212 passes with max_drop 20%)")
 
 
 @pytest.mark.process

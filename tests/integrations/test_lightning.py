@@ -410,3 +410,24 @@ def test_with_gradient_accumulation_a_step_is_a_window_and_resumes_to_the_same_b
     assert finish(stops, pvc)[0] == 75 and events(pvc)[-1]["detail"] == "at_step=15"
     code, _, err = finish(whole, pvc)
     assert code == 0 and artifact(pvc) == artifact(reference), err[-2000:]
+
+
+def test_a_gate_on_the_validation_loss_is_judged_as_an_own_loops_and_trainjob_adds_only_its_last_line(tmp_path):
+    """The callback's gate returns a ``trainjob.Metric``: the holdout's cross-entropy against a
+    uniform guess's, ln 4, lower is better. One launch: completed, the verdict logged in the Score
+    rule's millionths (ln 4 / loss), and on stderr trainjob adds no progress of its own (Lightning
+    keeps its bar), only the last line, naming the metric."""
+    scores = ("return trainjob.Score(correct=correct, total=120), trainjob.Score(correct=int((y[480:] == common)"
+              ".sum()), total=120)")
+    loss = ("return trainjob.Metric(float(torch.nn.functional.cross_entropy(module.net(x[480:]), y[480:])), "
+            "baseline=math.log(4), higher_is_better=False, name='val_loss')")
+    script = variant(tmp_path, scores, loss, name="metric")
+    pvc = tmp_path / "pvc"
+    code, _, err = finish(script, pvc)
+    assert code == 0, err[-2000:]
+    verdict = re.fullmatch(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", events(pvc)[-1]["detail"])
+    assert events(pvc)[-1]["event"] == "completed" and verdict and int(verdict[1]) > 1_000_000  # below ln 4
+    ours = [line for line in err.splitlines() if line.startswith("trainjob")]
+    assert len(ours) == 1 and ours[0].startswith(f"trainjob: completed (exit 0): published {pvc}/artifacts/")
+    assert re.search(r"; val_loss \S+ vs baseline 1\.38629 \(lower is better; at most 1\.73287 passes with "
+                     r"max_drop 20%\)$", ours[0]), ours[0]

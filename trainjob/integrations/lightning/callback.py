@@ -39,13 +39,13 @@ import torch
 from packaging.version import Version  # lightning's own dependency
 
 from .state import LightningState, script_state, train_loader
-from ...engine.run import Run
+from ...engine.run import Run, gate_arguments
 from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
-from ...records import Score
+from ...records import Metric, Score
 
 MIN_LIGHTNING = Version("2.5")  # its fit loop's restart stages (pyproject.toml's lightning extra says why)
-Gate = Callable[[pl.LightningModule], tuple[Score, Score]]
+Gate = Callable[[pl.LightningModule], Metric | tuple[Score, Score]]
 Export = Callable[[pl.LightningModule], Mapping[str, Any]]
 
 
@@ -56,8 +56,9 @@ class _Ended(SystemExit):
 class TrainJob(pl.Callback):
     """Checkpoints, resume, stop, gate and exit code of ``trainjob run`` for a ``Trainer.fit``.
 
-    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns the holdout's and
-    the frozen baseline's ``Score`` after the last step; ``export(module)`` the arrays the artifact
+    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns, after the last
+    step, a ``trainjob.Metric`` (a validation loss against its frozen value, say) or the
+    holdout's and the frozen baseline's ``Score``, judged as ``Run.gate`` judges them; ``export(module)`` the arrays the artifact
     publishes (default: the module's ``state_dict()``). ``run_options``: any other keyword of
     ``trainjob.Run`` (``max_drop``, ``keep``, ``backoff_limit``, ``idempotent``,
     ``async_checkpoint``, ``rank_timeout``, ``log``, ``die_at``). The number of steps is
@@ -67,7 +68,8 @@ class TrainJob(pl.Callback):
     def __init__(self, pvc: str | os.PathLike[str], *, ckpt_every: int, gate: Gate, export: Export | None = None,
                  **run_options: Any) -> None:
         self.pvc, self.ckpt_every, self.gate, self.export = pvc, ckpt_every, gate, export
-        self.run_options = {"name": "lightning", **run_options}
+        # Lightning draws its own progress bar: the run adds only the line saying how it ended.
+        self.run_options = {"name": "lightning", "progress": False, **run_options}
         self.run: Run | None = None
         self._code: int | None = None  # an end decided before the Run existed
         self._steps: Iterator[int] | None = None
@@ -178,9 +180,9 @@ class TrainJob(pl.Callback):
         if self.run is None or not self.run.gate_due:
             return
         with self._guard():
-            holdout, baseline = self.gate(module)
+            verdict = gate_arguments(self.gate(module))  # a Metric, or the holdout's and the baseline's Score
             export = self.export(module) if self.export is not None else module.state_dict()
-            self.run.gate(holdout=holdout, baseline=baseline, export=dict(export))
+            self.run.gate(**verdict, export=dict(export))
 
     def _steps_total(self) -> int:
         assert self.run is not None
