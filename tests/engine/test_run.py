@@ -305,7 +305,9 @@ def test_an_error_after_the_outcome_is_said_and_the_exit_code_stays_the_logged_o
     assert (run.exit_code, run.final, run.error) == (0, "completed", None)
     err = capsys.readouterr().err
     assert "Traceback" in err and "ZeroDivisionError: the script's own code after the gate" in err
-    assert err.strip().splitlines()[-1].endswith("after the run's outcome (completed), which stands (exit 0)")
+    lines = err.strip().splitlines()
+    assert lines[-2].endswith("after the run's outcome (completed), which stands (exit 0)"), lines
+    assert lines[-1].startswith("trainjob: completed (exit 0): published "), lines  # the last line says how it ended
     agrees_with_its_log(run.exit_code, pvc)
 
 
