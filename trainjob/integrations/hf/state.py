@@ -8,7 +8,8 @@
                 (global step, epoch, log history, the states of its ExportableState callbacks), each as
                 one JSON string: they grow as the run goes (the log history), and a checkpoint's plain
                 values must otherwise keep their shape from the first one on
-    rank        RankLocal: this rank's RNG streams (Python, numpy, torch CPU and CUDA)
+    rank        RankLocal: this rank's RNG streams (Python, numpy, torch CPU and CUDA), and the frozen
+                parameters' reference (``TrainingState``: a LoRA's base is not written, its digest is)
 
 A resume puts the model, the optimizer and the scaler back at once (the Run's load); the rest
 waits in ``resumed`` until the Trainer's loop asks for it where its own resume would read its
@@ -67,7 +68,7 @@ class TrainerCheckpoint:
                 group.setdefault("initial_lr", group["lr"])
         out["hf"] = {"scheduler": plain.encode(None if scheduler is None else scheduler.state_dict(), "scheduler"),
                      "trainer": plain.encode(trainer_state(self.trainer), "trainer_state")}
-        out["rank"] = RankLocal({"rng": streams.capture()})
+        out["rank"] = RankLocal({**out.get("rank", {}), "rng": streams.capture()})
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -10,7 +10,8 @@ Here the real optimizer is never stepped. ``Layout`` runs the optimizer's class 
 parameters of the meta device (no memory, nothing real changes) to learn which entries its lazy
 state has, with which dtypes and shapes; until torch creates a parameter's state, the checkpoint
 holds zeros of that layout and records ``created: false`` for it, and a resume leaves such a
-parameter's state uncreated, for torch to create exactly as it would have. Parameters whose state
+parameter's state uncreated, for torch to create exactly as it would have. A parameter that does
+not require grad (frozen: it gets no gradient, so torch creates no state for it) has none. Parameters whose state
 exists go through ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` as they are.
 """
 
@@ -58,7 +59,8 @@ class Layout:
         shadows = []
         for p in self.params:
             s = torch.zeros_like(p, device="meta").requires_grad_(p.requires_grad)
-            s.grad = torch.zeros_like(s)
+            if p.requires_grad:  # a frozen parameter gets no gradient, so torch never creates its state
+                s.grad = torch.zeros_like(s)
             shadows.append(s)
         by_param = dict(zip(self.params, shadows))
         groups = []
