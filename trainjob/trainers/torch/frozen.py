@@ -19,10 +19,9 @@ only, and a checkpoint holds, in the rank's own part, the digest of what it left
 At each later checkpoint ``reference`` proves the base unchanged without hashing it again: each
 entry still has the storage and version counter it had when hashed (an optimizer's step, an
 in-place op under ``no_grad``, a ``.data =`` assignment all change one), and the same
-fingerprint, a position-weighted sum of its words computed where it lives (a pass over memory,
-no copy) (which catches a write
-through ``.data`` or numpy, which the version counter does not see: an EMA teacher updated as
-``p.data.mul_(m)``). Changed, it is hashed again, and a different digest is a UsageError naming
+fingerprint, its rows' and columns' sums computed where it lives (two passes over its memory,
+no copy), which catch a write through ``.data`` or numpy that the version counter does
+not see (an EMA teacher updated as ``p.data.mul_(m)``). Changed, it is hashed again, and a different digest is a UsageError naming
 the entry (the checkpoint would lose what changed): such a script passes
 ``TrainingState(..., write_frozen=True)``, or keeps the changing module in ``extra=``.
 
@@ -36,6 +35,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import _get_fqns
 
@@ -67,24 +67,26 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def fingerprint(t: torch.Tensor) -> int:
-    """The sum of ``t``'s words each times one more than its position (int64, wrapping), computed
-    on ``t``'s device: a change detector, not a digest. A change of one word changes it, and so
-    do two different words swapped (by their difference times the distance between them). Laid
-    out as rows of ``_COLUMNS`` words, so that the weights are two short ranges, not one as long
-    as the tensor."""
+def fingerprint(t: torch.Tensor) -> str:
+    """A change detector, not a digest: laid out as rows of ``_COLUMNS`` words, the sum of each row
+    and of each column (in 32-bit words that wrap), and the words past the last whole row,
+    hashed. A change of one word changes its row's sum (by a difference below 2**32, never 0
+    once wrapped); two different words swapped change their rows' sums, or in one row their
+    columns'. Two passes over the tensor's memory where it lives (numpy on the CPU: torch's
+    integer sums are several times slower there), no copy; only the sums leave a device."""
     words = _words(_local(t))
     rows = words.numel() // _COLUMNS
     body, tail = words[: rows * _COLUMNS].view(rows, _COLUMNS), words[rows * _COLUMNS:]
-    total = words.sum(dtype=torch.int64)
-    if rows:
-        row = torch.arange(rows, dtype=torch.int64, device=words.device) * _COLUMNS
-        total = total + (body.sum(dim=1, dtype=torch.int64) * row).sum()
-        total = total + (body.sum(dim=0, dtype=torch.int64) * torch.arange(_COLUMNS, device=words.device)).sum()
-    if tail.numel():
-        at = torch.arange(rows * _COLUMNS, words.numel(), dtype=torch.int64, device=words.device)
-        total = total + (tail.to(torch.int64) * at).sum()
-    return int(total)
+    if words.device.type == "cpu":
+        b = body.numpy()
+        parts = (b.sum(axis=1, dtype=np.int32), b.sum(axis=0, dtype=np.int32), tail.numpy())
+    else:
+        parts = tuple(p.cpu().numpy() for p in (body.sum(dim=1, dtype=torch.int32),
+                                                  body.sum(dim=0, dtype=torch.int32), tail))
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(np.ascontiguousarray(part).tobytes())
+    return digest.hexdigest()
 
 
 def _sha256(t: torch.Tensor) -> str:
@@ -99,7 +101,7 @@ class Base:
         self.model = model
         self.names: frozenset[str] | None = None  # fixed at the first split or check
         self._reference: dict[str, Any] | None = None
-        self._marks: dict[str, tuple[int, int, int]] = {}  # name -> (data_ptr, version, fingerprint)
+        self._marks: dict[str, tuple[int, int, str]] = {}  # name -> (data_ptr, version, fingerprint)
 
     def split(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``tensors`` (the model's state_dict) as (what a checkpoint writes, the frozen entries)."""
@@ -111,7 +113,8 @@ class Base:
     def reference(self, frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The frozen entries' reference, hashed when first asked and whenever an entry changed
         since; UsageError when the digest is then another (the module docstring)."""
-        changed = [k for k, t in frozen.items() if self._marks.get(k) != _mark(t)]
+        marks = _marks(frozen)
+        changed = [k for k in sorted(frozen) if self._marks.get(k) != marks[k]]
         if self._reference is not None and not changed:
             return self._reference
         made = _digest(frozen)
@@ -121,7 +124,7 @@ class Base:
                              "does not write them. Pass TrainingState(..., write_frozen=True), or keep a module "
                              "that changes this way (an EMA teacher) in extra=")
         self._reference = made
-        self._marks = {k: _mark(t) for k, t in frozen.items()}
+        self._marks = marks
         return made
 
     def check(self, frozen: Mapping[str, torch.Tensor], saved: Mapping[str, Any] | None) -> None:
@@ -137,23 +140,30 @@ class Base:
                              "must build the same base model (the same weights, the same parameters frozen)")
 
 
-def _mark(t: torch.Tensor) -> tuple[int, int, int]:
-    local = _local(t)
-    return local.data_ptr(), local._version, fingerprint(local)
+def _distinct(frozen: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Each entry's local tensor, and for each name the first name (sorted) of the same memory:
+    a tied tensor (two names, one storage) is read once."""
+    tensors = {k: _local(frozen[k]) for k in sorted(frozen)}
+    first: dict[tuple[Any, ...], str] = {}
+    for k, t in tensors.items():
+        first.setdefault((t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), k)
+    return tensors, {k: first[(t.data_ptr(), t.dtype, tuple(t.shape), t.stride())] for k, t in tensors.items()}
+
+
+def _marks(frozen: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int, str]]:
+    """Each entry's storage, version counter and fingerprint."""
+    tensors, same = _distinct(frozen)
+    prints = {k: fingerprint(tensors[k]) for k in set(same.values())}
+    return {k: (t.data_ptr(), t._version, prints[same[k]]) for k, t in tensors.items()}
 
 
 def _digest(frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    names = sorted(frozen)
-    tensors = {k: _local(frozen[k]) for k in names}
-    where = {k: (t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for k, t in tensors.items()}
-    first = {}  # a tied tensor (two names, one storage) is hashed once
-    for k in names:
-        first.setdefault(where[k], k)
+    tensors, same = _distinct(frozen)
+    once = sorted(set(same.values()))
     with ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="frozen-sha256") as pool:
-        hashed = dict(zip(first.values(), pool.map(lambda k: _sha256(tensors[k]), first.values())))
+        hashed = dict(zip(once, pool.map(lambda k: _sha256(tensors[k]), once)))
     whole = hashlib.sha256()
-    size = 0
     for k, t in tensors.items():
-        size += t.numel() * t.element_size() if first[where[k]] == k else 0
-        whole.update(f"{k} {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {hashed[first[where[k]]]}\n".encode())
-    return {"sha256": whole.hexdigest(), "tensors": len(names), "bytes": size}
+        whole.update(f"{k} {str(t.dtype).removeprefix('torch.')} {list(t.shape)} {hashed[same[k]]}\n".encode())
+    size = sum(tensors[k].numel() * tensors[k].element_size() for k in once)
+    return {"sha256": whole.hexdigest(), "tensors": len(tensors), "bytes": size}

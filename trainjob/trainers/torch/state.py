@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from . import ddp, frozen as frozen_base, loader as loader_state, optim, rng as streams, worker_rng, workers
+from . import ddp, frozen as frozen_base, loader as loader_state, names, optim, rng as streams, worker_rng, workers
 from ...plain import PlainError
 from ...state_tree import RankLocal
 from ...errors import UsageError
@@ -72,6 +72,7 @@ class TrainingState:
         self._refusal: str | None = None
         self._marks = ddp.Marks(model) if isinstance(model, torch.nn.Module) else None
         self._base = frozen_base.Base(model) if isinstance(model, torch.nn.Module) and not write_frozen else None
+        self._names = names.ModelNames(model) if isinstance(model, torch.nn.Module) else None
         try:
             self._check()
         except (TypeError, ValueError) as exc:
@@ -103,7 +104,8 @@ class TrainingState:
     def state_dict(self) -> dict[str, Any]:
         self._refuse()
         assert self._marks is not None
-        tensors, frozen = self._split(get_model_state_dict(self.model))
+        assert self._names is not None
+        tensors, frozen = self._split(self._names.state_dict())
         out: dict[str, Any] = {"model": self._marks.model(tensors)}
         if self.optimizer is not None:
             assert self._layout is not None
