@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -40,8 +41,9 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
 
     ``gate(trainer)`` returns ``(holdout, baseline)``, two ``trainjob.Score``s: the trained model's
     and a frozen reference's (the gate passes when ``holdout`` keeps within ``max_drop`` percent of
-    ``baseline``); ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the published tensors (default: the model's
-    ``state_dict()``, a tied weight once). Checkpoints come every ``save_steps`` (the Trainer's
+    ``baseline``); ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the
+    published tensors (default: what ``save_pretrained`` writes, ``model_tensors``: the model's
+    ``state_dict()``, a tied weight once; a PEFT model's adapter). Checkpoints come every ``save_steps`` (the Trainer's
     ``save_strategy``: steps, epoch, or no: the last step only) and at the last step. The rest are
     ``trainjob.Run``'s settings (docs/trainers.md)."""
     steps, every, refusal = _plan(trainer)
@@ -88,11 +90,18 @@ def metric(name: str, baseline: float, *, higher_is_better: bool = True) -> Gate
 
 
 def model_tensors(model: Any) -> dict[str, Any]:
-    """The model's ``state_dict()``, each storage once: a tied weight (GPT-2's ``lm_head.weight``,
-    which is its token embedding) keeps its first name, as ``save_pretrained`` does."""
+    """What ``save_pretrained`` writes: the model's ``state_dict()``, each storage once (a tied
+    weight, GPT-2's ``lm_head.weight``, which is its token embedding, keeps its first name); for
+    a PEFT model, its adapter as PEFT's ``adapter_model.safetensors`` holds it (the same keys,
+    ``get_peft_model_state_dict``), not the base model it was trained on."""
+    peft = sys.modules.get("peft")  # a PEFT model's script imported it
+    if peft is not None and isinstance(model, peft.PeftModel):
+        tensors = peft.get_peft_model_state_dict(model)
+    else:
+        tensors = model.state_dict()
     out: dict[str, Any] = {}
     seen: set[tuple[int, int]] = set()
-    for key, tensor in model.state_dict().items():
+    for key, tensor in tensors.items():
         where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
         if where not in seen:
             seen.add(where)

@@ -153,7 +153,7 @@ def _distinct(frozen: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
 def _marks(frozen: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int, str]]:
     """Each entry's storage, version counter and fingerprint."""
     tensors, same = _distinct(frozen)
-    prints = {k: fingerprint(tensors[k]) for k in set(same.values())}
+    prints = {k: fingerprint(tensors[k]) for k in set(same.values())}  # threads measured slower: small tensors
     return {k: (t.data_ptr(), t._version, prints[same[k]]) for k, t in tensors.items()}
 
 
