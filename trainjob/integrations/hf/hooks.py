@@ -17,7 +17,9 @@ the checkpoint the Run loaded instead:
     _load_scaler                nothing: the Run's load put the scaler back
     _load_rng_state             the RNG streams, at the instant the Trainer's own resume restores them
     _maybe_log_save_evaluate    after the step's logging and evaluation, the Run's step ends here:
-                                the loss is reported, a checkpoint taken when due, a stop obeyed;
+                                the loss is reported, a checkpoint taken when due, a stop obeyed,
+                                a callback's early stop (``EarlyStoppingCallback``) made the run's
+                                end (``Run.end_early``: the step saved, then the gate);
                                 an epoch's last step ends at the epoch's end, after its evaluation
                                 (``eval_strategy="epoch"``): what the evaluation draws from the RNG
                                 streams (its loader's seed) is then in the checkpoint, as it is in
@@ -58,8 +60,11 @@ class Driver:
         self.epoch_ending = False  # the Trainer is in its end-of-epoch call (on_epoch_end was called)
 
     def train(self) -> None:
-        """From the step the Run resumed at to its end: the last step (then the gate is due), or a
-        stop (SIGTERM: the step is saved, ``killed``). Nothing trains if the Run resumed at its end."""
+        """From the step the Run resumed at to its end: the last step or a callback's early stop
+        (then the gate is due), or a stop (SIGTERM: the step is saved, ``killed``). Nothing trains
+        if the Run resumed at its end, or at the step a callback stopped the training."""
+        if self.state.resumed is not None and self.state.resumed.stopped:
+            self.run.end_early()
         self.steps = iter(self.run)
         first = next(self.steps, None)
         if first is None:  # resumed after the last step (the gate is due), or stopped before the first
@@ -93,7 +98,7 @@ class Driver:
                 delattr(trainer, name)  # the class's methods again
         if not self.over:
             raise UsageError(f"the Trainer's loop ended at step {trainer.state.global_step} of {self.run.cfg.steps} "
-                             "(an early stop, or max_steps changed): trainjob's run trains to its last step")
+                             "without a callback stopping it (its data ran out, or max_steps changed)")
 
     # --- the step loop --------------------------------------------------------------------------
 
@@ -111,6 +116,8 @@ class Driver:
                              f"{self.step}; a step is one optimizer step")
         loss, self.loss = self.loss, 0.0
         self.run.report(loss)
+        if trainer.control.should_training_stop and trainer.state.global_step < trainer.state.max_steps:
+            self.run.end_early()  # a callback's early stop: this step is saved with the decision, then the gate
         assert self.steps is not None
         following = next(self.steps, None)  # the checkpoint when due; a stop agreed and saved
         if following is None:

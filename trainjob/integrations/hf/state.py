@@ -5,7 +5,9 @@
     optim       the optimizer's state by FQN from step 0 and its param groups (``TrainingState``)
     scaler      accelerate's GradScaler, when the run uses one (fp16)
     hf          plain text: the LR scheduler's ``state_dict()`` and the Trainer's own ``TrainerState``
-                (global step, epoch, log history, the states of its ExportableState callbacks), each as
+                (global step, epoch, log history, best metric, the states of its ExportableState
+                callbacks: an EarlyStoppingCallback's patience counter) with its control's
+                ``should_training_stop`` (a callback's early stop, decided in the saved step), each as
                 one JSON string: they grow as the run goes (the log history), and a checkpoint's plain
                 values must otherwise keep their shape from the first one on
     rank        RankLocal: this rank's RNG streams (Python, numpy, torch CPU and CUDA), and the frozen
@@ -37,6 +39,7 @@ class Resumed:
 
     step: int
     trainer_state: dict[str, Any]
+    stopped: bool  # a callback stopped the training at this step: the run ends here (an early stop)
     scheduler: Any
     param_groups: list[dict[str, Any]]
     rng: dict[str, Any]
@@ -75,17 +78,23 @@ class TrainerCheckpoint:
         assert self._torch is not None
         self._torch.load_state_dict(state)
         saved = plain.decode(state["hf"]["trainer"])
+        stopped = bool(saved.pop(STOPPED, False))  # absent from checkpoints written before it was saved
         rng = state["rank"]["rng"] if "rank" in state else streams.capture()
         streams.restore(rng)  # now, for a resume that goes straight to the gate; again where the loop wants it
-        self.resumed = Resumed(step=int(saved["global_step"]), trainer_state=saved,
+        self.resumed = Resumed(step=int(saved["global_step"]), trainer_state=saved, stopped=stopped,
                                scheduler=plain.decode(state["hf"]["scheduler"]),
                                param_groups=list(state["optim"]["param_groups"]), rng=rng)
 
 
+# Saved beside the TrainerState's fields: the TrainerControl's early stop (a callback's decision).
+STOPPED = "should_training_stop"
+
+
 def trainer_state(trainer: Any) -> dict[str, Any]:
     """The Trainer's ``TrainerState`` as plain values, with its ExportableState callbacks' states
-    as the Trainer's own checkpoint records them (by class name; the TrainerControl's flags are
-    left out: they say what the step that is being saved should still do)."""
+    as the Trainer's own checkpoint records them (by class name), and ``STOPPED``: whether a
+    callback stopped the training in the step being saved, before its last (the TrainerControl's
+    other flags are left out: they say what the step that is being saved should still do)."""
     from transformers.trainer_callback import ExportableState
 
     state = dataclasses.asdict(trainer.state)
@@ -94,4 +103,5 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
         if isinstance(cb, ExportableState):
             callbacks.setdefault(type(cb).__name__, []).append(cb.state())
     state["stateful_callbacks"] = callbacks
+    state[STOPPED] = bool(trainer.control.should_training_stop) and trainer.state.global_step < trainer.state.max_steps
     return state
