@@ -164,3 +164,19 @@ def test_a_relaunch_that_builds_another_base_model_is_refused_exit_2_and_loads_n
     assert sorted(p.name for p in (pvc / "checkpoints").iterdir()) == before
     assert events(pvc)[-1]["event"] == "killed"
     shutil.rmtree(tmp_path / "pvc-trainer", ignore_errors=True)
+
+
+# --- masked-LM: random masks in every batch ----------------------------------------------------------------
+
+MLM = SCRIPTS / "hf_masked_lm.py"
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+@pytest.mark.parametrize("workers", ["0", "2"], ids=["main-process", "2-loader-workers"])
+def test_prove_finds_a_masked_lm_run_with_random_masks_proven(capsys, workers):
+    """About nine launches each: the collator's masks drawn in the main process, or in two loader
+    workers; on main both DIVERGED (the masks of batches collated ahead of the checkpoint were
+    drawn again from other numbers)."""
+    needs("datasets")
+    prove(MLM, capsys, "--workers", workers)

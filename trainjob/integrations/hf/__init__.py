@@ -7,8 +7,10 @@
 verified before use) at the Trainer's ``save_steps``, a relaunch resumes from the newest one that
 verifies (no ``resume_from_checkpoint``), SIGTERM saves the step and exits 75, and the gate
 publishes the model as safetensors or refuses it. ``state.py`` holds what a checkpoint holds,
-``hooks.py`` where the Trainer's loop meets the Run. Needs the ``hf`` extra (transformers,
-accelerate); docs/hf.md says how, and which versions are tested.
+``hooks.py`` where the Trainer's loop meets the Run, ``masks.py`` a masked-LM's masks drawn by step,
+``construction.py`` what a Trainer refused at its construction ends in (imported before it is
+built). Needs the ``hf`` extra (transformers, accelerate); docs/hf.md says how, and which versions
+are tested.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ from ...defaults import BACKOFF_LIMIT
 from ...engine.run import Run
 from ...errors import UsageError
 from ...records import Score
+from . import construction, masks
 from .hooks import Driver
 from .state import TrainerCheckpoint
 
 __all__ = ["run", "metric", "TrainerCheckpoint"]
+
+construction.install()  # a Trainer refused at construction (a stream without max_steps): one line, exit 2
 
 Gate = Callable[[Any], tuple[Score, Score]]
 
@@ -47,12 +52,15 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
     ``save_strategy``: steps, epoch, or no: the last step only) and at the last step. The rest are
     ``trainjob.Run``'s settings (docs/trainers.md)."""
     steps, every, refusal = _plan(trainer)
+    collator = masks.collator_of(trainer)
+    refusal = refusal or (masks.refusal(collator) if collator is not None else None)
+    masker = masks.Masker(collator, int(trainer.args.seed), int(trainer.args.process_index)) if collator else None
     state = TrainerCheckpoint(trainer, refusal)
     with Run(pvc, state=state, steps=steps, ckpt_every=every, lr=float(trainer.args.learning_rate),
              max_drop=max_drop, backoff_limit=backoff_limit, keep=keep, log=log, rank_timeout=rank_timeout,
              idempotent=idempotent, async_checkpoint=async_checkpoint, name=name) as job:
         if job.final is None and job.error is None:
-            Driver(trainer, state, job).train()
+            Driver(trainer, state, job, masker).train()
             if job.gate_due:
                 holdout, baseline = gate(trainer)
                 job.gate(holdout=holdout, baseline=baseline,

@@ -11,7 +11,13 @@ token in place of the directory (``RESUMED``), and each method that would read a
 the checkpoint the Run loaded instead:
 
     _inner_training_loop        gets ``RESUMED`` as its ``resume_from_checkpoint`` when the Run resumed
-    _init_training_state        the Trainer's state (global step, epoch, callbacks) from the checkpoint
+    _init_training_state        the Trainer's state (global step, epoch, callbacks) from the checkpoint,
+                                and where to go on in the data: for a data set with a length, the
+                                epoch and batch the global step gives (the Trainer's own rule);
+                                for a stream (an IterableDataset, no length, trained for
+                                ``max_steps``), the pass over it and the batches taken from it,
+                                as saved (the Trainer's rule would start the first pass again)
+    _run_epoch                  notes the pass it runs (``TrainerCheckpoint.position``)
     _load_optimizer_and_scheduler  the scheduler's state and the optimizer's param groups, once the
                                 Trainer has built its scheduler (building it resets the learning rate)
     _load_scaler                nothing: the Run's load put the scaler back
@@ -27,7 +33,10 @@ the checkpoint the Run loaded instead:
     training_step               sums the step's micro-batch losses for ``run.report``
     get_train_dataloader        guards the loader's worker processes (``dataloader_num_workers``)
                                 against a SIGTERM or SIGINT sent to the whole process group, as
-                                ``TrainingState`` guards a script's own loader
+                                ``TrainingState`` guards a script's own loader; with a masked-LM
+                                collator, builds the loader with its padding only (``masks.py``)
+    get_batch_samples           counts the batches the Trainer takes from the pass; with a
+                                masked-LM collator, draws their masks, by step (``masks.Masker``)
 
 and one callback turns the Trainer's own saves off (``control.should_save``): trainjob's checkpoints
 replace them. Must not: write a file, or decide anything the Run decides (when to save, when to stop).
@@ -41,6 +50,7 @@ from typing import Any
 
 from ...errors import UsageError
 from ...trainers.torch import rng as streams, workers
+from .masks import Masker, Padding
 from .state import TrainerCheckpoint
 
 # What the Trainer's loop gets as its checkpoint "directory" on a resume: no path by that name is read.
@@ -50,8 +60,8 @@ RESUMED = "<trainjob: the checkpoint the Run verified and loaded>"
 class Driver:
     """Runs ``trainer.train()`` as the body of ``run``'s steps (``train``)."""
 
-    def __init__(self, trainer: Any, state: TrainerCheckpoint, run: Any) -> None:
-        self.trainer, self.state, self.run = trainer, state, run
+    def __init__(self, trainer: Any, state: TrainerCheckpoint, run: Any, masker: Masker | None = None) -> None:
+        self.trainer, self.state, self.run, self.masker = trainer, state, run, masker
         self.steps: Iterator[int] | None = None
         self.step = 0  # the step the Trainer is training (the Run yielded it)
         self.loss: Any = 0.0
@@ -149,6 +159,7 @@ def _init_training_state(b: _Bound, max_steps: int, per_epoch: int, epochs: int,
     if resume != RESUMED or resumed is None:
         return out
     from transformers import TrainerState
+    from transformers.trainer_utils import has_length
 
     trainer.state = TrainerState(**resumed.trainer_state)
     trainer._load_callback_state()
@@ -156,6 +167,11 @@ def _init_training_state(b: _Bound, max_steps: int, per_epoch: int, epochs: int,
     step = trainer.state.global_step
     if step != driver.step - 1:
         raise UsageError(f"the checkpoint's Trainer state is at step {step}, its tensors at {driver.step - 1}")
+    if not has_length(trainer.train_dataset):  # a stream: its passes are not max_steps long
+        if resumed.position is None:
+            raise UsageError("the checkpoint does not say where in the stream the run was (written before trainjob "
+                             "saved it); start the run on a fresh PVC")
+        return resumed.position
     return step // per_epoch, (step % per_epoch) * trainer.args.gradient_accumulation_steps
 
 
@@ -187,9 +203,33 @@ def _load_rng_state(b: _Bound, checkpoint: Any) -> None:
 
 
 def _get_train_dataloader(b: _Bound) -> Any:
-    loader = b.originals["get_train_dataloader"]()
+    trainer, masker = b.driver.trainer, b.driver.masker
+    if masker is not None:  # the loader pads; the masks are drawn by step (get_batch_samples)
+        trainer.data_collator = Padding(masker.collator)
+    try:
+        loader = b.originals["get_train_dataloader"]()
+    finally:
+        if masker is not None:
+            trainer.data_collator = masker.collator
     workers.guard(loader)  # its workers outlive a signal sent to the whole process group (TrainingState's guard)
     return loader
+
+
+def _run_epoch(b: _Bound, *args: Any, **kw: Any) -> Any:
+    # The pass, and the batches of it a resume skips (the Trainer's loop takes them as keywords).
+    resumed = kw["epoch"] == kw["epochs_trained"] and kw["resume_from_checkpoint"] is not None
+    b.driver.state.position = (kw["epoch"], kw["steps_trained_in_current_epoch"] if resumed else 0)
+    return b.originals["_run_epoch"](*args, **kw)
+
+
+def _get_batch_samples(b: _Bound, epoch_iterator: Any, num_batches: int, device: Any) -> Any:
+    driver = b.driver
+    if driver.masker is not None:
+        epoch_iterator = driver.masker.batches(epoch_iterator, driver.trainer.state.global_step + 1)
+    samples, count = b.originals["get_batch_samples"](epoch_iterator, num_batches, device)
+    epoch, taken = driver.state.position
+    driver.state.position = (epoch, taken + len(samples))
+    return samples, count
 
 
 def _maybe_log_save_evaluate(b: _Bound, *args: Any, **kw: Any) -> Any:
@@ -207,7 +247,8 @@ def _training_step(b: _Bound, *args: Any, **kw: Any) -> Any:
 REPLACEMENTS = {"_inner_training_loop": _inner_training_loop, "_init_training_state": _init_training_state,
                 "_load_optimizer_and_scheduler": _load_optimizer_and_scheduler, "_load_scaler": _load_scaler,
                 "_load_rng_state": _load_rng_state, "_maybe_log_save_evaluate": _maybe_log_save_evaluate,
-                "training_step": _training_step, "get_train_dataloader": _get_train_dataloader}
+                "training_step": _training_step, "get_train_dataloader": _get_train_dataloader,
+                "get_batch_samples": _get_batch_samples, "_run_epoch": _run_epoch}
 
 
 class _Bound:
