@@ -131,6 +131,38 @@ assert torch.equal(a, b) and not torch.equal(a, c) and torch.allclose(merged(inp
 
 
 @pytest.mark.process
+def test_the_trainers_output_dir_is_not_left_behind_empty(lora_run):
+    """The Trainer makes output_dir when it is built; under hf.run nothing is written there."""
+    assert not lora_run.with_name("pvc-trainer").exists()
+    assert (lora_run / "checkpoints").is_dir()
+
+
+@pytest.mark.process
+def test_save_total_limit_is_honoured_as_the_checkpoints_kept(tmp_path):
+    """One launch of the quicktour with save_total_limit=2 (3 epochs, a checkpoint each): 2 are kept."""
+    needs("peft", "datasets")
+    script = variant(LORA, tmp_path / "limit.py", ('save_strategy="epoch",', 'save_strategy="epoch", save_total_limit=2,'))
+    done = run(script, tmp_path / "pvc")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len([e for e in events(tmp_path / "pvc") if e["event"] == "checkpointed"]) == 3
+    kept = [p.name for p in (tmp_path / "pvc/checkpoints").iterdir() if p.name.startswith("step-")]
+    assert sorted(kept) == ["step-00000016-a0001-w001", "step-00000024-a0001-w001"], kept
+
+
+@pytest.mark.process
+def test_the_quicktours_load_best_model_at_end_is_refused_in_one_line_naming_the_gate(tmp_path):
+    """One launch of the quicktour's own arguments: exit 2, one line that says what to do instead."""
+    needs("peft", "datasets")
+    script = variant(LORA, tmp_path / "best.py", ('save_strategy="epoch",', 'save_strategy="epoch", '
+                                                                           'load_best_model_at_end=True,'))
+    done = run(script, tmp_path / "pvc")
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "load_best_model_at_end" in last and "gate=hf.metric('eval_loss', baseline=...)" in last, last
+    assert not (tmp_path / "pvc/checkpoints").exists() or not any((tmp_path / "pvc/checkpoints").iterdir())
+
+
+@pytest.mark.process
 @pytest.mark.killpoint
 def test_prove_finds_the_peft_lora_fine_tune_proven(capsys):
     """About nine launches: prove's reference and four trials (SIGKILL and SIGTERM, each phase)."""
@@ -180,3 +212,30 @@ def test_prove_finds_a_masked_lm_run_with_random_masks_proven(capsys, workers):
     drawn again from other numbers)."""
     needs("datasets")
     prove(MLM, capsys, "--workers", workers)
+
+
+# --- a stream: an IterableDataset over three passes, shuffled with a buffer ----------------------------------
+
+STREAM = SCRIPTS / "hf_streaming.py"
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_prove_finds_a_streaming_run_over_three_passes_proven(capsys):
+    """About nine launches: 30 steps, three passes of 10 over an IterableDataset shuffled with a
+    buffer; on main a resume past the first pass DIVERGED (it started the first pass again)."""
+    needs("datasets")
+    out = prove(STREAM, capsys)
+    assert "between checkpoints" in out
+
+
+@pytest.mark.process
+def test_a_stream_without_max_steps_is_exit_2_in_one_line_before_anything_is_written(tmp_path):
+    """One launch: the Trainer refuses to be built (its ValueError and traceback ended in exit 1)."""
+    needs("datasets")
+    script = variant(STREAM, tmp_path / "no_max_steps.py", ("    max_steps=args.max_steps,\n", ""))
+    done = run(script, tmp_path / "pvc")
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainjob: ") and "max_steps=N" in last and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "pvc").exists()

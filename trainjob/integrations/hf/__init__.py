@@ -37,7 +37,8 @@ Gate = Callable[[Any], tuple[Score, Score]]
 
 
 def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callable[[Any], Mapping[str, Any]] | None = None,
-        max_drop: int = 20, backoff_limit: int = BACKOFF_LIMIT, keep: int = 3, log: str | os.PathLike[str] | None = None,
+        max_drop: int = 20, backoff_limit: int = BACKOFF_LIMIT, keep: int | None = None,
+        log: str | os.PathLike[str] | None = None,
         rank_timeout: float = 60.0, idempotent: bool = False, async_checkpoint: bool = False,
         name: str = "hf-trainer") -> int:
     """Train ``trainer`` to its last step as one launch of a trainjob job on ``pvc``, gate it, and
@@ -49,9 +50,14 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
     ``baseline``); ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the
     published tensors (default: what ``save_pretrained`` writes, ``model_tensors``: the model's
     ``state_dict()``, a tied weight once; a PEFT model's adapter). Checkpoints come every ``save_steps`` (the Trainer's
-    ``save_strategy``: steps, epoch, or no: the last step only) and at the last step. The rest are
-    ``trainjob.Run``'s settings (docs/trainers.md)."""
+    ``save_strategy``: steps, epoch, or no: the last step only) and at the last step; ``keep``
+    of them are kept, the Trainer's ``save_total_limit`` when it is set (3 when neither is; a
+    ``save_total_limit`` of 0 or less keeps them all, as the Trainer would). The rest are
+    ``trainjob.Run``'s settings (docs/trainers.md). The Trainer's ``output_dir``, which it makes
+    when it is built, is taken away again if nothing was written in it."""
     steps, every, refusal = _plan(trainer)
+    keep, disagree = _keep(keep, trainer.args.save_total_limit, steps)
+    refusal = refusal or disagree
     collator = masks.collator_of(trainer)
     refusal = refusal or (masks.refusal(collator) if collator is not None else None)
     masker = masks.Masker(collator, int(trainer.args.seed), int(trainer.args.process_index)) if collator else None
@@ -65,7 +71,26 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
                 holdout, baseline = gate(trainer)
                 job.gate(holdout=holdout, baseline=baseline,
                          export=dict(export(trainer)) if export is not None else model_tensors(trainer.model))
+    _remove_if_empty(trainer.args.output_dir)
     return job.exit_code
+
+
+def _keep(keep: int | None, limit: int | None, steps: int) -> tuple[int, str | None]:
+    """How many checkpoints to keep: ``keep``, else the Trainer's ``save_total_limit`` (0 or less:
+    all of them, at most one a step), else 3; and a refusal when both are given and differ."""
+    wanted = None if limit is None else (limit if limit > 0 else max(steps, 1))
+    if keep is not None and wanted is not None and keep != wanted:
+        return keep, (f"hf.run(keep={keep}) and TrainingArguments(save_total_limit={limit}) disagree on how many "
+                      "checkpoints to keep; give one of them")
+    return (keep if keep is not None else wanted if wanted is not None else 3), None
+
+
+def _remove_if_empty(directory: Any) -> None:
+    """The Trainer's output_dir, which it made when it was built, if nothing was written in it."""
+    try:
+        os.rmdir(directory)
+    except (OSError, TypeError):  # not empty, not there, another rank's, or no directory given
+        pass
 
 
 # An eval metric is gated in millionths: the gate's rule is over integer counts.
@@ -126,7 +151,9 @@ def _plan(trainer: Any) -> tuple[int, int, str | None]:
         (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False),
          "DeepSpeed and FSDP keep their own checkpoint formats"),
         (trainer.model_init is not None, "model_init builds the model anew inside train()"),
-        (args.load_best_model_at_end, "load_best_model_at_end needs the Trainer's own checkpoints"),
+        (args.load_best_model_at_end, "load_best_model_at_end=True: trainjob publishes the model of the last "
+         "step (or of an EarlyStoppingCallback's stop) once its gate passes; leave it out and gate on the metric "
+         f"instead, hf.run(trainer, ..., gate=hf.metric({_eval_name(args.metric_for_best_model)!r}, baseline=...))"),
         (_value(args.save_strategy) == "best", "save_strategy='best' saves when a metric improves"),
         (getattr(args, "enable_jit_checkpoint", False), "enable_jit_checkpoint: trainjob saves on SIGTERM itself"),
         (args.ignore_data_skip, "ignore_data_skip: a resume would train on other batches than the run it continues"),
@@ -148,6 +175,12 @@ def _plan(trainer: Any) -> tuple[int, int, str | None]:
     else:
         every = steps
     return steps, max(1, min(every, steps)), None
+
+
+def _eval_name(metric: str | None) -> str:
+    """``metric_for_best_model`` as ``trainer.evaluate()`` names it (its default: the loss)."""
+    name = metric or "loss"
+    return name if name.startswith("eval_") else f"eval_{name}"
 
 
 def _value(strategy: Any) -> Any:
