@@ -765,3 +765,66 @@ def test_a_launch_refused_before_it_began_leaves_no_directory_it_created(tmp_pat
         for _ in run:
             pytest.fail("trained")
     assert run.exit_code == 2 and sorted(p.name for p in existing.rglob("*")) == ["notes"]
+
+
+class Stopping(Vector):
+    """A Vector whose training decides to stop at ``stop_at``: the decision is part of its state."""
+
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.stop_at, self.stopped = stop_at, False
+
+    def state_dict(self):
+        return {"w": self.w, "stopped": self.stopped}
+
+    def load_state_dict(self, state) -> None:
+        self.w[...], self.stopped = state["w"], state["stopped"]
+
+
+def stopping(pvc: Path, stop_at: int, signal_at: int | None = None) -> Run:
+    """An own loop of 8 steps (a checkpoint every 2) whose training stops early at ``stop_at``."""
+    state = Stopping(stop_at)
+    with Run(pvc, state=state, steps=8, ckpt_every=2) as run:
+        if state.stopped:  # resumed from the step it stopped at: nothing left to train
+            run.end_early()
+        for step in run:
+            run.report(state.step(step))
+            if step == state.stop_at:
+                state.stopped = True
+                run.end_early()
+            if step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export={"w": state.w})
+    return run
+
+
+def test_an_early_stop_checkpoints_its_step_gates_and_publishes_that_step(pvc):
+    run = stopping(pvc, 3)
+    assert (run.exit_code, run.final, run.last_step) == (0, "completed", 3)
+    assert [(e, d.split()[0]) for e, d in events(pvc / "log.jsonl")][1:3] == [("checkpointed", "step=2"),
+                                                                             ("checkpointed", "step=3")]
+    assert [e for e, _ in events(pvc / "log.jsonl")][3:] == ["artifact_written", "completed"]
+    from safetensors import safe_open
+    with safe_open(str(pvc / "artifacts/model-v1.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["trainjob.artifact"])["step"] == 3
+    assert cli.main(["verify", "--pvc", str(pvc)]) == 0
+
+
+def test_a_stop_at_the_early_stop_step_resumes_straight_to_the_gate_with_the_same_bytes(pvc):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert stopping(pvc, 3, signal_at=3).exit_code == 75
+    assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=3 signal=SIGTERM")
+    run = stopping(pvc, 3)
+    assert (run.exit_code, run.last_step) == (0, 3)
+    kinds = [e for e, _ in events(pvc / "log.jsonl")]
+    assert kinds[kinds.index("killed") + 1:] == ["resumed", "artifact_written", "completed"]
+    stopping(pvc.parent / "straight", 3)
+    assert (pvc / "artifacts/model-v1.safetensors").read_bytes() == \
+        (pvc.parent / "straight/artifacts/model-v1.safetensors").read_bytes()
+
+
+def test_end_early_outside_the_loop_of_a_fresh_run_is_exit_2(pvc, capsys):
+    state = Vector()
+    with Run(pvc, state=state, steps=4, ckpt_every=2) as run:
+        run.end_early()
+    assert run.exit_code == 2 and "run.end_early() belongs inside" in str(run.error)

@@ -357,14 +357,15 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
+        step = kw.get("step") or self.cfg.steps  # the run's last step, or the one it stopped early at
+        record = Artifact(attempt=self.attempt, step=step, trainer=self.cfg.trainer, arrays=(),
                           holdout=kw["holdout"], baseline=kw["baseline"])
         if isinstance(kw["exported"], Gathered):  # a sharded model: gathered and written tensor by tensor
             name = artifact_names(self.attempt)[1]
             stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
             self.artifact = {"sha256": self.pvc.write_artifact(name, stream), "path": f"artifacts/{name}"}
             return
-        exported = snapshot.exported(kw["exported"], self.cfg.steps)  # checked and on the host
+        exported = snapshot.exported(kw["exported"], step)  # checked and on the host
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
             record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
             name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()

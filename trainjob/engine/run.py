@@ -37,6 +37,8 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
     meta device
     a meta-device tensor in the state   UsageError, exit 2, naming the array
     or the ``gate``'s export
+    ``end_early()`` outside a step, but UsageError, exit 2 (in a step it ends the loop there:
+    before the loop of a resumed run     an early stop; the gate is due)
     a ``break`` out of the loop, or     UsageError, exit 2: the steps since the last checkpoint
     leaving without ``gate`` when due   are not saved, and a relaunch resumes
     ``gate`` before the last step       UsageError, exit 2
@@ -180,6 +182,8 @@ class Run:
         self._step: int | None = None  # the step the loop body is training
         self._narrator: Narrator | None = None  # rank 0's voice on stderr (progress.py)
         self._loss: int | None = None  # its reported loss, in thousandths
+        self._early = False  # end_early(): the training decided that the step it is at is its last
+        self.last_step: int | None = None  # the step the loop ended at, once it trained the last
 
     # --- entering ---------------------------------------------------------------------------
 
@@ -383,7 +387,7 @@ class Run:
         while True:
             if target is None and peers.stop_wanted():
                 target = peers.agree_stop()
-            if step >= (cfg.steps if target is None else target):
+            if step >= (cfg.steps if target is None else target) or self._early:
                 break
             step += 1
             self._step, self._loss = step, None
@@ -395,8 +399,8 @@ class Run:
             if self._narrator is not None:
                 self._narrator.step(step, loss)
             self._between()
-            if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
-                self._save(step, loss, step == target)
+            if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target or self._early:
+                self._save(step, loss, step == target or self._early)
                 last_saved = step
             if cfg.die_at == step:
                 return self._end(step, stopped=False)
@@ -404,11 +408,25 @@ class Run:
             target = peers.agree_stop()
         if target is None:
             self._settle(release=True)  # the last checkpoint lands (and is logged) before the gate
-            self.gate_due = True
+            self.gate_due, self.last_step = True, step
             return None
         if step > last_saved:  # save the step we finished before obeying the stop
             self._save(step, loss, True)
         return self._end(step, stopped=True)
+
+    def end_early(self) -> None:
+        """The training decided that the step it is at is its last (an early stop: Lightning's
+        ``EarlyStopping``, the HF Trainer's ``EarlyStoppingCallback``), as every rank decides it.
+        Called in the loop's body, the step is checkpointed when it ends (due or not), the loop
+        ends and the gate is due, as after the last step; the artifact records that step. Called
+        before the loop's first step, on a resume whose checkpoint holds that decision (the
+        caller's state says so), the loop trains nothing and the gate is due. A stop (SIGTERM)
+        during such a step saves it and ends the launch as any stop does: the relaunch resumes
+        from the checkpoint that holds the decision."""
+        if self._step is None and (self._iterated or self.from_step == 0):
+            raise UsageError("run.end_early() belongs inside `for step in run`, or before it on a resume "
+                             "(a run that stopped early at the step it resumed from)")
+        self._early = True
 
     def report(self, loss: float) -> None:
         """The loss of the step being trained, once per step: a number >= 0 (``check_loss``: a
@@ -574,7 +592,8 @@ class Run:
             self.final = self._peers.wait_outcome().state
             return
         assert self._job is not None
-        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline)
+        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline,
+                       step=self.last_step)
         self._finish(self._job.state)
 
     def _finish(self, state: str) -> None:
