@@ -195,7 +195,7 @@ def with_workers(tmp_path: Path, prelude: str = "", name: str = "workers") -> Pa
 
 def test_with_two_loader_workers_drawing_noise_a_sigkill_in_epoch_0_resumes_to_the_bare_scripts_bytes(tmp_path):
     """Lightning starts the first epoch's workers when the fit's data is set up, before the
-    callback can wrap their ``worker_init_fn``; without ``restart_workers`` their random streams
+    callback can wrap their ``worker_init_fn``; without ``LightningState.restart`` their random streams
     were not in the checkpoint and a resume in epoch 0 published other bytes (the control below).
     Killed between steps 12 and 27 (a checkpoint every 5: the resume is mid-epoch 0), the
     relaunch publishes the weights and losses of the same script run without trainjob. Three
@@ -222,10 +222,10 @@ def test_with_two_loader_workers_drawing_noise_a_sigkill_in_epoch_0_resumes_to_t
 
 def test_control_with_the_first_workers_left_as_lightning_started_them_a_resume_in_epoch_0_goes_elsewhere(
         tmp_path):
-    """The control of the test above: with ``restart_workers`` switched off, stopped at step 12
+    """The control of the test above: with ``LightningState.restart`` switched off, stopped at step 12
     and relaunched, the run publishes other bytes than the same script uninterrupted."""
     off = ("import trainjob.integrations.lightning.state as _state\n"
-           "_state.LightningState.restart_workers = lambda self: None\n")
+           "_state.LightningState.restart = lambda self: None\n")
     whole = with_workers(tmp_path, off, name="control")
     stops = tmp_path / "lightning_control_stop.py"
     stops.write_text(whole.read_text().replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=12)")))

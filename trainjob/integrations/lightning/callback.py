@@ -2,11 +2,13 @@
 
 Lightning owns the loop, so the callback drives the Run's step iterator from Lightning's hooks:
 
+    setup               before the strategy wraps the model: what cannot train is refused in one line
+                        (``sync_batchnorm=True`` on CPU, which DDP itself refuses with a traceback)
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
                         the newest verified checkpoint into the live state (``state.py``); on a
-                        fresh start, the loader's workers start anew, wrapped (``restart_workers``)
+                        fresh start, the loader's first iterator built anew (``LightningState.restart``)
     on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
                         again (Lightning's would raise its own exit mid-epoch, and under DDP it
                         broadcasts from inside the handler)
@@ -89,6 +91,11 @@ class TrainJob(pl.Callback):
 
     # --- Lightning's hooks ----------------------------------------------------------------------
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            with self._guard():
+                _refuse_sync_batchnorm_on_cpu(trainer, pl_module)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
             if Version(pl.__version__) < MIN_LIGHTNING:
@@ -112,7 +119,7 @@ class TrainJob(pl.Callback):
             self._leave(always=True)
         with self._guard():
             if not state.loaded:  # a fresh start (a resume's load started the workers anew)
-                state.restart_workers()
+                state.restart()
             self._steps = iter(self.run)
             self._next()
 
@@ -240,6 +247,23 @@ def _loss(outputs: Any, step: int | None) -> Any:
     if loss is None:
         raise UsageError(f"step {step}: training_step returned no loss (return the loss, or a dict with 'loss')")
     return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+
+def _refuse_sync_batchnorm_on_cpu(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """``sync_batchnorm=True`` (or the module's own SyncBatchNorm layers) under DDP on CPU: torch's
+    DistributedDataParallel refuses SyncBatchNorm on CPU with a ValueError when the strategy wraps
+    the model, which would end the run 70 for a configuration."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy) or strategy.root_device.type != "cpu":
+        return
+    if isinstance(getattr(strategy, "_layer_sync", None), TorchSyncBatchNorm) \
+            or any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        raise UsageError("sync_batchnorm=True on CPU: torch's SyncBatchNorm works only on GPUs (DDP refuses it on "
+                         "CPU); leave it out: trainjob saves BatchNorm's statistics as DDP keeps them, rank 0's, "
+                         "which DDP hands to every rank at each forward")
 
 
 def _validates_next(trainer: pl.Trainer) -> bool:
