@@ -313,18 +313,30 @@ def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
     assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
 
 
-def test_with_gradient_accumulation_a_step_is_a_window_and_resumes_to_the_same_bytes(tmp_path):
-    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; stopped at step 15
-    (epoch 0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's
-    bytes. Three launches: the variant uninterrupted, stopped, relaunched."""
+def test_with_gradient_accumulation_a_step_is_a_window_logs_its_loss_and_resumes_to_the_same_bytes(tmp_path):
+    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; each checkpoint logs
+    the step's loss, the mean of its two batches' (Lightning hands the callback each batch's loss
+    divided by 2: the log said 683 where the cross-entropy was 1.37); stopped at step 15 (epoch
+    0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's bytes.
+    Three launches: the variant uninterrupted, stopped, relaunched."""
     accumulate = ("gradient_clip_val=1.0,", "gradient_clip_val=1.0, accumulate_grad_batches=2,")
     whole = variant(tmp_path, *accumulate, name="accumulate")
     text = whole.read_text()
     stops = tmp_path / "lightning_accumulate_stop.py"
     stops.write_text(text.replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=15)")))
     reference = tmp_path / "reference"
-    code, _, err = finish(whole, reference)
-    assert code == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    proc = launch(whole, "--pvc", str(reference))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    batches: dict[int, list[float]] = {}  # the example prints each batch's loss, under the step it belongs to
+    for step, loss in re.findall(r"^step (\d+) loss (\S+)$", out, re.M):
+        batches.setdefault(int(step), []).append(float(loss))
+    logged = [re.fullmatch(r"step=(\d+) loss_milli=(\d+)", e["detail"]) for e in events(reference)
+              if e["event"] == "checkpointed"]
+    assert len(logged) == 9 and all(len(batches[int(m[1])]) == 2 for m in logged), (logged, batches)
+    for m in logged:
+        mean = sum(batches[int(m[1])]) / 2
+        assert abs(int(m[2]) - 1000 * mean) <= 0.5 + 1e-3, (m[0], batches[int(m[1])])
     pvc = tmp_path / "pvc"
     assert finish(stops, pvc)[0] == 75 and events(pvc)[-1]["detail"] == "at_step=15"
     code, _, err = finish(whole, pvc)

@@ -12,7 +12,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
     on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
                         again (Lightning's would raise its own exit mid-epoch, and under DDP it
                         broadcasts from inside the handler)
-    on_train_batch_end  after a batch that stepped the optimizer: ``report`` its loss, and the Run's
+    on_train_batch_end  after a batch that stepped the optimizer: ``report`` the step's loss (under
+                        gradient accumulation, the mean of its batches' losses), and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
                         saved, ``killed``); when Lightning validates after the batch, that comes
                         in ``on_validation_end`` instead
@@ -77,6 +78,7 @@ class TrainJob(pl.Callback):
         self._steps: Iterator[int] | None = None
         self._step: int | None = None  # the step Lightning trains next, or None: the Run's loop is over
         self._stepped_from = 0  # trainer.global_step when the batch began
+        self._window: list[Any] = []  # the losses of the step's batches so far (gradient accumulation)
         self._left = False  # the Run's ``with`` is over
         self._after_validation = False  # the step's checkpoint waits for the validation after it
 
@@ -106,6 +108,8 @@ class TrainJob(pl.Callback):
                 raise UsageError("trainer.fit(ckpt_path=...) with trainjob's callback: trainjob resumes from "
                                  "the PVC on its own; leave ckpt_path out")
             steps = trainer.estimated_stepping_batches  # sets the fit loop's data up (configure_optimizers may have)
+            if trainer.train_dataloader is None:  # max_steps without max_epochs: Lightning answers max_steps as is
+                trainer.fit_loop.setup_data()
             if not isinstance(steps, int) or steps < 1:
                 raise UsageError(f"Lightning estimates {steps} optimizer steps; trainjob needs a finite number: "
                                  "set max_epochs or max_steps")
@@ -141,11 +145,19 @@ class TrainJob(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step == self._stepped_from:
-            return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
+        stepped = trainer.global_step != self._stepped_from
         with self._guard():
+            loss = _loss(outputs, self._step, required=stepped)
+            if loss is not None:
+                # Lightning hands out each batch's loss divided by accumulate_grad_batches (what
+                # it backpropagates); the step's loss is the mean of its batches' own.
+                self._window.append(loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization
+                                    else loss)
+            if not stepped:
+                return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
             assert self.run is not None
-            self.run.report(_loss(outputs, self._step))
+            window, self._window = self._window, []
+            self.run.report(window[0] if len(window) == 1 else sum(window) / len(window))
             if _validates_next(trainer):
                 # The step is saved once the validation that follows it is over, as Lightning's
                 # ModelCheckpoint saves then: a resume does not run that validation again, and
@@ -241,10 +253,11 @@ class TrainJob(pl.Callback):
             raise _Ended(self.run.exit_code)
 
 
-def _loss(outputs: Any, step: int | None) -> Any:
-    """The loss Lightning's training_step returned for the batch that stepped."""
+def _loss(outputs: Any, step: int | None, required: bool) -> Any:
+    """The loss Lightning's training_step returned for a batch (``required``: the batch that
+    stepped), as Lightning hands it to the callbacks."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if loss is None:
+    if loss is None and required:
         raise UsageError(f"step {step}: training_step returned no loss (return the loss, or a dict with 'loss')")
     return loss.detach() if isinstance(loss, torch.Tensor) else loss
 
