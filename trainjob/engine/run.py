@@ -42,6 +42,13 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
     ``gate`` before the last step       UsageError, exit 2
     a Run entered off the main thread   UsageError, exit 2 (signal handlers are the main thread's)
 
+An early end (early stopping): ``run.end_early()`` in a step's body, on every rank at the same
+step, ends the loop after that step: the step is saved (its checkpoint forced, holding the state
+as it is now) and the gate is due, as after the last step. Called where the step was not trained
+(no ``report`` yet: the framework's loop ended instead), the run ends at the step before it;
+called before the loop (a resume whose state says the training had ended), at the step it resumed
+from. A relaunch resumes from that checkpoint, and the script ends early again there.
+
 Signals: SIGTERM and SIGINT are noted, the step finishes, its checkpoint is saved, exit 75. A
 Run inside another's ``with`` block is allowed: the signal is passed on to the handler the
 inner Run displaced (``StopFlag``), so every enclosing Run stops too, as does a script's own
@@ -169,6 +176,8 @@ class Run:
         self._entered = False  # the launch began (or found its outcome): no longer refusable untouched
         self._step: int | None = None  # the step the loop body is training
         self._loss: int | None = None  # its reported loss, in thousandths
+        self._early = False  # end_early(): the loop ends after this step
+        self.last_step: int | None = None  # the step the loop ended at (the model the gate publishes)
 
     # --- entering ---------------------------------------------------------------------------
 
@@ -366,12 +375,15 @@ class Run:
         while True:
             if target is None and peers.stop_wanted():
                 target = peers.agree_stop()
-            if step >= (cfg.steps if target is None else target):
+            if self._early or step >= (cfg.steps if target is None else target):
                 break
             step += 1
             self._step, self._loss = step, None
             yield step
             if self._loss is None:
+                if self._early:  # the step was not trained: the run ends at the one before
+                    step, self._step = step - 1, None
+                    break
                 raise UsageError(f"step {step} ended without run.report(loss); report every step's loss once")
             loss, self._step = self._loss, None
             peers.step = step
@@ -386,8 +398,10 @@ class Run:
         if target is None and peers.stop_wanted():  # the stop came during the last step
             target = peers.agree_stop()
         if target is None:
+            if self._early and step > last_saved:  # the early end's step, saved as it is now
+                self._save(step, loss, True)
             self._settle(release=True)  # the last checkpoint lands (and is logged) before the gate
-            self.gate_due = True
+            self.gate_due, self.last_step = True, step
             return None
         if step > last_saved:  # save the step we finished before obeying the stop
             self._save(step, loss, True)
@@ -401,6 +415,13 @@ class Run:
         if self._loss is not None:
             raise UsageError(f"step {self._step}: run.report was called twice; report every step's loss once")
         self._loss = decisions.loss_milli(check_loss(loss, self._step))
+
+    def end_early(self) -> None:
+        """End the loop after the step being trained (early stopping): module docstring. Every
+        rank calls it at the same step."""
+        if self._loop_over or self.final is not None or self.error is not None:
+            raise UsageError("run.end_early() belongs inside `for step in run` (or before it), while the run trains")
+        self._early = True
 
     def _save(self, step: int, loss: int, force: bool) -> None:
         if self.cfg.async_checkpoint:  # copy into the staging buffers, and a thread writes
@@ -534,7 +555,8 @@ class Run:
             self.final = self._peers.wait_outcome().state
             return
         assert self._job is not None
-        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline)
+        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline,
+                       step=self.last_step)
         self._finish(self._job.state)
 
     def _finish(self, state: str) -> None:
