@@ -3,7 +3,9 @@
 Lightning owns the loop, so the callback drives the Run's step iterator from Lightning's hooks:
 
     setup               before the strategy wraps the model: what cannot train is refused in one line
-                        (``sync_batchnorm=True`` on CPU, which DDP itself refuses with a traceback)
+                        (``sync_batchnorm=True`` on CPU, which DDP itself refuses with a traceback);
+                        the callback moves itself after every other callback, so that a checkpoint
+                        holds what EarlyStopping decided in the same hook
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
@@ -18,7 +20,10 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
                         saved, ``killed``); when Lightning validates after the batch, that comes
                         in ``on_validation_end`` instead
     on_train_end        the gate: ``gate(module)`` scores the holdout and the baseline, ``export``
-                        what the artifact publishes (the module's state_dict by default)
+                        what the artifact publishes (the module's state_dict by default); a fit
+                        that ended before the last step because ``trainer.should_stop`` was set
+                        (EarlyStopping, max_time) ends the Run there (``Run.end_early``: that step
+                        saved, with the stop decision and the callbacks' state, then the gate)
     on_fit_end          the Run is left; ``on_exception``: an error ends it with its code
 
 A trainjob step is a batch that stepped the optimizer (gradient accumulation's other batches are
@@ -97,6 +102,9 @@ class TrainJob(pl.Callback):
         if stage == "fit":
             with self._guard():
                 _refuse_sync_batchnorm_on_cpu(trainer, pl_module)
+            # Last: the hooks that share an event with EarlyStopping (on_validation_end) see its
+            # decision before the step is saved. A new list: Lightning is iterating the old one.
+            trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
@@ -175,9 +183,13 @@ class TrainJob(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step is not None:
             with self._guard():
-                raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} (early "
-                                 "stopping, max_time, trainer.should_stop?): a trainjob run trains the steps it "
-                                 "was given; the steps since the last checkpoint are not saved")
+                if not trainer.should_stop:
+                    raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} "
+                                     "without a stop decided (trainer.should_stop): the train loader ran out before "
+                                     "estimated_stepping_batches? The steps since the last checkpoint are not saved")
+                assert self.run is not None
+                self.run.end_early()  # step self._step was not trained: the run ends at the one before
+                self._next()
         self._gate(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

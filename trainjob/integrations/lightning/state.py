@@ -8,8 +8,12 @@
                 with the generator fixes of ``trainers/torch/loader.py``) and each rank's RNG streams
     lightning   the fit loop's counters, ``fit_loop.state_dict()`` (epochs, batches, optimizer and
                 scheduler steps, ``_batches_that_stepped``) as plain values, without the loader's
-                state, which ``script`` holds; under Lightning's own DistributedSampler, each rank's
-                generator the epoch's order was drawn from (``sampler.py``)
+                state, which ``script`` holds; ``trainer.should_stop`` (an early stop decided:
+                ``EarlyStopping``, ``max_time``); each rank's own: every callback's ``state_dict()``
+                (EarlyStopping's ``wait_count`` and ``best_score``, ModelCheckpoint's best scores),
+                as Lightning's own checkpoint holds them, and ``trainer.callback_metrics`` (what
+                they read); under Lightning's own DistributedSampler, the generator the epoch's
+                order was drawn from (``sampler.py``)
 
 Lightning's own checkpoints hold no RNG state and, with a plain DataLoader, no position inside an
 epoch; this state holds both. A load hands everything back in the order Lightning's own
@@ -97,9 +101,13 @@ class LightningState:
         out = dict(self.script.state_dict())
         loops = self.trainer.fit_loop.state_dict()
         loops["state_dict"].pop("combined_loader", None)  # the loader's position is the script's
-        out["lightning"] = {"fit_loop": loops}
+        out["lightning"] = lightning = {"fit_loop": loops, "should_stop": bool(self.trainer.should_stop)}
+        callbacks = {cb.state_key: state for cb in self.trainer.callbacks if (state := cb.state_dict())}
+        lightning["logged"] = RankLocal({
+            "callbacks": loader_state.as_text(callbacks, "a callback's state_dict()"),
+            "metrics": loader_state.as_text(dict(self.trainer.callback_metrics), "trainer.callback_metrics")})
         if self.replay is not None:
-            out["lightning"]["sampler"] = RankLocal(self.replay.state_dict())
+            lightning["sampler"] = RankLocal(self.replay.state_dict())
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -112,6 +120,15 @@ class LightningState:
             replay.done(drawn)
         fit_loop, loops = self.trainer.fit_loop, state["lightning"]["fit_loop"]
         fit_loop.load_state_dict(loops)
+        self.trainer.should_stop = bool(state["lightning"].get("should_stop", False))
+        if (logged := state["lightning"].get("logged")) is not None:  # absent after a reshard --drop-rank-local
+            callbacks = loader_state.from_text(logged["callbacks"])
+            for cb in self.trainer.callbacks:
+                if cb.state_key in callbacks:
+                    cb.load_state_dict(callbacks[cb.state_key])
+            # What the callbacks read: a restart may run the epoch-end hooks of the epoch the
+            # checkpoint was taken in (EarlyStopping's check of the last validation's val_loss).
+            self.trainer._logger_connector._callback_metrics = loader_state.from_text(logged["metrics"])
         batches = loops["epoch_loop.batch_progress"]
         if batches["is_last_batch"] and batches["total"]["completed"] == batches["total"]["processed"] - 1:
             # Saved in on_train_batch_end after an epoch's last batch: Lightning's restart counts

@@ -47,7 +47,7 @@ def check(loader: object) -> None:
 def _out(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes().hex()
+        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()
                           if t.numel() else ""]}
     if isinstance(value, bytes):
         return {_BYTES: value.hex()}
@@ -70,6 +70,16 @@ def _in(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return type(value)(_in(v) for v in value)
     return value
+
+
+def as_text(value: Any, what: str) -> str:
+    """A nested value with tensors and bytes in it (a loader's or a callback's state) as one JSON
+    string, exactly (module docstring); PlainError naming ``what`` for anything else."""
+    return plain.encode(_out(value), what)
+
+
+def from_text(text: str) -> Any:
+    return _in(plain.decode(text))
 
 
 def _generators(loader: Any) -> list[torch.Generator]:
@@ -96,11 +106,11 @@ def state_dict(loader: Any) -> str:
     if samplers := epoch_samplers(loader):  # absent otherwise: the record as before
         state["samplers"] = [{"sampler": type(s).__name__, "epoch": s.epoch} for s in samplers]
     worker_rng.check_state(loader, state["loader"])
-    return plain.encode(_out(state), "loader")
+    return as_text(state, "loader")
 
 
 def load_state_dict(loader: Any, text: str) -> None:
-    state = _in(plain.decode(text))
+    state = from_text(text)
     samplers, saved = epoch_samplers(loader), state.get("samplers", [])
     if saved and len(samplers) != len(saved):
         raise ValueError(f"the loader has {len(samplers)} sampler(s) with an epoch, the checkpoint's "
