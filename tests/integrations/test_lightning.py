@@ -309,8 +309,11 @@ def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
                            "2", "--blocks", "1", "--dim", "8", "--json", str(tmp_path / "out.json")], env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    ratios = json.loads((tmp_path / "out.json").read_text())["ratios"]
-    assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["ratios"]) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+    assert set(report["stall_by_wall_s"]) == {"lightning", "trainjob", "async"}
+    assert all(len(report["held_s"][kind]) == 1 for kind in ("lightning", "trainjob", "async")), report["held_s"]
+    assert "stall per checkpoint, ms" in done.stdout
 
 
 def test_with_gradient_accumulation_a_step_is_a_window_logs_its_loss_and_resumes_to_the_same_bytes(tmp_path):
