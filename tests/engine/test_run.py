@@ -162,6 +162,70 @@ def test_a_break_out_of_the_loop_is_exit_2_never_a_success(pvc, capsys):
     resumes_after(pvc, 2, capsys)
 
 
+def published(pvc: Path):
+    """The artifact's record and its one array."""
+    from safetensors.numpy import load
+
+    from trainjob.engine.job import read_artifact_record
+
+    data = (pvc / "artifacts/model-v1.safetensors").read_bytes()
+    return read_artifact_record(data, "model-v1"), load(data)["w"]
+
+
+def test_an_early_end_saves_its_step_and_publishes_the_model_it_stopped_with(pvc, tmp_path):
+    """``end_early`` in the body of step 5 of 8: step 5 is saved (not due: forced), the gate
+    publishes the model of step 5, its record says step 5, ``completed``, exit 0. Called in the
+    body of step 6 before any ``report`` (a framework's loop that ended without training it), the
+    run ends at step 5 the same way."""
+    def stops_at_5(run, state, step):
+        run.report(state.step(step))
+        if step == 5:
+            run.end_early()
+
+    run, state = own(pvc, stops_at_5, steps=8)
+    assert (run.exit_code, run.final) == (0, "completed")
+    assert [d.split()[0] for e, d in events(pvc / "log.jsonl") if e == "checkpointed"] == ["step=2", "step=4",
+                                                                                           "step=5"]
+    assert [e for e, _ in events(pvc / "log.jsonl")][-2:] == ["artifact_written", "completed"]
+    record, weights = published(pvc)
+    assert record.step == 5 and np.array_equal(weights, state.w)
+    assert cli.main(["verify", "--pvc", str(pvc)]) == 0
+
+    def untrained_6(run, state, step):
+        if step == 6:
+            return run.end_early()
+        run.report(state.step(step))
+
+    other = tmp_path / "other"
+    run, _ = own(other, untrained_6, steps=8)
+    assert run.exit_code == 0 and events(other / "log.jsonl") == events(pvc / "log.jsonl")
+    assert (other / "artifacts/model-v1.safetensors").read_bytes() == (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+def test_an_early_end_cut_short_before_the_gate_ends_early_again_on_the_relaunch(pvc, tmp_path, capsys):
+    """Killed (here: left without the gate, exit 2) after the early end's checkpoint: the relaunch
+    resumes from step 5 and, its state saying the training ended, calls ``end_early`` before the
+    loop: no step is trained, and it publishes the uninterrupted run's bytes."""
+    def stops_at_5(run, state, step):
+        run.report(state.step(step))
+        if step == 5:
+            run.end_early()
+
+    assert own(pvc, stops_at_5, steps=8, gate=False)[0].exit_code == 2
+    capsys.readouterr()
+    state = Vector()
+    with Run(pvc, state=state, steps=8, ckpt_every=2) as run:
+        run.end_early()
+        assert list(run) == []
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+    assert run.exit_code == 0 and run.from_step == 5
+    assert [e for e, _ in events(pvc / "log.jsonl")][-4:] == ["checkpointed", "resumed", "artifact_written",
+                                                              "completed"]
+    own(tmp_path / "whole", stops_at_5, steps=8)
+    assert (pvc / "artifacts/model-v1.safetensors").read_bytes() == \
+        (tmp_path / "whole/artifacts/model-v1.safetensors").read_bytes()
+
+
 def test_leaving_without_the_gate_is_exit_2_and_the_relaunch_gates(pvc, capsys):
     run, _ = own(pvc, good, gate=False)
     assert run.exit_code == 2 and "gate(...) was never called" in str(run.error)

@@ -276,7 +276,7 @@ def with_workers(tmp_path: Path, prelude: str = "", name: str = "workers") -> Pa
 
 def test_with_two_loader_workers_drawing_noise_a_sigkill_in_epoch_0_resumes_to_the_bare_scripts_bytes(tmp_path):
     """Lightning starts the first epoch's workers when the fit's data is set up, before the
-    callback can wrap their ``worker_init_fn``; without ``restart_workers`` their random streams
+    callback can wrap their ``worker_init_fn``; without ``LightningState.restart`` their random streams
     were not in the checkpoint and a resume in epoch 0 published other bytes (the control below).
     Killed between steps 12 and 27 (a checkpoint every 5: the resume is mid-epoch 0), the
     relaunch publishes the weights and losses of the same script run without trainjob. Three
@@ -303,10 +303,10 @@ def test_with_two_loader_workers_drawing_noise_a_sigkill_in_epoch_0_resumes_to_t
 
 def test_control_with_the_first_workers_left_as_lightning_started_them_a_resume_in_epoch_0_goes_elsewhere(
         tmp_path):
-    """The control of the test above: with ``restart_workers`` switched off, stopped at step 12
+    """The control of the test above: with ``LightningState.restart`` switched off, stopped at step 12
     and relaunched, the run publishes other bytes than the same script uninterrupted."""
     off = ("import trainjob.integrations.lightning.state as _state\n"
-           "_state.LightningState.restart_workers = lambda self: None\n")
+           "_state.LightningState.restart = lambda self: None\n")
     whole = with_workers(tmp_path, off, name="control")
     stops = tmp_path / "lightning_control_stop.py"
     stops.write_text(whole.read_text().replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=12)")))
@@ -390,22 +390,37 @@ def test_the_benchmark_completes_and_reports_every_ratio(tmp_path):
                            "2", "--blocks", "1", "--dim", "8", "--json", str(tmp_path / "out.json")], env=ENV,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    ratios = json.loads((tmp_path / "out.json").read_text())["ratios"]
-    assert set(ratios) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report["ratios"]) == {f"{clock} {kind}" for clock in ("wall", "cpu") for kind in ("trainjob", "async")}
+    assert set(report["stall_by_wall_s"]) == {"lightning", "trainjob", "async"}
+    assert all(len(report["held_s"][kind]) == 1 for kind in ("lightning", "trainjob", "async")), report["held_s"]
+    assert "stall per checkpoint, ms" in done.stdout
 
 
-def test_with_gradient_accumulation_a_step_is_a_window_and_resumes_to_the_same_bytes(tmp_path):
-    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; stopped at step 15
-    (epoch 0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's
-    bytes. Three launches: the variant uninterrupted, stopped, relaunched."""
+def test_with_gradient_accumulation_a_step_is_a_window_logs_its_loss_and_resumes_to_the_same_bytes(tmp_path):
+    """``accumulate_grad_batches=2``: 45 trainjob steps of two batches each; each checkpoint logs
+    the step's loss, the mean of its two batches' (Lightning hands the callback each batch's loss
+    divided by 2: the log said 683 where the cross-entropy was 1.37); stopped at step 15 (epoch
+    0's last window, a checkpoint step), the relaunch publishes the uninterrupted variant's bytes.
+    Three launches: the variant uninterrupted, stopped, relaunched."""
     accumulate = ("gradient_clip_val=1.0,", "gradient_clip_val=1.0, accumulate_grad_batches=2,")
     whole = variant(tmp_path, *accumulate, name="accumulate")
     text = whole.read_text()
     stops = tmp_path / "lightning_accumulate_stop.py"
     stops.write_text(text.replace(CALLBACK, CALLBACK.replace("score)", "score, die_at=15)")))
     reference = tmp_path / "reference"
-    code, _, err = finish(whole, reference)
-    assert code == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    proc = launch(whole, "--pvc", str(reference))
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and events(reference)[0]["detail"].startswith("steps=45 "), err[-2000:]
+    batches: dict[int, list[float]] = {}  # the example prints each batch's loss, under the step it belongs to
+    for step, loss in re.findall(r"^step (\d+) loss (\S+)$", out, re.M):
+        batches.setdefault(int(step), []).append(float(loss))
+    logged = [re.fullmatch(r"step=(\d+) loss_milli=(\d+)", e["detail"]) for e in events(reference)
+              if e["event"] == "checkpointed"]
+    assert len(logged) == 9 and all(len(batches[int(m[1])]) == 2 for m in logged), (logged, batches)
+    for m in logged:
+        mean = sum(batches[int(m[1])]) / 2
+        assert abs(int(m[2]) - 1000 * mean) <= 0.5 + 1e-3, (m[0], batches[int(m[1])])
     pvc = tmp_path / "pvc"
     assert finish(stops, pvc)[0] == 75 and events(pvc)[-1]["detail"] == "at_step=15"
     code, _, err = finish(whole, pvc)

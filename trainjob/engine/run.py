@@ -48,6 +48,13 @@ At W > 1, a launch that ends before its first step (a refused start, a rank that
 a stop before every rank joined) ends the process at ``for step in run``, on every rank, with its
 exit code: the rest of the block (the gate's collectives) could wait on a rank that is not there.
 
+An early end (early stopping): ``run.end_early()`` in a step's body, on every rank at the same
+step, ends the loop after that step: the step is saved (its checkpoint forced, holding the state
+as it is now) and the gate is due, as after the last step. Called where the step was not trained
+(no ``report`` yet: the framework's loop ended instead), the run ends at the step before it;
+called before the loop (a resume whose state says the training had ended), at the step it resumed
+from. A relaunch resumes from that checkpoint, and the script ends early again there.
+
 Signals: SIGTERM and SIGINT are noted, the step finishes, its checkpoint is saved, exit 75. A
 Run inside another's ``with`` block is allowed: the signal is passed on to the handler the
 inner Run displaced (``StopFlag``), so every enclosing Run stops too, as does a script's own
@@ -182,8 +189,8 @@ class Run:
         self._step: int | None = None  # the step the loop body is training
         self._narrator: Narrator | None = None  # rank 0's voice on stderr (progress.py)
         self._loss: int | None = None  # its reported loss, in thousandths
-        self._early = False  # end_early(): the training decided that the step it is at is its last
-        self.last_step: int | None = None  # the step the loop ended at, once it trained the last
+        self._early = False  # end_early(): the loop ends after this step
+        self.last_step: int | None = None  # the step the loop ended at (the model the gate publishes)
 
     # --- entering ---------------------------------------------------------------------------
 
@@ -387,26 +394,31 @@ class Run:
         while True:
             if target is None and peers.stop_wanted():
                 target = peers.agree_stop()
-            if step >= (cfg.steps if target is None else target) or self._early:
+            if self._early or step >= (cfg.steps if target is None else target):
                 break
             step += 1
             self._step, self._loss = step, None
             yield step
             if self._loss is None:
+                if self._early:  # the step was not trained: the run ends at the one before
+                    step, self._step = step - 1, None
+                    break
                 raise UsageError(f"step {step} ended without run.report(loss); report every step's loss once")
             loss, self._step = self._loss, None
             peers.step = step
             if self._narrator is not None:
                 self._narrator.step(step, loss)
             self._between()
-            if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target or self._early:
-                self._save(step, loss, step == target or self._early)
+            if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
+                self._save(step, loss, step == target)
                 last_saved = step
             if cfg.die_at == step:
                 return self._end(step, stopped=False)
         if target is None and peers.stop_wanted():  # the stop came during the last step
             target = peers.agree_stop()
         if target is None:
+            if self._early and step > last_saved:  # the early end's step, saved as it is now
+                self._save(step, loss, True)
             self._settle(release=True)  # the last checkpoint lands (and is logged) before the gate
             self.gate_due, self.last_step = True, step
             return None
@@ -422,8 +434,10 @@ class Run:
         before the loop's first step, on a resume whose checkpoint holds that decision (the
         caller's state says so), the loop trains nothing and the gate is due. A stop (SIGTERM)
         during such a step saves it and ends the launch as any stop does: the relaunch resumes
-        from the checkpoint that holds the decision."""
-        if self._step is None and (self._iterated or self.from_step == 0):
+        from the checkpoint that holds the decision. Called in a step that was not trained (no
+        ``report`` yet: the framework's own loop ended instead), the run ends at the step before it."""
+        if self.final is not None or self.error is not None or (
+                self._step is None and (self._iterated or self.from_step == 0)):
             raise UsageError("run.end_early() belongs inside `for step in run`, or before it on a resume "
                              "(a run that stopped early at the step it resumed from)")
         self._early = True

@@ -2,18 +2,26 @@
 
 Lightning owns the loop, so the callback drives the Run's step iterator from Lightning's hooks:
 
+    setup               before the strategy wraps the model: what cannot train is refused in one line
+                        (``sync_batchnorm=True`` on CPU, which DDP itself refuses with a traceback);
+                        the callback moves itself after every other callback, so that a checkpoint
+                        holds what EarlyStopping decided in the same hook
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
                         the newest verified checkpoint into the live state (``state.py``); on a
-                        fresh start, the loader's workers start anew, wrapped (``restart_workers``);
+                        fresh start, the loader's first iterator built anew (``LightningState.restart``);
                         SIGTERM and SIGINT stay the Run's from here on (``_keep_signals``)
-    on_train_batch_end  after a batch that stepped the optimizer: ``report`` its loss, and the Run's
+    on_train_batch_end  after a batch that stepped the optimizer: ``report`` the step's loss (under
+                        gradient accumulation, the mean of its batches' losses), and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
                         saved, ``killed``); when Lightning validates after the batch, that comes
                         in ``on_validation_end`` instead
     on_train_end        the gate: ``gate(module)`` scores the holdout and the baseline, ``export``
-                        what the artifact publishes (the module's state_dict by default)
+                        what the artifact publishes (the module's state_dict by default); a fit
+                        that ended before the last step because ``trainer.should_stop`` was set
+                        (EarlyStopping, max_time) ends the Run there (``Run.end_early``: that step
+                        saved, with the stop decision and the callbacks' state, then the gate)
     on_fit_end          the Run is left; ``on_exception``: an error ends it with its code
 
 A trainjob step is a batch that stepped the optimizer (gradient accumulation's other batches are
@@ -75,6 +83,7 @@ class TrainJob(pl.Callback):
         self._steps: Iterator[int] | None = None
         self._step: int | None = None  # the step Lightning trains next, or None: the Run's loop is over
         self._stepped_from = 0  # trainer.global_step when the batch began
+        self._window: list[Any] = []  # the losses of the step's batches so far (gradient accumulation)
         self._left = False  # the Run's ``with`` is over
         self._after_validation = False  # the step's checkpoint waits for the validation after it
 
@@ -89,6 +98,14 @@ class TrainJob(pl.Callback):
 
     # --- Lightning's hooks ----------------------------------------------------------------------
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            with self._guard():
+                _refuse_sync_batchnorm_on_cpu(trainer, pl_module)
+            # Last: the hooks that share an event with EarlyStopping (on_validation_end) see its
+            # decision before the step is saved. A new list: Lightning is iterating the old one.
+            trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
             if Version(pl.__version__) < MIN_LIGHTNING:
@@ -99,6 +116,8 @@ class TrainJob(pl.Callback):
                 raise UsageError("trainer.fit(ckpt_path=...) with trainjob's callback: trainjob resumes from "
                                  "the PVC on its own; leave ckpt_path out")
             steps = trainer.estimated_stepping_batches  # sets the fit loop's data up (configure_optimizers may have)
+            if trainer.train_dataloader is None:  # max_steps without max_epochs: Lightning answers max_steps as is
+                trainer.fit_loop.setup_data()
             if not isinstance(steps, int) or steps < 1:
                 raise UsageError(f"Lightning estimates {steps} optimizer steps; trainjob needs a finite number: "
                                  "set max_epochs or max_steps")
@@ -114,7 +133,7 @@ class TrainJob(pl.Callback):
         _keep_signals(trainer, self.run.stop._handle)
         with self._guard():
             if not state.loaded:  # a fresh start (a resume's load started the workers anew)
-                state.restart_workers()
+                state.restart()
             self._steps = iter(self.run)
             self._next()
 
@@ -128,11 +147,19 @@ class TrainJob(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step == self._stepped_from:
-            return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
+        stepped = trainer.global_step != self._stepped_from
         with self._guard():
+            loss = _loss(outputs, self._step, required=stepped)
+            if loss is not None:
+                # Lightning hands out each batch's loss divided by accumulate_grad_batches (what
+                # it backpropagates); the step's loss is the mean of its batches' own.
+                self._window.append(loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization
+                                    else loss)
+            if not stepped:
+                return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
             assert self.run is not None
-            self.run.report(_loss(outputs, self._step))
+            window, self._window = self._window, []
+            self.run.report(window[0] if len(window) == 1 else sum(window) / len(window))
             if _validates_next(trainer):
                 # The step is saved once the validation that follows it is over, as Lightning's
                 # ModelCheckpoint saves then: a resume does not run that validation again, and
@@ -150,9 +177,13 @@ class TrainJob(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step is not None:
             with self._guard():
-                raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} (early "
-                                 "stopping, max_time, trainer.should_stop?): a trainjob run trains the steps it "
-                                 "was given; the steps since the last checkpoint are not saved")
+                if not trainer.should_stop:
+                    raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} "
+                                     "without a stop decided (trainer.should_stop): the train loader ran out before "
+                                     "estimated_stepping_batches? The steps since the last checkpoint are not saved")
+                assert self.run is not None
+                self.run.end_early()  # step self._step was not trained: the run ends at the one before
+                self._next()
         self._gate(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -257,12 +288,30 @@ def _keep_signals(trainer: pl.Trainer, handler: Callable[[int, Any], None]) -> N
     connector.register_signal_handlers = register_around_the_run
 
 
-def _loss(outputs: Any, step: int | None) -> Any:
-    """The loss Lightning's training_step returned for the batch that stepped."""
+def _loss(outputs: Any, step: int | None, required: bool) -> Any:
+    """The loss Lightning's training_step returned for a batch (``required``: the batch that
+    stepped), as Lightning hands it to the callbacks."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if loss is None:
+    if loss is None and required:
         raise UsageError(f"step {step}: training_step returned no loss (return the loss, or a dict with 'loss')")
     return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+
+def _refuse_sync_batchnorm_on_cpu(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """``sync_batchnorm=True`` (or the module's own SyncBatchNorm layers) under DDP on CPU: torch's
+    DistributedDataParallel refuses SyncBatchNorm on CPU with a ValueError when the strategy wraps
+    the model, which would end the run 70 for a configuration."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy) or strategy.root_device.type != "cpu":
+        return
+    if isinstance(getattr(strategy, "_layer_sync", None), TorchSyncBatchNorm) \
+            or any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        raise UsageError("sync_batchnorm=True on CPU: torch's SyncBatchNorm works only on GPUs (DDP refuses it on "
+                         "CPU); leave it out: trainjob saves BatchNorm's statistics as DDP keeps them, rank 0's, "
+                         "which DDP hands to every rank at each forward")
 
 
 def _validates_next(trainer: pl.Trainer) -> bool:
