@@ -328,23 +328,22 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
 @pytest.mark.killpoint
 def test_a_sigterm_to_the_whole_process_group_twice_with_workers_on_every_loader_is_a_saved_step_and_75(tmp_path):
     """Slurm's preemption: SIGTERM to the process group, twice, half a second apart, with 2 workers
-    on the train loader and 2 on the loader of an evaluation every 4 steps (eval_dataset; persistent
-    workers, so those are alive when the signal comes at step 14). The
+    on the train loader and 2 on the loader of an evaluation every 4 steps (eval_dataset), sent
+    as step 12's evaluation begins. The
     integration guarded the train loader's workers only: the eval loader's died of the signal and
     the run ended 70 ("DataLoader worker ... is killed by signal"). Now every loader's workers
     outlive it: the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes of
     the same script. Three launches: the uninterrupted one, the stopped one, the relaunch."""
     _needs_transformers()
     script = variant(tmp_path / "hf_eval_workers.py",
-                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout)"),
-                     ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=4,'),
-                     ("dataloader_num_workers=args.workers)",  # the eval loader's workers live on between evaluations
-                      "dataloader_num_workers=args.workers, dataloader_persistent_workers=True)"))
+                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout * 8)"),
+                     ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=4,'))
     flags = ("--workers", "2")
     code, _, err = finish(tmp_path / "ref", *flags, script=script)
     assert code == 0, err[-2000:]
     pvc = tmp_path / "pvc"
-    code, err = signalled(pvc, signal.SIGTERM, 14, script=script, flags=flags, group=True, twice=True)
+    # Step 12's loss line is printed just before its evaluation (64 batches): the signal lands there.
+    code, err = signalled(pvc, signal.SIGTERM, 12, script=script, flags=flags, group=True, twice=True)
     assert code == 75, err[-2000:]
     assert events(pvc)[-1]["event"] == "killed"
     code, _, err = finish(pvc, *flags, script=script)
