@@ -211,7 +211,8 @@ def test_w2_both_ways_preempted_and_an_own_loop_scancelled_each_resume_and_compl
         jobs[way] = submit(env, tmp_path / way, render(env, "--pvc", pvcs[way], "--partition", "low", "--grace", "20",
                                                        *ranks, "--", "run", *SLOW))
     # 1000 quick steps, a checkpoint every 10: seconds of training after the first, for the signal to land in.
-    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "1000", "--ckpt-every", "10"]
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "1000",
+            "--ckpt-every", "10"]
     (tmp_path / "own-loop").mkdir()
     own = submit(env, tmp_path / "own-loop", render(env, "--pvc", pvcs["own-loop"], "--", *loop))
     signalled: set[str] = set()
