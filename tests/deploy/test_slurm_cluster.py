@@ -210,9 +210,9 @@ def test_w2_both_ways_preempted_and_an_own_loop_scancelled_each_resume_and_compl
         (tmp_path / way).mkdir()
         jobs[way] = submit(env, tmp_path / way, render(env, "--pvc", pvcs[way], "--partition", "low", "--grace", "20",
                                                        *ranks, "--", "run", *SLOW))
-    # 1000 quick steps, a checkpoint every 10: seconds of training after the first, for the signal to land in.
-    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "1000",
-            "--ckpt-every", "10"]
+    # 2000 quick steps, a checkpoint every 50: seconds of training after the first, for the signal to land in.
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "2000",
+            "--ckpt-every", "50"]
     (tmp_path / "own-loop").mkdir()
     own = submit(env, tmp_path / "own-loop", render(env, "--pvc", pvcs["own-loop"], "--", *loop))
     signalled: set[str] = set()
