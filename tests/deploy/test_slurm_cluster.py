@@ -169,7 +169,8 @@ def test_bad_input_a_spent_budget_and_storage_that_always_fails_each_end_the_job
                        "budget1": ["--backoff-limit", "1", "--", "run", "--force-weights", "0,0,0"],
                        "full": ["--max-stalls", "2", "--", "run"]}.items():
         (tmp_path / name).mkdir()
-        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", pvcs[name], *args))
+        # --grace given: render need not time a run of each to size it
+        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", pvcs[name], "--grace", "30", *args))
     expected = {"bad": ("2:0", 0, []), "rank1": ("2:0", 0, None),
                 "budget0": ("1:0", 0, ["job_started", "drift_failed"]),
                 "budget1": ("1:0", 1, ["job_started", "drift_failed", "job_started", "drift_failed"]),
