@@ -70,6 +70,23 @@ def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
 
 
+def log_length(pvc: Path) -> int:
+    """How many events the PVC's log holds now: what a launch about to start found."""
+    from trainjob.deploy.launches import events as logged
+
+    return len(logged(pvc))
+
+
+def agrees_with_its_log(code: int, pvc: Path, before: int = 0) -> None:
+    """Assert that a launch (or a Run) that ended with ``code`` left a log that `trainjob status`
+    reads as the same code (``launches.disagreement``); ``before``: the log's events when it
+    started. Every launch of the acceptance tests is checked so."""
+    from trainjob.deploy.launches import disagreement, events as logged
+
+    problem = disagreement(code, logged(pvc), before)
+    assert problem is None, problem
+
+
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
     """A directory ``build`` fills once per pytest run, however many xdist workers and modules ask.
 

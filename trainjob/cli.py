@@ -26,11 +26,12 @@ from typing import NoReturn
 from .defaults import VERSION
 from .deploy import k8s, policy, slurm
 from .engine.config import DEFAULT_LOG, RunConfig, idempotent_from
-from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
+from .errors import (InputError, TrainJobError, UsageError, importing, missing_extra, one_line, open_regular,
+                     os_errors)
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
-from .storage.pvc import check_path
+from .storage.durable import check_path
 from .trainers.builtin import BUILTIN, DATASETS
 from .views.diagram import ENGINE as DIAGRAM_FORMATS
 
@@ -55,7 +56,34 @@ JOB_ACTION_FOR_EXIT = {EXIT_USAGE: "FailJob", EXIT_FAILED: "Count", EXIT_INTERNA
                        EXIT_RELAUNCH: "Count"}
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """The default ``--help`` (and the CLI reference, scripts/mkdocs_hooks.py) shows for an
+    argument, or None: a flag without a value (``--quiet``), an unset default (None: the help
+    says what stands in, such as ``$WORLD_SIZE``) and an empty one (the help says what it means)
+    show none."""
+    default = action.default
+    if action.nargs == 0 or default is None or default == "" or default is argparse.SUPPRESS:
+        return None
+    return str(default)
+
+
+class _Help(argparse.HelpFormatter):
+    """Each argument's help ends with its default, where it has one to show (``shown_default``)
+    and the help does not say it already (``%(default)s``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = shown_default(action)
+        if shown is None or "%(default)" in text:
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> NoReturn:
         # One line, not argparse's usage block: the usage is one --help away.
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -87,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("gen", help="write a data set (train, holdout, baseline): the lab's, or digits")
     gen.add_argument("--dataset", choices=list(DATASETS), default="lab",
-                     help="lab (default: the toy data) or digits (scikit-learn's, needs trainjob[digits])")
+                     help="lab (the toy data) or digits (scikit-learn's, needs trainjob[digits])")
     gen.add_argument("dir", type=Path, help="directory to write train.jsonl, holdout.jsonl and baseline.json into")
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
@@ -96,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="durable directory (or s3://BUCKET/PREFIX) for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
-                   help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
+                   help=f"the model: {', '.join(BUILTIN)}, or package.module:factory "
                         "(docs/trainers.md)")
     r.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps, help="training steps in all")
@@ -120,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--async-checkpoint", action="store_true",
                    help="write each checkpoint on a background thread while training goes on (one extra copy "
                         "of the state in host memory; docs/howto/async.md: when to choose it)")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a line rewritten on a terminal, else a line per checkpoint); "
+                        "the line saying how the run ended, and any error, are still printed")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
                         "(what supervise and the k8s Job pass; TRAINJOB_IDEMPOTENT=1 does the same); without it, "
@@ -156,19 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"starts in all, relaunches included (default: the run's --backoff-limit "
                          f"+ {2 + policy.SPARE_STARTS})")
     sv.add_argument("--backoff-base", type=float, default=10.0,
-                    help="seconds before the first relaunch (default %(default)s)")
+                    help="seconds before the first relaunch")
     sv.add_argument("--backoff-cap", type=float, default=600.0,
-                    help="longest wait between starts, seconds (default %(default)s)")
+                    help="longest wait between starts, seconds")
     sv.add_argument("--grace", type=float, default=30.0,
-                    help="seconds a signalled child gets to checkpoint before SIGKILL (default %(default)s)")
+                    help="seconds a signalled child gets to checkpoint before SIGKILL")
     sv.add_argument("child", **child)
 
     pr = sub.add_parser("prove", help="kill your training command at random instants; exit 0 only if every "
                                       "resume reaches the uninterrupted run's bytes")
-    pr.add_argument("--kills", type=int, default=4, help="trials, each killed once (default %(default)s)")
-    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase (default %(default)s)")
+    pr.add_argument("--kills", type=int, default=4, help="trials, each killed once")
+    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase")
     pr.add_argument("--signal", choices=("KILL", "TERM", "both"), default="KILL",
-                    help="what each trial receives (default %(default)s; both: alternating)")
+                    help="what each trial receives (both: alternating)")
     pr.add_argument("--twice", action="store_true",
                     help="run the reference twice first: a command that differs from itself is reported as such")
     pr.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command, with {pvc} where its PVC goes")
@@ -179,18 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     t = k8s.Target()
     kr.add_argument("--name", default=t.name, help="Job name (DNS-1123 label); the claim is NAME-data")
     kr.add_argument("--image", default=t.image, help="container image with trainjob installed")
-    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity (default %(default)s)")
+    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity")
     kr.add_argument("--world-size", type=int, default=t.world_size,
                     help="ranks; above 1 renders an Indexed Job on a ReadWriteMany claim")
     kr.add_argument("--backoff-limit", type=int, default=t.backoff_limit,
                     help="the run's retry budget; the Job's backoffLimit is this + 1")
     kr.add_argument("--grace", type=int, default=t.grace,
-                    help="terminationGracePeriodSeconds (default %(default)s)")
-    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+                    help="terminationGracePeriodSeconds")
+    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds")
     kr.add_argument("--pvc", type=location_arg,
                     help="s3://BUCKET/PREFIX: keep the job's files in a bucket instead of a claim (no PVC rendered)")
     kr.add_argument("--s3-secret", default="",
-                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default NAME-s3)")
+                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default: NAME-s3)")
     kr.add_argument("child", nargs="*", metavar="-- run ARGS | -- python SCRIPT ARGS",
                     help="extra `trainjob run` flags, or an own loop (a script around trainjob.Run, with "
                          "--pvc {pvc}) that the pods run made idempotent (docs/kubernetes.md)")
@@ -265,7 +296,7 @@ def cmd_gen(args: argparse.Namespace) -> int:
     if directory.exists() and not directory.is_dir():
         raise InputError(f"{directory}: exists and is not a directory")
     with importing("the command's modules"):
-        from .storage.pvc import atomic_write, make_dir
+        from .storage.durable import atomic_write, make_dir
 
     dataset = DATASETS[args.dataset]
     files = dataset.generate()  # before creating anything: a missing optional package is exit 2
@@ -312,7 +343,6 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 def cmd_run(args: argparse.Namespace) -> int:
     with importing("the command's modules"):
         from .engine.job import ARTIFACT_FORMATS, StopFlag
-        from .engine.progress import Progress
         from .engine.run import Run
         from .ranks.identity import resolve_rank
         from .trainers import protocol
@@ -338,7 +368,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
     run = Run(args.pvc, state=trainer, log=_log_path(args), rank=spec.rank, world_size=spec.world_size,
               idempotent=args.idempotent, artifact_format=artifact_format, data_sha256=trainer.data_sha256,
-              progress=Progress.for_stream(sys.stderr, cfg.steps) if spec.rank == 0 else None,
+              progress=not args.quiet,
               raise_errors=True, stop=stop, **_run_settings(cfg))
     with run:
         for step in run:
@@ -796,7 +826,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def _check_paths(args: argparse.Namespace) -> None:
-    """Every path argument, before any work (``pvc.check_path``)."""
+    """Every path argument, before any work (``durable.check_path``)."""
     for value in vars(args).values():
         if isinstance(value, Path):
             check_path(value)
@@ -817,10 +847,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainJobError as exc:
         warn(f"trainjob {args.command}: {one_line(str(exc))}")
         return exit_code_for(type(exc))
+    except ImportError as exc:  # an optional package the command needs (errors.EXTRA_FOR): say which extra
+        if (missing := missing_extra(exc)) is None:
+            return _internal(args.command)
+        warn(f"trainjob {args.command}: {one_line(str(missing))}")
+        return exit_code_for(type(missing))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
-        warn(traceback.format_exc().rstrip())
-        warn(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it")
-        return EXIT_INTERNAL
+        return _internal(args.command)
+
+
+def _internal(command: str) -> int:
+    """A bug (the exception being handled): its traceback and one line saying so; exit 70."""
+    warn(traceback.format_exc().rstrip())
+    warn(f"trainjob {command}: internal error (exit {EXIT_INTERNAL}); please report it")
+    return EXIT_INTERNAL
 
 
 def entry() -> NoReturn:

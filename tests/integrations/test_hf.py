@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, skip_without, trainjob
+from conftest import ROOT, agrees_with_its_log, built_once, log_length, skip_without, trainjob
 
 pytestmark = pytest.mark.acceptance  # scripts/test.sh's acceptance step: minutes of Trainer launches
 EXAMPLE = ROOT / "examples/hf_trainer.py"
@@ -104,8 +104,10 @@ def losses(text: str) -> dict[int, str]:
 
 
 def finish(pvc: Path, *flags: str, script: Path = EXAMPLE) -> tuple[int, dict[int, str], str]:
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     out, err = proc.communicate(timeout=600)
+    agrees_with_its_log(proc.returncode, pvc, before)  # every launch: its log says its exit code
     return proc.returncode, losses(out), err
 
 
@@ -114,6 +116,7 @@ def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, s
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
     ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)
     to the process, or with ``group`` to its whole process group (its loader's workers too)."""
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -125,6 +128,7 @@ def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, s
     else:
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
+    agrees_with_its_log(proc.returncode, pvc, before)
     return proc.returncode, err
 
 
@@ -317,6 +321,9 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     last = events(tmp_path / "pvc")[-1]
     holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
     assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths
+    ours = [line for line in err.splitlines() if line.startswith("trainjob")]  # the Trainer keeps its own progress
+    assert len(ours) == 1 and ours[0].startswith("trainjob: completed (exit 0): published "), ours
+    assert ours[0].endswith(" vs baseline 3.4657 (lower is better; at most 4.33212 passes with max_drop 20%)")
 
 
 @pytest.mark.process

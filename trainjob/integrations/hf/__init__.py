@@ -18,16 +18,20 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ...defaults import BACKOFF_LIMIT
-from ...engine.run import Run
-from ...errors import UsageError
-from ...records import Score
-from .hooks import Driver
-from .state import TrainerCheckpoint
+from ...errors import UsageError, require
+
+# Looked up, not imported: the script imports transformers itself (its Trainer is what run() drives).
+require("trainjob.integrations.hf", "hf", "torch", "transformers", "accelerate")
+
+from ...defaults import BACKOFF_LIMIT  # noqa: E402
+from ...engine.run import Run, gate_arguments  # noqa: E402
+from ...records import Metric, Score  # noqa: E402
+from .hooks import Driver  # noqa: E402
+from .state import TrainerCheckpoint  # noqa: E402
 
 __all__ = ["run", "metric", "TrainerCheckpoint"]
 
-Gate = Callable[[Any], tuple[Score, Score]]
+Gate = Callable[[Any], Metric | tuple[Score, Score]]
 
 
 def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callable[[Any], Mapping[str, Any]] | None = None,
@@ -38,9 +42,10 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
     return the exit code (``sys.exit`` it): 0 completed, 1 drift_failed or job_failed, 2 bad
     input, 75 killed or storage trouble (relaunch), 70 a bug.
 
-    ``gate(trainer)`` returns ``(holdout, baseline)``, two ``trainjob.Score``s: the trained model's
-    and a frozen reference's (the gate passes when ``holdout`` keeps within ``max_drop`` percent of
-    ``baseline``); ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the published tensors (default: the model's
+    ``gate(trainer)`` returns a ``trainjob.Metric`` (a metric against its frozen value), or
+    ``(holdout, baseline)``, two ``trainjob.Score``s: the trained model's and a frozen reference's;
+    either passes when it keeps within ``max_drop`` percent of the baseline, as ``Run.gate``
+    judges it. ``metric(...)`` makes one from an eval metric. ``export(trainer)`` chooses the published tensors (default: the model's
     ``state_dict()``, a tied weight once). Checkpoints come every ``save_steps`` (the Trainer's
     ``save_strategy``: steps, epoch, or no: the last step only) and at the last step. The rest are
     ``trainjob.Run``'s settings (docs/trainers.md)."""
@@ -48,41 +53,31 @@ def run(trainer: Any, *, pvc: str | os.PathLike[str], gate: Gate, export: Callab
     state = TrainerCheckpoint(trainer, refusal)
     with Run(pvc, state=state, steps=steps, ckpt_every=every, lr=float(trainer.args.learning_rate),
              max_drop=max_drop, backoff_limit=backoff_limit, keep=keep, log=log, rank_timeout=rank_timeout,
-             idempotent=idempotent, async_checkpoint=async_checkpoint, name=name) as job:
+             idempotent=idempotent, async_checkpoint=async_checkpoint, name=name,
+             progress=False) as job:  # the Trainer draws its own bar; the run adds the line saying how it ended
         if job.final is None and job.error is None:
             Driver(trainer, state, job).train()
             if job.gate_due:
-                holdout, baseline = gate(trainer)
-                job.gate(holdout=holdout, baseline=baseline,
+                job.gate(**gate_arguments(gate(trainer)),
                          export=dict(export(trainer)) if export is not None else model_tensors(trainer.model))
     return job.exit_code
 
 
-# An eval metric is gated in millionths: the gate's rule is over integer counts.
-PARTS = 10 ** 6
-
-
 def metric(name: str, baseline: float, *, higher_is_better: bool = True) -> Gate:
     """A gate on one of ``trainer.evaluate()``'s metrics (``"eval_loss"``, an ``"eval_accuracy"``
-    your ``compute_metrics`` returns) against a frozen value, for ``run(gate=...)``. Higher is
-    better: the metric and the baseline are compared in millionths, so the gate passes when
-    ``metric >= baseline * (100 - max_drop) / 100``. Lower is better (a loss): it passes when
-    ``baseline / metric >= (100 - max_drop) / 100``, i.e. the metric is at most ``baseline`` grown by
-    ``max_drop`` percent of itself. A metric that is missing, not a finite number >= 0, or a
-    baseline that is not, is a UsageError (exit 2)."""
-    if not (isinstance(baseline, int | float) and 0 < baseline < float("inf")):
-        raise UsageError(f"metric({name!r}): the baseline must be a finite number above 0, got {baseline!r}")
+    your ``compute_metrics`` returns) against a frozen value, for ``run(gate=...)``: the
+    ``trainjob.Metric`` it scored, judged as ``Run.gate(metric=...)`` judges one (the same rule
+    in own loops, HF and Lightning: ``decisions.metric_counts``). Higher is better: passes when
+    the metric is at least ``baseline`` less ``max_drop`` percent of it. Lower is better (a loss):
+    passes when the metric less ``max_drop`` percent of itself is at most ``baseline``. A metric
+    that is missing, or not a finite number from 0, or a baseline that is not above 0, is a
+    UsageError (exit 2)."""
 
-    def gate(trainer: Any) -> tuple[Score, Score]:
+    def gate(trainer: Any) -> Metric:
         found = trainer.evaluate()
-        value = found.get(name)
-        if not isinstance(value, int | float) or not 0 <= value < float("inf"):
-            raise UsageError(f"trainer.evaluate() gave {name}={value!r}, not a finite number >= 0 "
-                             f"(it gave {', '.join(sorted(found))})")
-        if higher_is_better:
-            return Score(correct=round(value * PARTS), total=PARTS), Score(correct=round(baseline * PARTS), total=PARTS)
-        ratio = baseline / value if value > 0 else float("inf")
-        return Score(correct=min(round(ratio * PARTS), 2 ** 53), total=PARTS), Score(correct=PARTS, total=PARTS)
+        if name not in found:
+            raise UsageError(f"trainer.evaluate() gave no {name} (it gave {', '.join(sorted(found))})")
+        return Metric(found[name], baseline=baseline, higher_is_better=higher_is_better, name=name)
 
     return gate
 
