@@ -183,7 +183,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @contextmanager
-def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest, alone: bool) -> Iterator[dict[str, str]]:
+def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest,
+                   alone: bool) -> Iterator[dict[str, str]]:
     """The cluster for one test, beside the others that share it or alone (``flock``: shared or
     exclusive), whichever xdist worker runs them. Every job the test submits is named after it
     (``SBATCH_JOB_NAME`` overrides the script's ``--job-name``), and those alone are cancelled after it."""
