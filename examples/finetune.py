@@ -1,7 +1,7 @@
 """A training script as ML engineers write it, under trainjob: killed at any instant, resumed to the same bits.
 
     python examples/finetune.py --pvc pvc
-    torchrun --standalone --nproc-per-node 2 examples/finetune.py --pvc pvc
+    trainjob torchrun --standalone --nproc-per-node 2 examples/finetune.py --pvc pvc
 
 An MLP with dropout, AdamW, a warm-up + cosine LambdaLR, gradient clipping, gradient accumulation over
 2 micro-batches, a shuffling StatefulDataLoader over 3 epochs; DDP over gloo under torchrun (each rank

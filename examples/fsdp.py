@@ -1,6 +1,6 @@
 """A model no rank holds whole, under trainjob: FSDP2 shards, checkpointed and resumed by offsets.
 
-    torchrun --standalone --nproc-per-node 2 examples/fsdp.py --pvc pvc
+    trainjob torchrun --standalone --nproc-per-node 2 examples/fsdp.py --pvc pvc
 
 A small residual MLP (an embedding of the input, blocks of LayerNorm + two Linears, a head), each
 block wrapped by ``fully_shard`` and the whole model too, so every parameter and its AdamW state is

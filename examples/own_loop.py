@@ -1,7 +1,7 @@
 """Your own torch training loop under trainjob: resumed, checkpointed, gated, published, honest exit.
 
     python examples/own_loop.py --pvc pvc
-    torchrun --standalone --nproc-per-node 2 examples/own_loop.py --pvc pvc
+    trainjob torchrun --standalone --nproc-per-node 2 examples/own_loop.py --pvc pvc
 """
 
 import argparse, datetime, os, sys  # noqa: E401

@@ -1,7 +1,7 @@
 """A PyTorch trainer for trainjob: a small MLP on the digits, DistributedDataParallel over gloo.
 
     trainjob gen --dataset digits data
-    PYTHONPATH=examples torchrun --standalone --nproc-per-node 2 -m trainjob run \\
+    PYTHONPATH=examples trainjob torchrun --standalone --nproc-per-node 2 -m trainjob run \\
         --pvc pvc --data data --trainer torch_digits:make
 
 torchrun sets RANK and WORLD_SIZE; trainjob reads them, so each process is one trainjob rank: it

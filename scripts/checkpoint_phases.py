@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks.checkpoints import host_store, join, rank_state, save_peer, save_trainjob, specs
 from benchmarks.common import parse_size
 
-from trainjob.storage import pvc as pvc_module
+from trainjob.storage import deletion
 
 Span = tuple[float, float]
 
@@ -87,7 +87,7 @@ def worker(rank: int, world: int, args: argparse.Namespace, root: Path, barrier,
             save_trainjob(root, rank, world, holds, mine, spec, step, whole=True, peers=peers, phase=phase)
             whole.append((t0, time.perf_counter()))
             if args.gap:
-                pvc_module.settle_deletions()
+                deletion.settle_deletions()
         results.put({"rank": rank, "raw": raw, "whole": whole, "phases": dict(phases), "calls": calls})
     except BaseException as exc:
         results.put({"rank": rank, "error": f"rank {rank}: {type(exc).__name__}: {exc}"})

@@ -28,8 +28,8 @@ from trainjob.views import diagram, replay_page  # noqa: E402
 from trainjob.views.history import legal_path  # noqa: E402
 
 DIAGRAMS = ROOT / "diagrams"
-# docs/tutorial/machine.md includes diagrams/machine.mmd itself (pymdownx.snippets); this page embeds a copy,
-# so that it reads whole on GitHub too.
+# The pages show diagrams/machine.svg itself (scripts/mkdocs_hooks.py draws it inline); this page also
+# embeds a copy of the mermaid source, which GitHub draws.
 DOCS = [ROOT / "docs" / "diagrams.md"]
 # The walkthrough page's timestamps (a real run's change every second): the tutorial's (docs/tutorial/walkthrough.md).
 STEADY_TS = "2026-11-30T10:03:24Z"

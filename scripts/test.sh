@@ -31,6 +31,13 @@ if [ ${#missing[@]} -gt 0 ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0
     fi
     rm -f "$apt_log"
 fi
+# The `slurm` tests submit rendered scripts to a one-node loopback Slurm cluster (scripts/slurm.sh
+# starts it inside the tests); install slurm-wlm and munge where we may. Elsewhere those tests skip,
+# except under CI=true, where they fail.
+if ! command -v slurmctld >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "test.sh: installing slurm-wlm and munge for the slurm tests" >&2
+    bash scripts/slurm.sh install || { echo "test.sh: could not install Slurm${CI:+ (CI needs it)}" >&2; [ -z "${CI:-}" ] || exit 1; }
+fi
 python3 -m venv .venv
 # The torch tests (tests/trainers/test_torch.py, examples/finetune.py's) need torch. This exact pin is
 # the CPU wheel CI has on local disk (any other version downloads gigabytes); where it cannot be

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -65,6 +68,23 @@ def io_calls(*args: str | Path) -> int:
 
 def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+def log_length(pvc: Path) -> int:
+    """How many events the PVC's log holds now: what a launch about to start found."""
+    from trainjob.deploy.launches import events as logged
+
+    return len(logged(pvc))
+
+
+def agrees_with_its_log(code: int, pvc: Path, before: int = 0) -> None:
+    """Assert that a launch (or a Run) that ended with ``code`` left a log that `trainjob status`
+    reads as the same code (``launches.disagreement``); ``before``: the log's events when it
+    started. Every launch of the acceptance tests is checked so."""
+    from trainjob.deploy.launches import disagreement, events as logged
+
+    problem = disagreement(code, logged(pvc), before)
+    assert problem is None, problem
 
 
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
@@ -131,6 +151,78 @@ def s3_pvc(s3_server: object, monkeypatch: pytest.MonkeyPatch, request: pytest.F
     return f"s3://{BUCKET}/{request.node.name[:40].replace('[', '-').replace(']', '')}-{uuid.uuid4().hex[:8]}"
 
 
+SLURM_CLUSTER = "slurm-cluster"  # under the run's shared temp directory (built_once's)
+
+
+def _slurm_sh(*args: str | Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(ROOT / "scripts/slurm.sh"), *map(str, args)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The loopback Slurm cluster (scripts/slurm.sh): started once per pytest run by the first test
+    that needs it, under a lock (all xdist workers share it), stopped by ``pytest_sessionfinish``
+    when the run ends. Where it cannot start (not root, no apt) its tests skip with the reason;
+    under CI=true they fail. The environment its clients need, with this tree first on the path."""
+    base = tmp_path_factory.getbasetemp()
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / SLURM_CLUSTER
+    with FileLock(f"{directory}.lock"):
+        if not (directory / "up").exists():
+            started = _slurm_sh("up", directory)
+            if started.returncode != 0:
+                reason = f"no Slurm cluster: {started.stderr.strip().splitlines()[-1:]}"
+                _slurm_sh("down", directory)
+                if os.environ.get("CI") == "true":
+                    pytest.fail(reason)
+                pytest.skip(reason)
+            (directory / "up").write_text(started.stdout)
+    return {**os.environ, "SLURM_CONF": str(directory / "slurm.conf"),
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")])}
+
+
+@contextmanager
+def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest, alone: bool) -> Iterator[dict[str, str]]:
+    """The cluster for one test, beside the others that share it or alone (``flock``: shared or
+    exclusive), whichever xdist worker runs them. Every job the test submits is named after it
+    (``SBATCH_JOB_NAME`` overrides the script's ``--job-name``), and those alone are cancelled after it."""
+    name = f"pytest-{os.getpid()}-{request.node.name}"[:100]
+    with open(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        env = {**slurm_cluster, "SBATCH_JOB_NAME": name}
+        try:
+            yield env
+        finally:
+            subprocess.run(["scancel", "--quiet", "--name", name], env=env, check=False)
+
+
+@pytest.fixture
+def slurm(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster, shared with the other tests using this fixture (the node has CPUs enough for
+    their jobs at once: scripts/slurm.sh), never with one using ``slurm_alone``."""
+    with _using_cluster(slurm_cluster, request, alone=False) as env:
+        yield env
+
+
+@pytest.fixture
+def slurm_alone(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster to this test alone: a preemption by a job that needs every CPU of the node must
+    find only this test's jobs to preempt."""
+    with _using_cluster(slurm_cluster, request, alone=True) as env:
+        yield env
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the Slurm cluster, once every worker is done: in the controller (or the one process)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    directory = factory.getbasetemp() / SLURM_CLUSTER if factory is not None else None
+    if directory is not None and (directory / "pids").exists():
+        _slurm_sh("down", directory)
+
+
 def snapshot(directory: Path) -> dict[str, bytes]:
     """Every file under ``directory`` with its bytes, to prove nothing changed."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
@@ -184,6 +276,8 @@ def kinds_started(argv: object) -> set[str]:
         kinds.add("browser")
     if "weed" in names:
         kinds.add("s3")
+    if names & {"sbatch", "srun", "scontrol", "scancel", "squeue", "slurm.sh"}:
+        kinds.add("slurm")
     return kinds
 
 

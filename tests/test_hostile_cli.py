@@ -66,14 +66,21 @@ def logged(pvc: Path) -> list[str]:
 
 def tamper(pvc: Path, shard: bytes | None = None, edit=lambda manifest: None) -> None:
     """Rewrite the newest checkpoint's shard and/or manifest, keeping every size and sha256 in
-    agreement (and dropping checkpoint.json's hash of the manifest), so only the hostile part is
-    wrong: what a resume must catch by bounds and headers, not by hashes."""
+    agreement (the header's and the one slice's digests and their root, as schema 2 and later
+    hash a shard, and dropping checkpoint.json's hash of the manifest), so only the hostile part
+    is wrong: what a resume must catch by bounds and headers, not by hashes."""
     path = newest(pvc)
     if shard is not None:
         path.write_bytes(shard)
     manifest = path.parent / "manifest.json"
     record = json.loads(manifest.read_text())
-    record["shards"][0].update(size=path.stat().st_size, sha256=hashlib.sha256(path.read_bytes()).hexdigest())
+    data, entry = path.read_bytes(), record["shards"][0]
+    head = data[:8 + int.from_bytes(data[:8], "little")]
+    parts = [hashlib.sha256(head).digest(), hashlib.sha256(data[len(head):]).digest()]  # the lab's one tensor
+    (hold,) = entry["holds"]
+    hold["sha256"] = parts[1].hex()
+    entry.update(size=len(data), header=len(head), header_sha256=parts[0].hex(),
+                 sha256=hashlib.sha256(b"".join(parts)).hexdigest())
     edit(record)
     manifest.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
     (pvc / "checkpoint.json").unlink()
@@ -103,7 +110,8 @@ def test_absurd_manifest_sizes_are_that_checkpoints_failure_for_run_verify_and_r
     tamper(pvc, edit=edit)
     result = hostile("verify", "--pvc", pvc)
     assert result.returncode == 1 and "corrupt" in result.stdout and "Traceback" not in result.stderr, result.stderr
-    result = hostile("reshard", "--pvc", pvc, "--world-size", 2)  # reshards the older step that verifies
+    refused(hostile("reshard", "--pvc", pvc, "--world-size", 2), 2, "--step")  # never an older step unasked
+    result = hostile("reshard", "--pvc", pvc, "--world-size", 2, "--step", 2)  # the older one, named: it verifies
     assert result.returncode == 0 and "step 2" in result.stdout, result.stderr
     falls_back(pvc)
 

@@ -88,3 +88,19 @@ def test_each_dtypes_width_is_numpys_itemsize():
     from trainjob.records import DTYPE_BYTES, DTYPES
     from trainjob.tensors import np_dtype
     assert DTYPE_BYTES == {code: np_dtype(code).itemsize for code in DTYPES}
+
+
+def test_a_record_naming_a_key_twice_is_refused_as_shard_headers_are():
+    """JSON lets the last of two equal keys win silently: a file whose two values disagree would be
+    read as whichever came last. Every record file is refused instead, naming the key."""
+    good = {"step": 4, "attempt": 1, "world_size": 2, "loss_milli": 241,
+            "dir": "checkpoints/step-00000004-a0001-w002", "manifest_sha256": "a" * 64}
+    text = json.dumps(good)
+    twice = text[:-1] + ', "manifest_sha256": "' + "b" * 64 + '"}'
+    with pytest.raises(InputError, match="checkpoint.json.*manifest_sha256"):
+        load(twice, CheckpointPointer, where="checkpoint.json")
+    nested = bad().replace('"correct": 20, "total": 20}, "baseline"', '"correct": 20, "correct": 0, "total": 20}, '
+                           '"baseline"')
+    with pytest.raises(InputError, match="correct"):
+        load(nested, Artifact, where="a.json")
+    assert load(text, CheckpointPointer, where="checkpoint.json").manifest_sha256 == "a" * 64

@@ -92,11 +92,13 @@ class CheckpointPointer:
 
 # --- sharded checkpoints: the manifest and what ranks tell each other ----------------------------
 
-# 2: every shard is hashed in parts (its header, each slice), so a rank verifies what it reads
-# without hashing whole shards (docs/checkpoints.md). 1: each shard's sha256 is its whole file's;
-# still read, never written.
-MANIFEST_SCHEMA = 2
-MANIFEST_SCHEMAS = (1, 2)
+# 3: as 2, and each shard's header says where each of its slices sits (checkpoint/plan.py's
+# ``placement``), so every manifest is proven by its shards, not only the one checkpoint.json's
+# sha256 names. 2: every shard is hashed in parts (its header, each slice), so a rank verifies
+# what it reads without hashing whole shards (docs/checkpoints.md). 1: each shard's sha256 is its
+# whole file's. 1 and 2 are still read (what they prove: docs/checkpoints.md), never written.
+MANIFEST_SCHEMA = 3
+MANIFEST_SCHEMAS = (1, 2, 3)
 # The safetensors dtypes trainjob can load into numpy, each with its numpy dtype (little-endian,
 # as safetensors stores them; "bfloat16" is the numpy dtype ml_dtypes registers, which
 # checkpoint/shards.py imports). A manifest claiming any other is an input error, not a crash at
@@ -149,7 +151,7 @@ class TensorSlice:
     # the digest of the whole entry as this rank held it, which rank 0 compared with every other
     # rank's before the commit. None (omitted) otherwise.
     digest: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(DIGEST_HEX)))
-    # (schema 2) The sha256 of this slice's bytes in its shard file.
+    # (schema 2 and later) The sha256 of this slice's bytes in its shard file.
     sha256: str | None = attrs.field(default=None, validator=v.optional(v.matches_re(SHA256_HEX)))
 
     @property
@@ -172,7 +174,7 @@ class TensorSlice:
 class ShardEntry:
     """One shard file: who wrote it, its exact size and sha256 (hashed while written), its contents.
 
-    Schema 2: the file is hashed in parts, ``header`` bytes (the safetensors header, its length
+    Schema 2 and 3: the file is hashed in parts, ``header`` bytes (the safetensors header, its length
     included) hashing to ``header_sha256``, then each of ``holds`` in name order, back to back,
     hashing to its ``sha256``; ``sha256`` is then the root (``storage.digest.root``) of those
     digests, header first. Schema 1: ``sha256`` is the whole file's, and the parts are absent.
@@ -290,6 +292,23 @@ class Score:
         return f"{self.correct}/{self.total}"
 
 
+@attrs.frozen
+class Metric:
+    """A metric the trained model scored (a validation loss, a perplexity, an accuracy) against
+    the frozen ``baseline`` value it must hold up against: what ``Run.gate(metric=...)`` and the
+    integrations' gates judge, with ``max_drop`` percent as the tolerance (the rule is
+    ``engine/decisions.py``'s ``metric_counts``). ``higher_is_better``: False for a loss.
+    ``name`` is how the verdict names it. Checked by the gate (exit 2), not here."""
+
+    value: float
+    baseline: float = attrs.field(kw_only=True)
+    higher_is_better: bool = attrs.field(kw_only=True)
+    name: str = attrs.field(default="metric", kw_only=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.value:.6g} vs baseline {self.baseline:.6g}"
+
+
 def _values_fill_shape(inst: NamedArray, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
     if len(value) != math.prod(inst.shape):
         raise ValueError(f"'values' must hold {math.prod(inst.shape)} numbers for shape {list(inst.shape)}, "
@@ -400,17 +419,32 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-finite number {name} is not valid JSON")
 
 
+def once_each(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object's pairs as a dict (``object_pairs_hook``); ValueError when a key is given twice."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        keys = [k for k, _ in pairs]
+        twice = next(k for i, k in enumerate(keys) if k in keys[:i])
+        raise ValueError(f"key {twice!r} appears twice in one object")
+    return out
+
+
 # One decoder for every parse: json.loads with any keyword builds a new JSONDecoder per call,
 # which was a quarter of `status`'s time on a log of a million lines.
 _STRICT = json.JSONDecoder(parse_constant=_reject_constant)
+# A record file (a manifest, the pointer, the state): a key given twice is refused, as in a shard's
+# header, rather than the last one silently winning. Log lines keep the decoder above: the check
+# costs a Python call per object, and `status` parses a million of them.
+_RECORD = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=once_each)
 
 
-def parse_json(text: str | bytes, *, where: str) -> Any:
-    """Parse strict JSON (no NaN/Infinity), raising InputError that names ``where``."""
+def parse_json(text: str | bytes, *, where: str, once_each: bool = False) -> Any:
+    """Parse strict JSON (no NaN/Infinity; with ``once_each``, no key twice in one object),
+    raising InputError that names ``where``."""
     try:
         if isinstance(text, bytes):
             text = text.decode("utf-8")  # json.loads would guess UTF-16/32 from the first bytes
-        return _STRICT.decode(text)
+        return (_RECORD if once_each else _STRICT).decode(text)
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     except RecursionError:
@@ -420,7 +454,10 @@ def parse_json(text: str | bytes, *, where: str) -> Any:
 
 
 def load(text: str | bytes, cls: type[T], *, where: str) -> T:
-    return structure(parse_json(text, where=where), cls, where=where)
+    """The record ``cls`` that ``text`` holds, or InputError naming ``where`` and the field.
+    A log line (``Event``) is parsed as fast as it can be; every other record refuses a key
+    given twice."""
+    return structure(parse_json(text, where=where, once_each=cls is not Event), cls, where=where)
 
 
 def dumps(record: Any) -> str:

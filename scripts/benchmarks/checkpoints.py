@@ -16,6 +16,7 @@ raw limit any save that hashes every byte can come on this machine at that W.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import os
 import shutil
@@ -116,6 +117,14 @@ def join(root: Path, rank: int, world: int, store: tuple[str, int, str] | None):
 # An A/B run of this bench against a tree from before issue 30's second round (the library on
 # PYTHONPATH) re-enacts that tree's engine: its calls had other names and another order.
 BEFORE = not hasattr(ShardWriter, "settle")
+# A tree from before issue 54's headers (they say where each slice sits) writes a shard without
+# the tensors' whole shapes.
+PLACED = "tensors" in inspect.signature(ShardWriter.write_slices).parameters
+
+
+def _write_slices(store, staging, rank: int, world: int, step: int, spec, holds, mine, **kw):
+    whole = (spec,) if PLACED else ()
+    return store.write_slices(staging, rank, world, step, *whole, holds, mine, **kw)
 
 
 def _timed(name: str, fn):
@@ -139,10 +148,11 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
         staging = store.staging(ref, generation)
         phase("wait staging", lambda: peers.wait_staging(staging, step))
         if not BEFORE:
-            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine, fsync_later=True))
+            entry = phase("shard", lambda: _write_slices(store, staging, rank, world, step, spec, holds, mine,
+                                                        fsync_later=True))
             phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e), store.settle))
         else:
-            entry = phase("shard", lambda: store.write_slices(staging, rank, world, step, holds, mine))
+            entry = phase("shard", lambda: _write_slices(store, staging, rank, world, step, spec, holds, mine))
             phase("deliver", lambda: peers.deliver(step, entry, lambda e: store.write_receipt(staging, e)))
         return
     phase("space", lambda: store.check_space(1))
@@ -150,7 +160,7 @@ def save_trainjob(root: Path, rank: int, world: int, holds, mine, spec, step: in
     if hasattr(peers, "staged"):  # a library from before issue 45, which told the others to write
         phase("staged", lambda: peers.staged(step))
     later = {"committing" if BEFORE else "fsync_later": True}
-    entries = [phase("shard", lambda: store.write_slices(staging, 0, world, step, holds, mine, **later))]
+    entries = [phase("shard", lambda: _write_slices(store, staging, 0, world, step, spec, holds, mine, **later))]
     if peers is not None:
         entries += phase("gather", lambda: peers.gather(
             lambda r: store.receipt_path(staging, r, world).exists(),

@@ -1,7 +1,7 @@
 """The engine section: ``trainjob run --ckpt-every 1`` per step against the same loop without trainjob.
 
 Seconds per step from two runs (N and 2N steps, so start-up and the final gate cancel), against
-the same training loop saving the same tensors with a bare ``pvc.atomic_write`` per step. Twice:
+the same training loop saving the same tensors with a bare ``durable.atomic_write`` per step. Twice:
 with the built-in linear model (a 32-byte state, so only the checkpoint's fixed costs show) and
 with ``bench_trainer.py``'s state of ``--engine-mib`` (where the bytes dominate).
 """
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from trainjob.checkpoint import shards
-from trainjob.storage.pvc import atomic_write
+from trainjob.storage.durable import atomic_write
 from trainjob.trainers.protocol import build
 
 from .common import MiB, SCRIPTS, fmt, summary

@@ -1,6 +1,8 @@
 """Hostile inputs: one file a run reads damaged (seeded corruptions of its bytes) or replaced by what a
 file must not be (issue 19's classes). Every run ends in bounded time with exit 2 and one line, the PVC
-unchanged, or with exit 0 and the undamaged artifact.
+unchanged, or with exit 0 and the undamaged artifact. Forged manifests (``forged_manifests``): a
+checkpoint's manifest edited so that its slices land elsewhere, every digest still right, are
+refused by a resume falling back to them and by a reshard.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .harness import STEPS, Campaign, Section, snapshot, trainjob
+from .harness import STEPS, W2_STEPS, Campaign, Section, label, snapshot, trainjob
 
 
 def hostile_inputs(campaign: Campaign, trials: int) -> Section:
@@ -86,6 +88,67 @@ def hostile_inputs(campaign: Campaign, trials: int) -> Section:
                 section.violation(trial, f"{where}: a damaged checkpoint was resumed without a word")
         else:
             section.violation(trial, f"{where}: exit {result.returncode}: {result.stderr.strip()[-200:]}")
+    return section
+
+
+def forge(manifest: Path, rng: random.Random) -> str:
+    """Edit a two-rank manifest so that its shards' bytes would load elsewhere, every digest still
+    matching its file: the forgeries of issue 54. The name of the one made."""
+    record = json.loads(manifest.read_text())
+    a, b = record["shards"]
+    kind = rng.choice(["slices swapped", "shards handed to each other's ranks", "slices swapped, schema 2"])
+    if kind == "shards handed to each other's ranks":  # each entry, its rows and its file, given to the other rank
+        record["shards"] = [dict(b, rank=0), dict(a, rank=1)]
+        for entry, (rows, _) in zip(record["shards"], ((0, 2), (2, 4))):
+            entry["holds"][0]["start"] = rows
+    else:
+        a["holds"][0]["start"], b["holds"][0]["start"] = b["holds"][0]["start"], a["holds"][0]["start"]
+        if kind.endswith("schema 2"):  # as an older trainjob wrote it: headers that do not say where
+            record["schema"] = 2
+    manifest.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n")
+    return kind
+
+
+def forged_manifests(campaign: Campaign, trials: int, flags: list[str] = W2_STEPS) -> Section:
+    """A two-rank run cut short (three checkpoints), then one manifest forged (``forge``): an older
+    one, behind a newest whose shard has a flipped byte, so the resume must fall back past it (it
+    must not resume the forged checkpoint; it ends 0 with the uninterrupted bytes from the one
+    below, or 2 with the PVC unchanged), or the newest, which `trainjob reshard` must refuse
+    (2, one line, nothing written). `verify` calls the forged one corrupt either way."""
+    section = Section(label("forged manifests", flags))
+    torchrun = campaign.torchrun(flags)
+    for trial in range(trials):
+        section.trials += 1
+        pvc = campaign.pvc("forged")
+        trainjob("run", "--pvc", pvc, *flags, "--die-at", "7", torchrun=torchrun)
+        committed = sorted((pvc / "checkpoints").glob("step-*"))  # steps 5, 6, 7 (--keep 3)
+        target = campaign.rng.choice(committed)
+        kind = forge(target / "manifest.json", campaign.rng)
+        section.injected += 1
+        where = f"{target.name}: {kind}"
+        verdicts = trainjob("verify", "--pvc", pvc).stdout
+        if f"corrupt   checkpoint checkpoints/{target.name}" not in verdicts:
+            section.violation(trial, f"{where}: verify did not call it corrupt")
+        before = snapshot(pvc)
+        if target == committed[-1]:
+            result = trainjob("reshard", "--pvc", pvc, "--world-size", "4")
+            changed = snapshot(pvc) != before
+            if result.returncode != 2 or len(result.stderr.strip().splitlines()) != 1 or changed:
+                section.violation(trial, f"{where}: reshard exited {result.returncode}, the PVC "
+                                         f"{'' if changed else 'un'}changed: {result.stderr.strip()[-200:]}")
+            continue
+        shard = committed[-1] / "shard-00001-of-00002.safetensors"
+        shard.write_bytes(flip(shard.read_bytes(), campaign.rng))
+        before = snapshot(pvc)
+        result = trainjob("run", "--pvc", pvc, *flags, torchrun=torchrun)
+        resumed = [line for line in (pvc / "log.jsonl").read_text().splitlines() if '"resumed"' in line]
+        if resumed and f"from_step={int(target.name[5:13])}" in resumed[-1]:
+            section.violation(trial, f"{where}: the forged checkpoint was resumed")
+        if result.returncode == 0:
+            if (pvc / "artifacts/model-v1.json").read_bytes() != campaign.reference_for(flags):
+                section.violation(trial, f"{where}: exit 0 with a different artifact (silently wrong)")
+        elif result.returncode != 2 or snapshot(pvc) != before:
+            section.violation(trial, f"{where}: exit {result.returncode}: {result.stderr.strip()[-300:]}")
     return section
 
 

@@ -19,7 +19,7 @@ import pytest
 import fstrace
 from conftest import ROOT
 from trainjob import cli
-from trainjob.storage import pvc as pvc_module
+from trainjob.storage import deletion
 
 # The traced processes import this checkout and tests/fstrace.py, whatever the caller's PYTHONPATH.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
@@ -110,7 +110,7 @@ def timeline(monkeypatch: pytest.MonkeyPatch, pvc: Path, slow: str, slow_deletes
 
     events: list[tuple[str, str]] = []
     lock = threading.Lock()
-    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, pvc_module._rmtree
+    real_fsync, real_rename, real_replace, real_rmtree = os.fsync, os.rename, os.replace, deletion._rmtree
     real_append = EventLog.append
 
     def note(kind: str, on: str) -> None:
@@ -149,10 +149,10 @@ def timeline(monkeypatch: pytest.MonkeyPatch, pvc: Path, slow: str, slow_deletes
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "rename", renamer(real_rename))
     monkeypatch.setattr(os, "replace", renamer(real_replace))
-    monkeypatch.setattr(pvc_module, "_rmtree", rmtree)
+    monkeypatch.setattr(deletion, "_rmtree", rmtree)
     monkeypatch.setattr(EventLog, "append", append)
     assert cli.main(["run", "--pvc", str(pvc), "--steps", "3", "--ckpt-every", "1", "--keep", "1"]) == 0
-    pvc_module.settle_deletions()
+    deletion.settle_deletions()
     monkeypatch.undo()
     return events
 

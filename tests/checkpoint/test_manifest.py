@@ -136,3 +136,26 @@ def test_a_corrupt_newest_falls_back_logs_the_rejection_and_ends_bit_identical(t
     assert (pvc / "checkpoints" / f"rejected-{bad}").is_dir()  # kept for inspection, out of the way
     assert (pvc / "artifacts/model-v1.json").read_bytes() == clean_artifact
     assert replay(pvc / "log.jsonl").illegal is None  # checkpoint_rejected is a note the table knows
+
+
+@pytest.mark.torchrun
+def test_a_forged_older_manifest_is_never_fallen_back_to(tmp_path, killed_at):
+    """The newest shard damaged and the older checkpoint's manifest edited so that its two slices
+    trade places (every shard and digest untouched, nothing vouching for an older manifest in
+    checkpoint.json): the shards' headers say where each slice sits, so the forged one is refused
+    too, and the run exits 2 with nothing published, rather than resuming other weights."""
+    pvc = tmp_path / "pvc"
+    shutil.copytree(killed_at[4], pvc, symlinks=True)
+    older = pvc / "checkpoints/step-00000002-a0001-w002/manifest.json"
+    m = json.loads(older.read_text())
+    a, b = (s["holds"][0] for s in m["shards"])
+    a["start"], b["start"] = b["start"], a["start"]
+    older.write_text(json.dumps(m))
+    flip_a_byte(pvc)
+    before = snapshot(pvc)
+    result = trainjob("run", "--pvc", pvc, "--world-size", 2, "--rank-timeout", 5)
+    assert result.returncode == 2, result.stderr
+    assert "step-00000002-a0001-w002" in result.stderr and "its header puts params" in result.stderr
+    assert snapshot(pvc) == before and not (pvc / "artifacts").exists()
+    verdicts = trainjob("verify", "--pvc", pvc).stdout
+    assert "corrupt   checkpoint checkpoints/step-00000002-a0001-w002" in verdicts

@@ -213,3 +213,76 @@ def test_overlapping_or_escaping_dtensor_slices_are_problems():
     shards = [ShardEntry(rank=r, file=plan.shard_file(r, 2), size=56, sha256="0" * 64, holds=(x,))
               for r, x in enumerate((a, b))]
     assert plan.coverage_problems([spec], shards) == ["w: two shards hold the same elements"]
+
+
+# --- one verification: what the manifest alone must hold for every reader (issue 54, item 4) ----
+
+def parted(m: Manifest) -> Manifest:
+    """``m`` as schema 2 writes it: each shard with part digests and their root."""
+    from trainjob.storage.digest import root
+    shards = []
+    for s in m.shards:
+        holds = [attrs.evolve(h, sha256=f"{h.start + 1:064x}") for h in s.holds]
+        parts = ["1" * 64, *(h.sha256 for h in sorted(holds, key=lambda h: h.name))]
+        shards.append(attrs.evolve(s, header=8, header_sha256="1" * 64, holds=holds, sha256=root(parts)))
+    return attrs.evolve(m, schema=2, shards=shards)
+
+
+def test_a_shards_sha256_that_is_not_the_root_of_its_part_digests_is_a_problem():
+    """A whole-file reader checks the root, a reader of one slice its digest: were they allowed to
+    disagree, one would accept what the other refuses (verify ok, an FSDP resume refusing)."""
+    m = parted(manifest_for({"params": np.zeros(4)}, 2))
+    assert plan.manifest_problems(m) == []
+    one_digit = attrs.evolve(m.shards[1].holds[0], sha256="f" + m.shards[1].holds[0].sha256[1:])
+    edited = attrs.evolve(m, shards=[m.shards[0], attrs.evolve(m.shards[1], holds=[one_digit])])
+    assert plan.manifest_problems(edited) == ["rank 1's sha256 is not the root of its part digests"]
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62), (2**61, 0, 2**61), (0,) * 7 + (2**62,)])
+def test_a_shape_no_array_can_have_is_a_problem_even_without_an_element(shape):
+    """numpy refuses a shape whose dimensions, zeros aside, multiply past what an index can count
+    ("array is too big"), whether or not it holds an element: such a manifest is refused as
+    corrupt, never left to crash a resume (70)."""
+    spec = TensorSpec(name="z", dtype="F64", shape=shape)
+    holds = (TensorSlice(name="z", dtype="F64", shape=shape, start=0),)
+    m = Manifest(schema=1, step=1, attempt=1, world_size=1, loss_milli=0, tensors=[spec],
+                 shards=[ShardEntry(rank=0, file=plan.shard_file(0, 1), size=8, sha256="0" * 64, holds=holds)])
+    assert [p for p in plan.manifest_problems(m) if "beyond what an array can hold" in p]
+    fine = attrs.evolve(m, tensors=[attrs.evolve(spec, shape=(0, 2**40))],
+                        shards=[attrs.evolve(m.shards[0], holds=[attrs.evolve(holds[0], shape=(0, 2**40))])])
+    assert plan.manifest_problems(fine) == []
+
+
+@given(st.integers(1, 40), st.integers(1, 6), st.randoms(use_true_random=False))
+def test_older_headers_pin_down_row_blocks_in_rank_order_and_nothing_else(rows, world, rng):
+    """What a schema-1 or 2 header proves (each rank's row count): with the blocks back to back in
+    rank order, every start; with any other order of the same blocks, nothing (``unpinned``)."""
+    m = manifest_for({"params": np.zeros((rows, 2))}, world)
+    assert plan.unpinned(m) == []
+    blocks = [s.holds[0] for s in m.shards]
+    order = list(range(world))
+    rng.shuffle(order)
+    at, moved = 0, {}
+    for r in order:  # the same blocks laid out in another order: still a partition of the tensor
+        moved[r] = attrs.evolve(blocks[r], start=at)
+        at += blocks[r].shape[0]
+    shuffled = attrs.evolve(m, shards=[attrs.evolve(s, holds=[moved[s.rank]]) for s in m.shards])
+    assert plan.coverage_problems(shuffled.tensors, shuffled.shards) == []
+    same_places = all(moved[r].start == blocks[r].start for r in range(world) if blocks[r].shape[0])
+    assert plan.unpinned(shuffled) == ([] if same_places else ["params"])
+
+
+def test_a_header_that_says_another_rank_step_or_place_than_the_manifest_is_a_problem():
+    m = manifest_for({"params": np.zeros((4, 2))}, 2)
+    shard = m.shards[1]
+    said = {"rank": "1", "world_size": "2", "step": "1", plan.SLICES_KEY: plan.placement_text(shard.holds, m.tensors)}
+    assert plan.header_problem(m, shard, said) is None
+    assert plan.header_problem(m, shard, {**said, "rank": "0"}) == "its header says rank 0, the manifest 1"
+    assert "step" in plan.header_problem(m, shard, {**said, "step": "2"})
+    elsewhere = plan.placement_text([attrs.evolve(shard.holds[0], start=0)], m.tensors)
+    assert plan.header_problem(m, shard, {**said, plan.SLICES_KEY: elsewhere}) == (
+        "its header puts params at {'offsets': [0, 0], 'whole': [4, 2]}, "
+        "the manifest at {'offsets': [2, 0], 'whole': [4, 2]}")
+    without = {k: v for k, v in said.items() if k != plan.SLICES_KEY}
+    assert plan.header_problem(m, shard, without) is None  # schema 1 and 2: headers never said it
+    assert "does not say where" in plan.header_problem(attrs.evolve(m, schema=3), shard, without)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from trainjob.checkpoint import shards
 from trainjob.storage.digest import Sha256Pipe
 from trainjob.errors import InputError
-from trainjob.storage.pvc import atomic_write, commit_dir
+from trainjob.storage.durable import atomic_write, commit_dir
 from trainjob.records import TensorSlice
 
 floats = st.floats(allow_nan=False, width=64)

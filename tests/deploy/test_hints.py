@@ -218,3 +218,13 @@ def test_a_stream_the_trial_drew_from_after_the_resume_is_blamed_one_that_differ
     assert pieces(drawn) == ["rng"] and "torch's CPU generator" in hints(drawn)[0].text
     already = attrs.evolve(drawn, trial_other=at(torch="t0"))  # differed where the trial resumed from
     assert pieces(already) == ["elsewhere"]
+
+
+def test_streams_that_differ_with_no_loader_position_name_the_data_order_and_a_collators_draws():
+    """What prove found on a Trainer's masked-LM run and on its stream over several passes (issue 58):
+    torch's stream differs and nothing saved says where the data stood; the hint named only dropout."""
+    ref = snapshot(groups(0.01), {0: rank_local(None, torch="a")})
+    trial = snapshot(groups(0.01), {0: rank_local(None, torch="b")})
+    found = hints(evidence(ref, trial))
+    assert found[0].piece == "rng" and "the data order" in found[0].text and "a stream's pass" in found[0].text
+    assert "masked-LM masking" in found[0].text

@@ -122,3 +122,49 @@ def test_backoff_is_bounded_and_monotonic(streak, base, extra):
     delay = policy.backoff_delay(streak, base, cap)
     assert base <= delay <= cap
     assert policy.backoff_delay(streak + 1, base, cap) >= delay
+
+
+# --- what a batch scheduler does after a launch (Slurm) -----------------------------------------------
+
+AFTER = dict(log="pvc/log.jsonl", pvc="pvc")
+SPENT = policy.Over(1, "the job failed: attempts=2 backoffLimit=1")
+DONE = policy.Over(0, "already completed (attempt 1)")
+
+
+@pytest.mark.parametrize(("code", "over", "expected"), [
+    (0, None, ("complete", 0)),
+    (2, None, ("fail", 2)),          # bad input: the same input fails the same way
+    (70, None, ("fail", 70)),        # a bug: never run again
+    (1, None, ("requeue", 75)),      # the gate failed, attempts left: a fresh attempt
+    (1, SPENT, ("fail", 1)),         # the budget is spent: no requeue at all
+    (75, None, ("requeue", 75)),     # a kill, a preemption, a time limit
+    (75, DONE, ("complete", 0)),     # killed after it completed: it stays completed
+    (143, None, ("requeue", 75)),    # the tasks ended by SIGTERM (128 + 15)
+    (137, None, ("requeue", 75)),    # or SIGKILL: a kill, never a spent attempt
+    (3, None, ("fail", 70)),         # a code outside the contract is a crash
+])
+def test_each_exit_code_makes_the_scheduler_do_what_the_contract_says(code, over, expected):
+    verdict = policy.after_launch(code, over, True, 0, policy.MAX_STALLS, **AFTER)
+    assert (verdict.action, verdict.code) == expected
+    assert verdict.code != 75 or verdict.action == "requeue"  # a 75 that ends the job would be requeued by RequeueExit=75
+
+
+@given(code=st.sampled_from([1, 75, 137, 143]), stalls=st.integers(0, 20), limit=st.integers(1, 10))
+def test_requeues_without_progress_stop_at_the_bound_naming_storage(code, stalls, limit):
+    verdict = policy.after_launch(code, None, False, stalls, limit, **AFTER)
+    assert verdict.stalls == stalls + 1
+    if stalls + 1 >= limit:
+        assert (verdict.action, verdict.code) == ("fail", 1)
+        assert "storage at pvc" in verdict.line and "no new checkpoint" in verdict.line
+    else:
+        assert verdict.action == "requeue"
+
+
+@given(code=st.sampled_from([1, 75, 137]), stalls=st.integers(0, 20))
+def test_a_launch_that_committed_a_checkpoint_resets_the_count(code, stalls):
+    verdict = policy.after_launch(code, None, True, stalls, 1, **AFTER)
+    assert (verdict.action, verdict.stalls) == ("requeue", 0)
+
+
+def test_a_bug_names_the_log():
+    assert "pvc/log.jsonl" in policy.after_launch(70, None, False, 0, 3, **AFTER).line

@@ -207,3 +207,29 @@ def test_at_four_ranks_a_flipped_byte_in_any_shard_is_refused_by_all_and_each_ra
         assert f"shard-{rank:05d}-of-00004.safetensors" in files  # its own, whole: every byte is someone's
     verified = trainjob("verify", "--pvc", str(pvc))
     assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout
+
+
+@pytest.mark.acceptance
+def test_a_read_error_in_one_ranks_share_is_storage_trouble_for_every_rank_and_sets_nothing_aside(tmp_path):
+    """Issue 54's item 1 in the verdict round: every shard read of rank 1 fails with ETIMEDOUT
+    (an NFS server gone quiet for one node) while it verifies its share of each candidate. It
+    answers "failed" (storage trouble), not "refused": rank 0 ends the launch 75 for every rank,
+    sets no good checkpoint aside and tries no older one (before, every candidate was refused and
+    the launch exited 2). Once the reads succeed the relaunch resumes from the newest. Slow:
+    three launches of two ranks."""
+    pvc = tmp_path / "pvc"
+    first = torchrun(pvc, 2)
+    assert kill_when(first, lambda: newest_step(pvc) >= 4), "the launch ended first"
+    first.communicate(timeout=60)
+    step = newest_step(pvc)
+    kept = {name: digest for name, digest in tree(pvc).items() if name.startswith("checkpoints/")}
+    proc = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", str(ROOT / "tests/helpers/failing_reads.py"), "1", "ETIMEDOUT",
+                           str(EXAMPLE), "--pvc", str(pvc)], env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 75, proc.stderr[-3000:]
+    assert "rank 1 failed verifying its share" in proc.stderr and "storage trouble" in proc.stderr, proc.stderr[-3000:]
+    assert {n: d for n, d in tree(pvc).items() if n.startswith("checkpoints/")} == kept  # nothing set aside
+    code, err = run(pvc)
+    assert code == 0, err[-2000:]
+    log = (pvc / "log.jsonl").read_text()
+    assert f'"from_step={step}"' in log and "checkpoint_rejected" not in log

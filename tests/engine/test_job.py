@@ -78,3 +78,71 @@ def test_a_checkpoint_written_before_part_digests_resumes_to_the_same_artifact(t
     assert ref == Ref(attempt=1, step=4, world_size=1)
     artifact = "artifacts/model-v1.json"
     assert (pvc / artifact).read_bytes() == (tmp_path / "ref" / artifact).read_bytes()
+
+
+def test_a_read_error_on_the_newest_shard_is_75_and_sets_no_good_checkpoint_aside(tmp_path, monkeypatch, capsys):
+    """One EIO while a resume reads the newest checkpoint's shard: storage trouble (75, one line),
+    not damage: the checkpoint is not renamed rejected-, the run does not fall back a step, and
+    the relaunch once the disk answers resumes from it (issue 54, item 1)."""
+    import errno
+    import os
+    from conftest import snapshot
+    from trainjob.checkpoint import shards
+
+    pvc = tmp_path / "pvc"
+    assert cli.main(["run", "--pvc", str(pvc), "--die-at", "4"]) == 75
+    before = snapshot(pvc / "checkpoints")
+    real_open, real_read = shards._File.__init__, shards._File.readinto
+
+    def opened(self, name, fd):
+        real_open(self, name, fd)
+        self.failing = "step-00000004" in os.readlink(f"/proc/self/fd/{fd}")
+
+    def read(self, view):
+        if self.failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_read(self, view)
+    monkeypatch.setattr(shards._File, "__init__", opened)
+    monkeypatch.setattr(shards._File, "readinto", read)
+    capsys.readouterr()
+    assert cli.main(["run", "--pvc", str(pvc)]) == 75
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Input/output error" in err[0] and "storage" in err[0], err
+    assert snapshot(pvc / "checkpoints") == before  # nothing set aside, nothing rotated
+    assert [e for e, _ in events(pvc / "log.jsonl")][-1] == "killed"  # nothing logged: no fallback
+    monkeypatch.undo()
+    assert cli.main(["run", "--pvc", str(pvc)]) == 0
+    assert ("resumed", "from_step=4") in events(pvc / "log.jsonl")
+
+
+@pytest.mark.process
+@pytest.mark.torchrun
+@pytest.mark.parametrize(("world", "code"), [(1, "EIO"), (2, "ETIMEDOUT")])
+def test_every_shard_read_failing_for_real_is_75_at_any_world_size_and_the_relaunch_resumes(tmp_path, world, code):
+    """libfiu fails every readv and preadv of the resumed run (its ranks' too: the preload is
+    inherited), with EIO or ETIMEDOUT, as a disk or an NFS server in trouble fails them: the
+    launch exits 75 with one line (it exited 2, "no checkpoint verifies": a Job's FailJob for a
+    passing fault), the PVC's checkpoints untouched; once the reads succeed it resumes from step 4.
+    At W = 2 through the files rank 1, which never got a session, says so in a line of its own
+    once --rank-timeout runs out (75 too)."""
+    import errno
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from conftest import snapshot, trainjob
+    if not shutil.which("fiu-run"):
+        pytest.skip("fiu-run is not installed (apt-get install fiu-utils)")
+    pvc, flags = tmp_path / "pvc", ["--world-size", str(world), "--rank-timeout", "4"]
+    assert trainjob("run", "--pvc", pvc, *flags, "--die-at", 4).returncode == 75
+    before = snapshot(pvc / "checkpoints")
+    number = getattr(errno, code)
+    faults = [f for call in ("readv", "preadv") for f in ("-c", f"enable name=posix/io/rw/{call},failinfo={number}")]
+    failed = subprocess.run(["fiu-run", "-x", *faults, sys.executable, "-m", "trainjob", "run", "--pvc", str(pvc),
+                             *flags], capture_output=True, text=True, timeout=120)
+    lines = failed.stderr.strip().splitlines()
+    assert failed.returncode == 75, failed.stderr
+    assert len(lines) == world and "storage trouble" in lines[0] and os.strerror(number) in lines[0], lines
+    assert snapshot(pvc / "checkpoints") == before  # nothing set aside, nothing fallen back from
+    assert trainjob("run", "--pvc", pvc, *flags).returncode == 0
+    assert ("resumed", "from_step=4") in events(pvc / "log.jsonl")

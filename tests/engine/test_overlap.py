@@ -14,7 +14,7 @@ import pytest
 
 from conftest import events, snapshot, trainjob
 from trainjob import cli
-from trainjob.storage import eventlog, pvc as pvc_module
+from trainjob.storage import durable, eventlog
 
 FLAGS = ["--steps", "10", "--ckpt-every", "2"]
 ASYNC = ["--async-checkpoint"]
@@ -28,14 +28,14 @@ def on_writer_thread() -> str | None:
 @pytest.fixture
 def slow_commits(monkeypatch):
     """Each background commit takes 30 ms, so the loop really runs ahead of the writer."""
-    real = pvc_module.commit_dir
+    real = durable.commit_dir
 
     def slow(staging, final, *args):
         if on_writer_thread():
             time.sleep(0.03)
         return real(staging, final, *args)
 
-    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", slow)
+    monkeypatch.setattr("trainjob.storage.local.commit_dir", slow)
 
 
 @pytest.fixture
@@ -84,6 +84,7 @@ def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_
         tmp_path, monkeypatch, capsys, code, text):
     pvc = tmp_path / "pvc"
     assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *FLAGS]) == 0
+    capsys.readouterr()
     real = os.fsync
 
     def failing(fd):  # the second checkpoint's shard (its fsync runs on the fsync pool, into the commit)
@@ -92,7 +93,7 @@ def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", failing)
-    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC]) == 75
+    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC, "--quiet"]) == 75  # the error's line alone
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0] and "shard-00000-of-00001" in err[0], err
     logged = events(pvc / "log.jsonl")
@@ -111,7 +112,7 @@ def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_
 
 def test_a_stop_finishes_the_write_in_flight_then_saves_the_step_reached_and_exits_75(tmp_path, monkeypatch):
     pvc, stopped = tmp_path / "pvc", []
-    real = pvc_module.commit_dir
+    real = durable.commit_dir
 
     def commit_then_signal(staging, final, *args):
         real(staging, final, *args)
@@ -120,7 +121,7 @@ def test_a_stop_finishes_the_write_in_flight_then_saves_the_step_reached_and_exi
             time.sleep(0.05)
             os.kill(os.getpid(), 15)
 
-    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", commit_then_signal)
+    monkeypatch.setattr("trainjob.storage.local.commit_dir", commit_then_signal)
     # A fresh StopFlag is installed by the CLI: its handler takes the signal on the main thread.
     assert cli.main(["run", "--pvc", str(pvc), "--steps", "100000", "--ckpt-every", "3", *ASYNC]) == 75
     logged = events(pvc / "log.jsonl")
@@ -166,13 +167,13 @@ def test_an_exception_in_the_loop_lets_the_write_in_flight_end_before_the_pvc_lo
     from trainjob.storage.pvc import Pvc
     from trainjob.trainers.linear import make as linear
 
-    real, alive_at_unlock = pvc_module.commit_dir, []
+    real, alive_at_unlock = durable.commit_dir, []
 
     def slow(staging, final, *args):
         time.sleep(0.2)
         return real(staging, final, *args)
 
-    monkeypatch.setattr("trainjob.storage.pvc.commit_dir", slow)
+    monkeypatch.setattr("trainjob.storage.local.commit_dir", slow)
     real_lock = Pvc.lock
 
     def lock(self, rank, **tidy):

@@ -105,6 +105,29 @@ def test_reshard_is_idempotent_and_refuses_what_cannot_work(pvc):
     assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 4
 
 
+def swap_starts(manifest_path) -> None:
+    """Swap the ``start`` of the two ranks' slices: every shard and its sha256 untouched, the rows
+    each holds put in the other's place (the forgery of issue 54, item 2)."""
+    m = json.loads(manifest_path.read_text())
+    a, b = (s["holds"][0] for s in m["shards"])
+    a["start"], b["start"] = b["start"], a["start"]
+    manifest_path.write_text(json.dumps(m))
+
+
+def test_reshard_refuses_a_manifest_other_than_the_pointers_and_writes_nothing(pvc):
+    """checkpoint.json recorded the newest manifest's sha256: reshard checks it as run and verify
+    do, and a refused newest is not replaced by an older step behind the operator's back."""
+    swap_starts(pvc / SOURCE / "manifest.json")
+    before = snapshot(pvc)
+    result = trainjob("reshard", "--pvc", pvc, "--world-size", 4)
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "differs from the manifest checkpoint.json recorded" in result.stderr
+    assert "--step" in result.stderr  # how to reshard an older one deliberately
+    assert snapshot(pvc) == before  # nothing written, the pointer untouched
+    assert trainjob("verify", "--pvc", pvc).returncode == 1
+
+
 @pytest.mark.killpoint
 def test_a_reshard_killed_at_any_instant_leaves_a_resumable_pvc(tmp_path, two_ranks_killed_at_4, clean_artifact):
     """SIGKILL just before each of the reshard's writes, fsyncs and renames in turn (the last ones

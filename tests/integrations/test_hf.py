@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, skip_without, trainjob
+from conftest import ROOT, agrees_with_its_log, built_once, log_length, skip_without, trainjob
 
 pytestmark = pytest.mark.acceptance  # scripts/test.sh's acceptance step: minutes of Trainer launches
 EXAMPLE = ROOT / "examples/hf_trainer.py"
@@ -104,8 +104,10 @@ def losses(text: str) -> dict[int, str]:
 
 
 def finish(pvc: Path, *flags: str, script: Path = EXAMPLE) -> tuple[int, dict[int, str], str]:
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     out, err = proc.communicate(timeout=600)
+    agrees_with_its_log(proc.returncode, pvc, before)  # every launch: its log says its exit code
     return proc.returncode, losses(out), err
 
 
@@ -114,6 +116,7 @@ def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, s
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
     ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)
     to the process, or with ``group`` to its whole process group (its loader's workers too)."""
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -125,6 +128,7 @@ def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, s
     else:
         proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
+    agrees_with_its_log(proc.returncode, pvc, before)
     return proc.returncode, err
 
 
@@ -317,6 +321,9 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     last = events(tmp_path / "pvc")[-1]
     holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
     assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths
+    ours = [line for line in err.splitlines() if line.startswith("trainjob")]  # the Trainer keeps its own progress
+    assert len(ours) == 1 and ours[0].startswith("trainjob: completed (exit 0): published "), ours
+    assert ours[0].endswith(" vs baseline 3.4657 (lower is better; at most 4.33212 passes with max_drop 20%)")
 
 
 @pytest.mark.process
@@ -361,3 +368,42 @@ def test_a_resume_at_an_epochs_end_with_an_evaluation_there_reaches_the_uninterr
     assert code == 0, err[-2000:]
     assert [e["detail"] for e in events(pvc) if e["event"] == "resumed"] == ["from_step=12"]
     assert artifact(pvc) == artifact(tmp_path / "ref")
+
+
+EARLY = (("from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments",
+          "from transformers import EarlyStoppingCallback, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments"),
+         ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=3, '
+                                    'metric_for_best_model="eval_loss",'),
+         ("trainer = PrintLoss(model=model, args=training, train_dataset=train)",
+          "trainer = PrintLoss(model=model, args=training, train_dataset=train, eval_dataset=holdout, callbacks=["
+          "EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.05)])"))
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_an_early_stopping_callback_that_fires_ends_the_run_there_killed_or_not(tmp_path, capsys):
+    """The example with the Transformers docs' EarlyStoppingCallback (an evaluation every 3 steps; it
+    fires at step 33 of 36): the run checkpoints step 33, gates and publishes that model, `completed`.
+    A SIGTERM during step 33 saves it with the decision (75) and the relaunch goes straight to the
+    gate; prove's four trials are PROVEN. About twelve launches."""
+    _needs_transformers()
+    script = variant(tmp_path / "hf_early.py", *EARLY)
+    code, lines, err = finish(tmp_path / "ref", script=script)
+    assert code == 0 and max(lines) == 33, err[-2000:]
+    log = events(tmp_path / "ref")
+    assert [e["event"] for e in log][-3:] == ["checkpointed", "artifact_written", "completed"]
+    assert log[-3]["detail"].startswith("step=33 ")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "ref/artifacts/model-v1.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["trainjob.artifact"])["step"] == 33
+    pvc = tmp_path / "pvc"
+    code, err = signalled(pvc, signal.SIGTERM, 33, script=script)
+    assert code == 75 and events(pvc)[-1]["detail"].startswith("at_step=33 "), err[-2000:]
+    code, lines, err = finish(pvc, script=script)
+    assert code == 0 and not lines, err[-2000:]  # nothing trained: the gate
+    assert [e["event"] for e in events(pvc)][-4:] == ["killed", "resumed", "artifact_written", "completed"]
+    assert artifact(pvc) == artifact(tmp_path / "ref")
+    from trainjob import cli
+    code = cli.main(["prove", "--kills", "4", "--signal", "both", "--", sys.executable, str(script), "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verdict: PROVEN" in out and out.count("same bytes, verified") == 4, out

@@ -1,4 +1,4 @@
-"""The docs' trainer to copy (docs/howto/trainer.md) is the file the tests run, fits in 60 lines, and keeps every guarantee."""
+"""The docs' trainer to copy (docs/trainers.md) is the file the tests run, fits in 60 lines, and keeps every guarantee."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def run(pvc, *flags):
 
 def test_the_documented_trainer_is_the_tested_file_and_under_60_lines():
     """The how-to page includes the file itself (pymdownx.snippets; the site's build fails on a missing one)."""
-    assert '```python\n--8<-- "examples/minimal_trainer.py"\n```' in (ROOT / "docs/howto/trainer.md").read_text()
+    assert '```python\n--8<-- "examples/minimal_trainer.py"\n```' in (ROOT / "docs/trainers.md").read_text()
     assert len(EXAMPLE.read_text().splitlines()) < 60
 
 

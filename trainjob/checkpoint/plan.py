@@ -15,6 +15,7 @@ linear trainer the state is one tensor ``params = [w0, w1, w2, bias]`` (float64)
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -22,15 +23,23 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 
 from ..records import DTYPE_BYTES, PLAIN_NAME, Manifest, ShardEntry, TensorSlice, TensorSpec
+from ..storage.digest import root
 
 MANIFEST = "manifest.json"
+# A shard header's metadata key (manifest schema 3): where each of its slices sits in which tensor
+# (``placement``), hashed with the shard, so no manifest can say otherwise unnoticed.
+SLICES_KEY = "trainjob.slices"
 # In a sharded state (some DTensor), a plain tensor up to this size (an optimizer's step counter,
 # a norm's buffer) is written whole by rank 0: every rank reads all of it on a resume anyway, and
 # so finds every such entry in one place (rank 0's shard, whose header it reads for the plain
 # values) instead of opening every other rank's shard for a few bytes.
 SMALL_BYTES = 64 << 10
 MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sanity, not physics
-_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
+# The most bytes a tensor's shape may span, each zero dimension counted as 1: numpy refuses to make
+# an array (even an empty one) whose dimensions, zeros aside, multiply past what an index counts
+# ("array is too big"), so a manifest naming such a shape is corrupt, not a crash (70) at load.
+MAX_EXTENT = 1 << 62
+_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")  # at most defaults.MAX_STEP and MAX_ATTEMPT
 
 
 # --- names -------------------------------------------------------------------------------------
@@ -263,6 +272,11 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
     if len({t.name for t in m.tensors}) != len(m.tensors):
         problems.append("two tensors have the same name")
         return problems
+    for t in m.tensors:  # a slice fits inside its tensor (coverage_problems), so bounding these bounds all
+        if DTYPE_BYTES[t.dtype] * math.prod(n or 1 for n in t.shape) >= MAX_EXTENT:
+            problems.append(f"{t.name}'s shape {list(t.shape)} is beyond what an array can hold")
+    if problems:
+        return problems
     problems += coverage_problems(m.tensors, m.shards)
     for shard in m.shards:
         if (claimed := sum(slice_bytes(h) for h in shard.holds)) + 8 > shard.size:
@@ -275,7 +289,80 @@ def manifest_problems(m: Manifest, name: str | None = None) -> list[str]:
         elif m.schema >= 2 and shard.header is not None and shard.header + claimed != shard.size:
             problems.append(f"rank {shard.rank}'s header ({shard.header} bytes) and tensors ({claimed}) are not "
                             f"its {shard.size}-byte file")
+        elif (parts := part_digests(shard)) is not None and shard.sha256 != root(parts):
+            # A whole-file reader checks the root, a reader of one slice its digest: they must agree.
+            problems.append(f"rank {shard.rank}'s sha256 is not the root of its part digests")
     return problems
+
+
+def part_digests(shard: ShardEntry) -> list[str] | None:
+    """(schema 2 and later) A shard's part digests in file order, the header's first: what its
+    ``sha256`` is the root of (``storage.digest.root``); None for a shard without them."""
+    if shard.header_sha256 is None or any(h.sha256 is None for h in shard.holds):
+        return None
+    return [shard.header_sha256, *(h.sha256 or "" for h in sorted(shard.holds, key=lambda h: h.name))]
+
+
+# --- what a shard's own header proves of its manifest ---------------------------------------------
+
+def placement(holds: Sequence[TensorSlice], tensors: Sequence[TensorSpec]) -> dict[str, dict[str, list[int]]]:
+    """Where each slice sits, as a shard's header says it (``SLICES_KEY``, schema 3): by name, its
+    offset along every axis of its tensor and that tensor's whole shape. With the name, dtype and
+    shape the header gives each tensor anyway, everything a load takes from a slice's entry."""
+    whole = {t.name: list(t.shape) for t in tensors}
+    return {h.name: {"offsets": list(h.origin), "whole": whole.get(h.name, [])} for h in holds}
+
+
+def placement_text(holds: Sequence[TensorSlice], tensors: Sequence[TensorSpec]) -> str:
+    return json.dumps(placement(holds, tensors), sort_keys=True, separators=(",", ":"))
+
+
+def header_problem(m: Manifest, shard: ShardEntry, meta: Mapping[str, str]) -> str | None:
+    """Why a shard's header metadata (hashed with the shard: no edit of the manifest beside it can
+    change it) disagrees with what manifest ``m`` says of that shard; None when it agrees.
+
+    Every shard trainjob ever wrote says its rank, world size and step; from schema 3 it says
+    where each slice sits too (``placement``), and whenever it does, the manifest must say the
+    same. So a manifest that moves a slice, or hands a shard to another rank, is refused by every
+    reader, whichever checkpoint it is and whatever vouches for it."""
+    for key, value in (("rank", shard.rank), ("world_size", m.world_size), ("step", m.step)):
+        if meta.get(key) != str(value):
+            return f"its header says {key} {meta.get(key)}, the manifest {value}"
+    said = meta.get(SLICES_KEY)
+    if said is None:
+        return f"its header does not say where its slices sit, as schema {m.schema} has it" if m.schema >= 3 else None
+    try:
+        places = json.loads(said)
+    except (ValueError, RecursionError):
+        places = None
+    want = placement(shard.holds, m.tensors)
+    if places != want:
+        name = next((n for n in sorted(want) if not isinstance(places, dict) or places.get(n) != want[n]),
+                    "a tensor the manifest does not list")
+        there = places.get(name) if isinstance(places, dict) else None
+        return f"its header puts {name} at {there}, the manifest at {want.get(name)}"
+    return None
+
+
+def unpinned(m: Manifest) -> list[str]:
+    """(schema 1 and 2, whose shard headers say each slice's rank and shape but not where it sits)
+    The tensors whose slices' places those headers do not pin down: a tensor is pinned when its
+    non-empty slices are whole rows, back to back from row 0 in the order of the ranks holding
+    them (the documented split; a DTensor's Shard(0) on one mesh axis; a tensor one rank writes
+    whole), since each rank's row count then fixes every start. Any other place (Shard(1), a 2-D
+    mesh) only a sha256 recorded elsewhere can vouch for (``checkpoint.json``'s, of the newest)."""
+    out, by_rank = [], [{h.name: h for h in s.holds} for s in sorted(m.shards, key=lambda s: s.rank)]
+    for t in m.tensors:
+        row = 0
+        for holds in by_rank:
+            h = holds.get(t.name)
+            if h is None or not math.prod(h.shape):
+                continue
+            if h.origin != (row, *(0 for _ in h.shape[1:])) or h.shape[1:] != t.shape[1:]:
+                out.append(t.name)
+                break
+            row += h.shape[0]
+    return out
 
 
 def slice_offsets(shard: ShardEntry) -> list[tuple[TensorSlice, int]]:

@@ -2,7 +2,7 @@
 
 safetensors (maintained by Hugging Face) is a header of JSON plus raw little-endian tensor bytes:
 loading it runs no code, unlike pickled files. Writing is done here rather than with the package's
-``save_file`` because the bytes must be hashed as they are written (``pvc.atomic_write`` does
+``save_file`` because the bytes must be hashed as they are written (``durable.atomic_write`` does
 that chunk by chunk) and must never be held twice in memory; ``tests/checkpoint/test_shards.py`` checks the
 output is byte-for-byte what ``safetensors.numpy.save`` produces. Reading is done here too
 (``read_verified``, following the format's spec): the bytes go straight from the file into the
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, TryAgainLater, open_regular
+from ..errors import InputError, TryAgainLater, classify, open_regular
 from ..storage.backend import ByteSource
 from ..storage.digest import Sha256Pipe
-from ..records import ShardEntry, TensorSlice, TensorSpec
+from ..records import ShardEntry, TensorSlice, TensorSpec, once_each
 from .plan import slice_bytes, slice_offsets
 from ..tensors import dtype_code, np_dtype
 
@@ -133,7 +133,7 @@ def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
         except InputError:
             return None, f"{path.name}: not a regular file (a symlink is never followed)"
         except OSError as exc:
-            return None, f"{path.name}: cannot open ({exc.strerror}; a symlink is never followed)"
+            return None, unreadable(path, exc, "cannot open (a symlink is never followed)")
     else:
         src = path
         if src.size < 0:
@@ -143,6 +143,17 @@ def _open(path: Path | ByteSource, size: int | None) -> tuple[Any, str | None]:
         src.close()
         return None, f"{src.name}: {actual} bytes, the manifest says {size}"
     return src, None
+
+
+def unreadable(path: Path | ByteSource, exc: OSError, doing: str = "read failed") -> str:
+    """The reason a shard that cannot be opened or read gives (it is damaged: a resume sets the
+    checkpoint aside); but storage trouble (EIO, ETIMEDOUT, ESTALE...: ``errors.classify``) is
+    raised as such, exit 75: a failing disk says nothing of the checkpoint, and nothing good may
+    be set aside, nor a resume fall back a step, because a read failed."""
+    if (kind := classify(exc, InputError)) is not InputError:
+        raise kind(f"{path}: {doing} ({exc.strerror}): storage trouble, not a damaged checkpoint; relaunch once "
+                   "the storage answers (nothing was set aside)") from exc
+    return f"{path.name}: {doing} ({exc.strerror})"
 
 
 def _read_exact(src: ByteSource, view: memoryview, digest: Sha256Pipe) -> int:
@@ -182,7 +193,7 @@ def hash_file(path: Path | ByteSource, size: int, sha256: str) -> str | None:
     except TryAgainLater:  # the store failed mid-stream: no verdict on the shard
         raise
     except OSError as exc:
-        return f"{path.name}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     finally:
         src.close()
 
@@ -194,13 +205,6 @@ def _size_and_hash(path: Path | ByteSource, seen: int, size: int, digest: Sha256
     if got != sha256:
         return f"{path.name}: sha256 {got[:12]}... differs from the manifest's {sha256[:12]}..."
     return None
-
-
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise ValueError("a key appears twice in the header")
-    return out
 
 
 def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_size: int) -> list[TensorSlice]:
@@ -240,10 +244,14 @@ def _check_header(name: str, header: object, holds: Sequence[TensorSlice], data_
     return [h for _, _, h in spans]
 
 
+MetaCheck = Callable[[Mapping[str, str]], str | None]  # why a header's metadata is not what it must be, or None
+
+
 def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: Mapping[str, Any] | None,
                   size: int | None = None, sha256: str | None = None,
                   metadata: dict[str, str] | None = None,
-                  parts: Sequence[tuple[str, int, str]] | None = None) -> str | None:
+                  parts: Sequence[tuple[str, int, str]] | None = None,
+                  check_meta: MetaCheck | None = None) -> str | None:
     """Read the shard at ``path`` straight into ``dest`` (one C-contiguous array per hold), hashing
     every byte as it arrives; None when the file is ``size`` bytes hashing to ``sha256`` and its
     header says exactly what ``holds`` says, else the reason.
@@ -256,6 +264,8 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
     slices that overlap its own). The header is parsed here as data (JSON, size-capped),
     following the safetensors format; nothing in the file can run code. ``parts`` (a schema-2
     shard: ``shard_parts``): the file is hashed in those parts and ``sha256`` is their root.
+    ``check_meta``: what the header's metadata must say (``plan.header_problem``), asked before a
+    tensor byte is read.
     """
     src, reason = _open(path, size)
     if reason:
@@ -273,15 +283,19 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
         if _read_exact(src, memoryview(text), digest) != n:
             raise ValueError(f"{path.name}: changed size while being read")
         try:
-            header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            header = json.loads(text.decode("utf-8"), object_pairs_hook=once_each)
         except RecursionError:  # a header nested deeper than the parser's stack: not a crash
             raise ValueError(f"{path.name}: not a valid safetensors file (header nested too deeply)") from None
         except ValueError as exc:
             raise ValueError(f"{path.name}: not a valid safetensors file ({exc})") from None
         seen = 8 + n
+        in_file = _check_header(path.name, header, holds, total - seen)
+        meta = _metadata(path.name, header)
+        if check_meta is not None and (problem := check_meta(meta)):
+            raise ValueError(f"{path.name}: {problem}")
         if metadata is not None:  # handed out as read; the caller uses it only once this returns None
-            metadata.update(_metadata(path.name, header))
-        for h in _check_header(path.name, header, holds, total - seen):
+            metadata.update(meta)
+        for h in in_file:
             if dest is None:  # verify only: the same checks, the bytes through a bounded buffer
                 want = np_dtype(h.dtype).itemsize * math.prod(h.shape)
                 got = _skim(src, want, digest)
@@ -315,7 +329,7 @@ def read_verified(path: Path | ByteSource, holds: Sequence[TensorSlice], dest: M
     except TryAgainLater:
         raise
     except OSError as exc:
-        return f"{path.name}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -345,29 +359,38 @@ class _Window:
 
 
 def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, Any],
-               metadata: dict[str, str] | None = None) -> str | None:
-    """(schema 2) Read only the slices of ``shard`` that ``dest`` names (as ``read_verified``
-    takes them: an array, or pieces), by offset, each hashed and checked against its digest in
-    the manifest; with ``metadata``, the header too (checked against ``header_sha256``, then
-    its metadata handed out). Nothing else of the file is read; None, or the reason."""
+               metadata: dict[str, str] | None = None, check_meta: MetaCheck | None = None) -> str | None:
+    """(schema 2 and later) Read the header of ``shard``, checked against ``header_sha256``, against
+    the manifest's slices as ``read_verified`` checks it, and against ``check_meta``, then only the
+    slices ``dest`` names (as ``read_verified`` takes them: an array, or pieces), by offset, each
+    hashed and checked against its digest in the manifest; with ``metadata``, the header's metadata
+    handed out. Nothing else of the file is read; None, or the reason."""
     src, reason = _open(path, shard.size)
     if reason:
         return reason
     try:
+        assert shard.header is not None
+        head = bytearray(shard.header)
+        digest = Sha256Pipe()
+        if _read_exact(_Window(src, 0, shard.header), memoryview(head), digest) != shard.header:
+            return f"{shard.file}: changed size while being read"
+        if digest.hexdigest() != shard.header_sha256:
+            return f"{shard.file}: its header: sha256 differs from the manifest's"
+        n = int.from_bytes(head[:8], "little")
+        try:
+            header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=once_each)
+        except (ValueError, RecursionError):
+            return f"{shard.file}: not a valid safetensors file (its header)"
+        # The slices' offsets below are the manifest's (name order, back to back): the header
+        # must say the same of each, or a slice would be read as another dtype or shape.
+        in_file = _check_header(shard.file, header, shard.holds, shard.size - shard.header)
+        if [h.name for h in in_file] != sorted(h.name for h in shard.holds):
+            return f"{shard.file}: its tensors are not in name order, as trainjob writes them"
+        meta = _metadata(shard.file, header)
+        if check_meta is not None and (problem := check_meta(meta)):
+            return f"{shard.file}: {problem}"
         if metadata is not None:
-            assert shard.header is not None
-            head = bytearray(shard.header)
-            digest = Sha256Pipe()
-            if _read_exact(_Window(src, 0, shard.header), memoryview(head), digest) != shard.header:
-                return f"{shard.file}: changed size while being read"
-            if digest.hexdigest() != shard.header_sha256:
-                return f"{shard.file}: its header: sha256 differs from the manifest's"
-            n = int.from_bytes(head[:8], "little")
-            try:
-                header = json.loads(bytes(head[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
-            except (ValueError, RecursionError):
-                return f"{shard.file}: not a valid safetensors file (its header)"
-            metadata.update(_metadata(shard.file, header))
+            metadata.update(meta)
         for h, at in slice_offsets(shard):
             if h.name not in dest:
                 continue
@@ -390,7 +413,7 @@ def read_parts(path: Path | ByteSource, shard: ShardEntry, dest: Mapping[str, An
     except TryAgainLater:
         raise
     except OSError as exc:
-        return f"{shard.file}: read failed ({exc.strerror})"
+        return unreadable(path, exc)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -449,7 +472,7 @@ def read_metadata(data: bytes) -> dict[str, str]:
     if not 0 <= n <= min(len(data) - 8, _MAX_HEADER):
         raise ValueError("not a valid safetensors file (header length)")
     try:
-        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(data[8:8 + n].decode("utf-8"), object_pairs_hook=once_each)
     except ValueError as exc:
         raise ValueError(f"not a valid safetensors file ({exc})") from None
     return _metadata("", header).copy()

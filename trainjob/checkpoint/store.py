@@ -41,9 +41,10 @@ import numpy as np
 from . import plan
 from . import shards
 from .snapshot import LOCAL_KEY, PLAIN_KEY, HostArrays
-from ..errors import InputError, NoSpace, StateMismatch
+from ..errors import InputError, NoSpace, StateMismatch, os_errors
 from .plan import MANIFEST, Ref
-from ..storage.pvc import TMP, Pvc, record_bytes
+from ..storage.deletion import TMP
+from ..storage.pvc import Pvc, record_bytes
 from ..records import CheckpointPointer, Manifest, ShardEntry, TensorSlice, TensorSpec, dumps, load
 from ..tensors import np_dtype, tensor_specs
 
@@ -83,6 +84,12 @@ def _place(view: np.ndarray, h: TensorSlice) -> np.ndarray | list:
     """Where a slice's bytes go: straight into ``view`` when it is contiguous (whole rows), else
     (a column block of a DTensor's Shard(1)) through ``read_verified``'s bounded buffer."""
     return view if view.flags.c_contiguous else [(tuple(slice(0, n) for n in h.shape), view)]
+
+
+def expected_sha256(pointer: CheckpointPointer | None, ref: Ref) -> str | None:
+    """The sha256 ``checkpoint.json`` recorded for ``ref``'s manifest when it names ``ref``: what
+    every reader of that checkpoint checks its manifest against (None: it names another)."""
+    return pointer.manifest_sha256 if pointer is not None and pointer.dir == f"checkpoints/{ref.name}" else None
 
 
 @attrs.frozen
@@ -143,13 +150,23 @@ class CheckpointStore:
 
     # --- verification and loading --------------------------------------------------------------
 
-    def read_manifest(self, ref: Ref, sizes: bool = True) -> tuple[Manifest, str]:
+    def read_manifest(self, ref: Ref, sizes: bool = True, expect_sha256: str | None = None) -> tuple[Manifest, str]:
         """The manifest and the sha256 of its bytes; InputError naming the problem. ``sizes``:
         check every shard file's size first (a rank reading only its share checks the size of
-        each file it opens instead: W stat calls, or bucket requests, per rank add up)."""
+        each file it opens instead: W stat calls, or bucket requests, per rank add up).
+        ``expect_sha256``: the sha256 its bytes must have (``checkpoint.json``'s, or that of a
+        manifest verified before); a schema-1 or 2 manifest nothing vouches for so must place
+        every slice where its shards' headers pin it down (``plan.unpinned``)."""
         directory = self.path(ref)
         if self.pvc.local:  # a bucket has no directories, and no links to follow
-            st = os.lstat(directory) if os.path.lexists(directory) else None
+            st = None
+            # Not lexists() then lstat(): rotation may take it away in between (verify runs beside
+            # a job). Any other OSError (EIO) is storage trouble (75), never "missing".
+            with os_errors(self.rel(directory), "cannot stat it", InputError):
+                try:
+                    st = os.lstat(directory)
+                except FileNotFoundError:
+                    pass
             if st is None:
                 raise InputError(f"{self.rel(directory)}: missing")
             if not stat.S_ISDIR(st.st_mode):
@@ -158,12 +175,19 @@ class CheckpointStore:
         raw = self.pvc.read_bytes(path)
         if raw is None:
             raise InputError(f"{self.rel(path)}: missing: the checkpoint was never committed")
-        manifest = load(raw, Manifest, where=self.rel(path))
+        manifest, sha = load(raw, Manifest, where=self.rel(path)), hashlib.sha256(raw).hexdigest()
+        if expect_sha256 is not None and sha != expect_sha256:
+            raise InputError(f"{self.rel(path)}: differs from the manifest checkpoint.json recorded (sha256 "
+                             f"{expect_sha256[:12]}...)")
         problems = plan.manifest_problems(manifest, ref.name) or (self._size_problems(directory, manifest)
                                                                   if sizes else [])
         if problems:
             raise InputError(f"{self.rel(path)}: {'; '.join(problems)}")
-        return manifest, hashlib.sha256(raw).hexdigest()
+        if manifest.schema < 3 and expect_sha256 is None and (loose := plan.unpinned(manifest)):
+            raise InputError(f"{self.rel(path)}: schema {manifest.schema}'s shard headers cannot say where the "
+                             f"slices of {', '.join(loose)} sit, and no sha256 recorded elsewhere vouches for this "
+                             "manifest (checkpoint.json names another checkpoint): refused rather than trusted")
+        return manifest, sha
 
     def _size_problems(self, directory: Path, manifest: Manifest) -> list[str]:
         """Each shard file's size on disk against the manifest's, before anything is sized from
@@ -174,7 +198,7 @@ class CheckpointStore:
             try:
                 actual = self.backend.size(self.rel(directory / shard.file))
             except OSError as exc:
-                problems.append(f"{shard.file}: {exc.strerror}")
+                problems.append(shards.unreadable(directory / shard.file, exc, "cannot stat"))
                 continue
             if actual is None:
                 problems.append(f"{shard.file}: No such file or directory")
@@ -203,7 +227,7 @@ class CheckpointStore:
             meta = None if metadata is None else metadata.setdefault(shard.rank, {})
             with self.backend.reading(self.rel(directory / shard.file)) as path:
                 return shards.read_verified(path, shard.holds, rows, shard.size, shard.sha256, meta,
-                                            shards.shard_parts(shard))
+                                            shards.shard_parts(shard), self._header_check(manifest, shard))
 
         if len(manifest.shards) == 1:
             reasons = [check(manifest.shards[0])]
@@ -212,6 +236,10 @@ class CheckpointStore:
                 reasons = list(pool.map(check, manifest.shards))
         bad = [r for r in reasons if r]
         return f"{self.rel(directory)}: {'; '.join(bad)}" if bad else None
+
+    @staticmethod
+    def _header_check(manifest: Manifest, shard: ShardEntry) -> shards.MetaCheck:
+        return lambda meta: plan.header_problem(manifest, shard, meta)
 
     def verify(self, ref: Ref, expect_sha256: str | None = None, load: bool = False,
                into: Mapping[str, np.ndarray] | None = None) -> Verification:
@@ -223,12 +251,9 @@ class CheckpointStore:
         once, not the initial state and the checkpoint's side by side (as torch.distributed's
         checkpoint loads in place). Until the verdict is good their contents are undefined."""
         try:
-            manifest, sha = self.read_manifest(ref)
+            manifest, sha = self.read_manifest(ref, expect_sha256=expect_sha256)
         except InputError as exc:
             return Verification(None, None, str(exc))
-        if expect_sha256 is not None and sha != expect_sha256:
-            return Verification(manifest, sha, f"{self.rel(self.path(ref) / MANIFEST)}: differs from the manifest "
-                                               f"checkpoint.json recorded (sha256 {expect_sha256[:12]}...)")
         full = _destinations(manifest.tensors, into or {}) if load else None
         metadata: dict[int, dict[str, str]] = {}  # the headers are read either way: cheap, and reshard needs them
         reason = self.check_files(ref, manifest, full, metadata)
@@ -261,11 +286,8 @@ class CheckpointStore:
         when it picks the checkpoint for every rank alone). StateMismatch (exit 2) when the
         manifest's tensors are not ``specs`` (the live model's whole shapes), before a byte is
         read; InputError when a shard does not verify."""
-        manifest, sha = self.read_manifest(ref, sizes=verify_all)
+        manifest, sha = self.read_manifest(ref, sizes=verify_all, expect_sha256=expect_sha256)
         where = self.rel(self.path(ref) / MANIFEST)
-        if expect_sha256 is not None and sha != expect_sha256:
-            raise InputError(f"{where}: differs from the manifest checkpoint.json recorded (sha256 "
-                             f"{expect_sha256[:12]}...)")
         if manifest.tensors != tuple(specs):
             mine, theirs = {t.name: t for t in specs}, {t.name: t for t in manifest.tensors}
             name = next((n for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)), "?")
@@ -301,12 +323,13 @@ class CheckpointStore:
             # the slices it needs (and rank 0's header, for the plain values), each checked
             # against its own digest. Schema 1 has no part digests: a shard is hashed whole.
             shard = by_rank[r]
+            agrees = self._header_check(manifest, shard)
             with self.backend.reading(self.rel(directory / shard.file)) as path:
                 if whole is not None and r not in whole:
                     return shards.read_parts(path, shard, targets.get(r, {}), metadata.setdefault(r, {}) if r == 0
-                                             else None)
+                                             else None, agrees)
                 return shards.read_verified(path, shard.holds, targets.get(r, {}), shard.size, shard.sha256,
-                                            metadata.setdefault(r, {}), shards.shard_parts(shard))
+                                            metadata.setdefault(r, {}), shards.shard_parts(shard), agrees)
 
         for r in reading:
             metadata.setdefault(r, {})
@@ -355,22 +378,24 @@ class ShardWriter(CheckpointStore):
         if world_size > 1 and host.checked:  # rank 0 compares them before the commit (replicas.py)
             digests = host.digests()
             holds = tuple(attrs.evolve(h, digest=digests[h.name]) if h.name in digests else h for h in holds)
-        return self.write_slices(staging, rank, world_size, step, holds, local_parts(holds, host), host.metadata(rank),
-                                 fsync_later)
+        return self.write_slices(staging, rank, world_size, step, specs, holds, local_parts(holds, host),
+                                 host.metadata(rank), fsync_later)
 
-    def write_slices(self, staging: Path, rank: int, world_size: int, step: int,
+    def write_slices(self, staging: Path, rank: int, world_size: int, step: int, tensors: tuple[TensorSpec, ...],
                      holds: tuple[TensorSlice, ...], mine: Mapping[str, np.ndarray],
                      documents: Mapping[str, str] | None = None, fsync_later: bool = False) -> ShardEntry:
         """(all ranks; reshard writes every rank's) Write rank ``rank``'s shard holding ``mine``
-        (described by ``holds``) and ``documents`` (its plain values, ``HostArrays.metadata``)
-        into ``staging``.
+        (described by ``holds``, slices of ``tensors``) and ``documents`` (its plain values,
+        ``HostArrays.metadata``) into ``staging``. Its header says where each slice sits
+        (``plan.placement``), as every reader checks the manifest against.
 
         ``fsync_later``: return once the bytes are written, the shard's fsync left running. Rank 0
         passes it for its own shard (its ``Committer.commit`` waits for it before the rename, so
         it runs on while the receipts and the manifest are gathered); another rank passes it and
         calls ``settle`` before it says the shard is durable (its transport's ``deliver``)."""
         name = plan.shard_file(rank, world_size)
-        meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step)}
+        meta = {**(documents or {}), "rank": str(rank), "world_size": str(world_size), "step": str(step),
+                plan.SLICES_KEY: plan.placement_text(holds, tensors)}
         sizes, stream = shards.encode_parts(mine, meta)
         written = self.backend.write_part(self.rel(staging / name), stream, sync=not fsync_later, parts=sizes)
         digests = dict(zip(sorted(mine), written.parts[1:]))  # in the file's order, after the header
@@ -423,7 +448,7 @@ class Committer(ShardWriter):
                others: Callable[[], object] | None = None) -> str:
         """(rank 0, after every receipt) Write the manifest last and rename the directory into
         place; return the manifest's sha256. ``point``: then replace ``checkpoint.json`` with a
-        pointer to it, its fsync beside the commit's last one (``pvc.commit_dir``), and leave the
+        pointer to it, its fsync beside the commit's last one (``durable.commit_dir``), and leave the
         fsync that makes its rename durable running: ``rotate`` waits for it, so the
         ``checkpointed`` line's fsync can run beside it (docs/checkpoints.md). ``others()``: waits
         until the other ranks' shards are durable (``Coordinator.durable``), called while this

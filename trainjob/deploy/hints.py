@@ -260,9 +260,14 @@ def _loader_and_streams(e: Evidence, at: str) -> list[Hint]:
             why = ("the loader's worker processes were seeded afresh on the relaunch, so what they draw (noise or "
                    "augmentation in Dataset.__getitem__) differs after the resume")
         else:
-            why = ("after the resume the run drew from it a different number of times, so dropout masks or noise "
-                   "differ (a DataLoader without generator= draws a seed from torch's stream for each iterator it "
-                   "builds; a reseed inside the loop)")
+            why = ("after the resume the run drew from it a different number of times, so dropout masks, noise or a "
+                   "data collator's random draws (masked-LM masking, drawn as batches are collated ahead of "
+                   "training) differ (a DataLoader without generator= draws a seed from torch's stream for each "
+                   "iterator it builds; a reseed inside the loop)")
+            if not held:  # the batches themselves may be others: nothing saved says where the data stood
+                why = ("the batches after the resume may be other ones than the reference's (the data order: a "
+                       "stream's pass over its data, batches skipped from the wrong place), drawing other numbers; "
+                       "or " + why)
         if (n := _workers(find(ref.local[rank], "loader"))) > 0:
             why += (f"; the loader runs {n} worker processes, which a relaunch starts afresh: what they draw is in "
                     "no saved stream")

@@ -69,12 +69,12 @@ class OwnLoop:
     bucket: str = ""
 
 
-def own_loop(argv: Sequence[str], bucket: str = "") -> OwnLoop:
+def own_loop(argv: Sequence[str], bucket: str = "", mount: str = MOUNT) -> OwnLoop:
     """Read ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``): UsageError for a command a pod
     cannot run as the job, or one whose PVC cannot be told.
 
     Where the script keeps the job's files must be known, or they die with the pod: ``{pvc}`` in
-    its arguments is replaced by the claim's mount (or ``bucket``, ``k8s render --pvc``), else its
+    its arguments is replaced by the claim's ``mount`` (or ``bucket``, ``k8s render --pvc``), else its
     ``--pvc PATH`` (or ``--pvc=PATH``) says it: an absolute path is where the claim is mounted, an
     ``s3://`` URL is the bucket (no claim). Only ``-m`` of Python's own options is taken: at
     W > 1 the script runs under torchrun, which passes none other on.
@@ -95,13 +95,13 @@ def own_loop(argv: Sequence[str], bucket: str = "") -> OwnLoop:
     else:
         program, args = (rest[0],), tuple(rest[1:])
     if any(PVC_PLACEHOLDER in arg for arg in args):
-        where = bucket or MOUNT
+        where = bucket or mount
         return OwnLoop(python, program, tuple(arg.replace(PVC_PLACEHOLDER, where) for arg in args),
-                       mount="" if bucket else MOUNT, bucket=bucket)
+                       mount="" if bucket else mount, bucket=bucket)
     named = _flag_value(args, "--pvc")
     if named is None:
         raise UsageError(f"cannot tell where {program[-1]} keeps the job's files, so they would die with the pod: "
-                         f"pass the script --pvc {PVC_PLACEHOLDER} (replaced by the claim's mount, {MOUNT}), "
+                         f"pass the script --pvc {PVC_PLACEHOLDER} (replaced by the claim's mount, {mount}), "
                          "or --pvc with an absolute path or an s3:// URL")
     if named.startswith("s3://"):
         if bucket and bucket.rstrip("/") != named.rstrip("/"):

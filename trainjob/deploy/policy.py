@@ -1,9 +1,14 @@
-"""The supervisor's judgment: what one start of ``trainjob run`` amounted to, and what comes next.
+"""The controllers' judgment: what one start of ``trainjob run`` amounted to, and what comes next.
 
 Small pure functions, no I/O, no clock, no processes: ``supervise.py`` runs the child and feeds
 them what it saw (the child's exit code, read through the contract ``cli.py`` owns, and the events
 the child logged). Keeping the policy here is what lets the tests walk every exit code, every last
 event and every back-off without starting a process.
+
+A batch scheduler asks the same question at the end of each launch of a job it may requeue
+(``after_launch``: what 0, 1, 2, 70 and 75 make it do, within the run's retry budget and a bound on
+launches that make no progress); ``slurm.py`` spells the answer as a batch script, whose last step
+(``trainjob slurm after``) reads the PVC and the log and asks this.
 
 The supervisor's log lines carry ``source=SOURCE`` so ``trainjob status`` can tell them from the
 run's; their details are ``key=value`` tokens built by ``detail``.
@@ -13,6 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import Literal
+
+import attrs
+
+from ..exits import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE, rank_exit
 
 from ..records import SUPERVISOR as SOURCE  # noqa: F401 (the supervisor's log source, for cli.py and tests)
 
@@ -95,3 +104,70 @@ def default_max_starts(backoff_limit: int) -> int:
 def detail(**fields: object) -> str:
     """A supervisor line's detail: ``key=value`` tokens in the order given (``status`` parses them)."""
     return " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+# What a batch scheduler does after a launch: the job ends (COMPLETED or FAILED) or runs again.
+Action = Literal["complete", "requeue", "fail"]
+# Launches in a row that may commit no new checkpoint before a job that would run again is
+# stopped instead (``after_launch``): a full disk or a storage that is down fails every launch the
+# same way, and a requeue loop would hold a node forever.
+MAX_STALLS = 3
+
+
+@attrs.frozen
+class Verdict:
+    """What to do after one launch: ``code`` is what the batch script exits with (0 alone ends the
+    job COMPLETED), ``stalls`` the launches in a row, this one counted, that committed no new
+    checkpoint (the next launch's count starts from it), ``line`` says why to the job's output."""
+
+    action: Action
+    code: int
+    stalls: int
+    line: str
+
+
+@attrs.frozen
+class Over:
+    """The job is over whatever a launch would do: the next one would end at once with ``code``
+    (0: completed and its artifact verifies; 1: the retry budget is spent), for ``line``'s reason."""
+
+    code: int
+    line: str
+
+
+def after_launch(code: int, over: Over | None, progressed: bool, stalls: int, max_stalls: int,
+                 log: str, pvc: str) -> Verdict:
+    """A launch ended with ``code`` (its tasks' status, a signal's 128 + N included): what next?
+
+    0 completes. 2 (bad input) fails and is never run again: the same input fails the same way.
+    70 (a bug) fails, naming the log: running a bug again spends a node for nothing. A job
+    ``over`` ends with its code (a kill that came after the job completed, a gate failure with no
+    attempt left). Otherwise (75, a kill, a preemption, a time limit; 1 with attempts left; a
+    process killed by a signal) it runs again: kills never spend the retry budget, which the run
+    counts in its own log. Only a run of ``max_stalls`` launches in a row that committed no new
+    checkpoint stops it, failed, naming the storage: each of them found the job where the
+    previous one left it.
+    """
+    said = rank_exit(code)
+    if said == EXIT_OK:
+        return Verdict("complete", EXIT_OK, 0, "the job completed")
+    if said == EXIT_USAGE:
+        return Verdict("fail", EXIT_USAGE, stalls,
+                       f"bad input (exit {EXIT_USAGE}): not requeued, a launch with the same input fails the same "
+                       "way; fix the flag or the data (the job's output says which) and submit again")
+    if said == EXIT_INTERNAL:
+        return Verdict("fail", EXIT_INTERNAL, stalls,
+                       f"internal error (exit {code}): not requeued; the job's output holds the traceback and "
+                       f"{log} what the run decided before it; please report it")
+    if over is not None:
+        return Verdict("complete" if over.code == EXIT_OK else "fail", over.code, 0 if progressed else stalls,
+                       over.line)
+    stalls = 0 if progressed else stalls + 1
+    if stalls >= max_stalls:
+        return Verdict("fail", EXIT_FAILED, stalls,
+                       f"{stalls} launches in a row committed no new checkpoint (the last exited {code}): the storage "
+                       f"at {pvc} may be full, read-only or down; not requeued again (fix it, then submit the job "
+                       "again: it resumes from its last checkpoint)")
+    why = ("the gate failed and the retry budget has attempts left: requeued for a fresh attempt"
+           if said == EXIT_FAILED else f"stopped (exit {code}): requeued, to resume from its last checkpoint")
+    return Verdict("requeue", EXIT_RELAUNCH, stalls, why)

@@ -1,7 +1,8 @@
 """``trainjob reshard``: rewrite one committed checkpoint for another world size.
 
-The machine's ``reshard`` edge, with its own small model: pick the source (the newest checkpoint
-that verifies, or the newest at ``--step``), verify it, then build the new checkpoint shard by
+The machine's ``reshard`` edge, with its own small model: pick the source (the newest checkpoint,
+or the newest at ``--step``), verify it as a resume does (refusing it, exit 2, when it does not:
+never an older step instead), then build the new checkpoint shard by
 shard, each read by offsets from the source shards that overlap it (``plan.plan_reads``,
 ``CheckpointStore.load_local``: one new shard in memory at a time), and commit it like any other: staged in a
 tmp directory, manifest last, one rename. The source is left alone (rotation removes it later),
@@ -23,7 +24,7 @@ from transitions import EventData
 from ..checkpoint import plan
 from . import machine
 from ..checkpoint.snapshot import LOCAL_KEY, PLAIN_KEY
-from ..checkpoint.store import CheckpointStore, Verification
+from ..checkpoint.store import CheckpointStore, Verification, expected_sha256
 from ..errors import AlreadyCompleted, InputError, NoVerifiedCheckpoint
 from ..storage.eventlog import EventLog
 from .job import MachineModel
@@ -36,20 +37,27 @@ STAGING_GENERATION = 0  # reshard runs alone under the job lock, like a one-rank
 
 
 def pick_source(store: CheckpointStore, step: int | None, world_size: int) -> tuple[Ref, Verification]:
-    """The newest checkpoint (at ``step``, if given) that verifies; at equal steps, one of another
-    world size than ``world_size`` (the one of the same size is the target, already there)."""
+    """The newest checkpoint (at ``step``, if given), verified as a resume verifies it: its
+    manifest against the sha256 ``checkpoint.json`` recorded when the pointer names it. Of that
+    step, one of another world size than ``world_size`` first (the one of the same size is the
+    target, already there). Never an older step in place of a newer one that does not verify: a
+    run sets such a checkpoint aside and says so (``checkpoint_rejected``); a reshard refuses,
+    and an older step is resharded only when ``--step`` names it."""
     refs = [r for r in store.committed() if step is None or r.step == step]
     if not refs:
         where = f" at step {step}" if step is not None else ""
         raise InputError(f"{store.root}: no committed checkpoint{where} to reshard")
+    newest = max((r.attempt, r.step) for r in refs)
+    pointer = store.pvc.read_checkpoint()
     reasons = []
-    for ref in sorted(refs, key=lambda r: (r.attempt, r.step, r.world_size != world_size), reverse=True):
-        verdict = store.verify(ref)  # every byte hashed, in bounded memory: the state is read per new shard
+    for ref in sorted((r for r in refs if (r.attempt, r.step) == newest), key=lambda r: r.world_size == world_size):
+        verdict = store.verify(ref, expected_sha256(pointer, ref))  # every byte hashed, in bounded memory
         if verdict.reason is None:
             return ref, verdict
         reasons.append(verdict.reason)
-    raise NoVerifiedCheckpoint(f"{store.root}: no checkpoint to reshard verifies ({'; '.join(reasons)}); "
-                               f"run `trainjob verify --pvc {store.pvc.root}` to inspect them")
+    raise NoVerifiedCheckpoint(f"{store.root}: the newest checkpoint to reshard (step {newest[1]}) does not verify "
+                               f"({'; '.join(reasons)}); run `trainjob verify --pvc {store.pvc.root}` to inspect it, "
+                               "and reshard an older step only by naming it (--step)")
 
 
 class Reshard(MachineModel):
@@ -83,7 +91,7 @@ class Reshard(MachineModel):
         """A previous reshard (perhaps killed before logging) already wrote the target: verify it."""
         if self.target not in self.store.committed():  # published only: a bucket's unpublished prefix is litter
             return False
-        verdict = self.store.verify(self.target)
+        verdict = self.store.verify(self.target, expected_sha256(self.pvc.read_checkpoint(), self.target))
         if verdict.reason is not None:
             raise InputError(f"{verdict.reason}; it is in the way of the reshard: inspect it with "
                              f"`trainjob verify --pvc {self.pvc.root}`")
@@ -101,7 +109,7 @@ class Reshard(MachineModel):
             mine = self.store.load_local(self.source, src.tensors, {h.name: (h.origin, h.shape) for h in holds},
                                          src.world_size, self.source_sha).tensors
             documents = {PLAIN_KEY: self.plain} if rank == 0 and self.plain is not None else {}
-            entries.append(self.store.write_slices(staging, rank, n, src.step, holds, mine, documents))
+            entries.append(self.store.write_slices(staging, rank, n, src.step, src.tensors, holds, mine, documents))
             del mine
         manifest = Manifest(schema=MANIFEST_SCHEMA, step=src.step, attempt=src.attempt, world_size=n,
                             loss_milli=src.loss_milli, tensors=src.tensors, shards=entries,

@@ -38,7 +38,8 @@ from typing import TypeVar
 
 from ..errors import (InputError, PeerFailed, PeerRefused, RankTimeout, Superseded, TrainJobError, TryAgainLater,
                       os_errors)
-from ..storage.pvc import Pvc, atomic_write, make_dir
+from ..storage.durable import atomic_write, make_dir
+from ..storage.pvc import Pvc
 from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps
 from ..exits import exit_code_for_state
 from .coordination import Follower

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from ..errors import TrainJobError, TryAgainLater
 from ..exits import EXIT_FAILED, EXIT_INTERNAL, EXIT_OK, job_exit
-from ..storage.pvc import atomic_write
+from ..storage.durable import atomic_write
 from .parent import LAUNCHER_PID
 
 REPORT_DIR = "TRAINJOB_EXIT_DIR"

@@ -7,8 +7,8 @@ write and its one-step publish, the single-writer lock. Keys are relative POSIX 
 prefix holds the same layout as a PVC directory. Retention, discovery and what a file means stay
 above, written once (``checkpoint/store.py``, ``checkpoint/plan.py``, ``pvc.Pvc``).
 
-Two implementations: ``pvc.LocalBackend`` (a directory, through ``pvc.py``'s atomic writers and
-flock: exactly what trainjob did before there was an interface) and ``s3.S3Backend`` (a bucket,
+Two implementations: ``local.LocalBackend`` (a directory, through ``durable.py``'s atomic writers and
+``locks.py``'s flock: exactly what trainjob did before there was an interface) and ``s3.S3Backend`` (a bucket,
 through conditional writes; imported only when a ``--pvc s3://`` asks for it). ``pvc.open_backend``
 picks one for a ``--pvc``.
 

@@ -30,7 +30,8 @@ import attrs
 from ..errors import InputError, open_regular, os_errors
 from ..records import Event, converter, load
 from .backend import Url
-from .pvc import FILE_MODE, open_backend, refuse_symlink
+from .durable import FILE_MODE, refuse_symlink
+from .pvc import open_backend
 
 SEGMENT_LINES = 512
 

@@ -10,10 +10,8 @@ Lightning owns the loop, so the callback drives the Run's step iterator from Lig
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
                         the newest verified checkpoint into the live state (``state.py``); on a
-                        fresh start, the loader's first iterator built anew (``LightningState.restart``)
-    on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
-                        again (Lightning's would raise its own exit mid-epoch, and under DDP it
-                        broadcasts from inside the handler)
+                        fresh start, the loader's first iterator built anew (``LightningState.restart``);
+                        SIGTERM and SIGINT stay the Run's from here on (``_keep_signals``)
     on_train_batch_end  after a batch that stepped the optimizer: ``report`` the step's loss (under
                         gradient accumulation, the mean of its batches' losses), and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
@@ -49,13 +47,13 @@ import torch
 from packaging.version import Version  # lightning's own dependency
 
 from .state import LightningState, script_state, train_loader
-from ...engine.run import Run
+from ...engine.run import Run, gate_arguments
 from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
-from ...records import Score
+from ...records import Metric, Score
 
 MIN_LIGHTNING = Version("2.5")  # its fit loop's restart stages (pyproject.toml's lightning extra says why)
-Gate = Callable[[pl.LightningModule], tuple[Score, Score]]
+Gate = Callable[[pl.LightningModule], Metric | tuple[Score, Score]]
 Export = Callable[[pl.LightningModule], Mapping[str, Any]]
 
 
@@ -66,8 +64,9 @@ class _Ended(SystemExit):
 class TrainJob(pl.Callback):
     """Checkpoints, resume, stop, gate and exit code of ``trainjob run`` for a ``Trainer.fit``.
 
-    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns the holdout's and
-    the frozen baseline's ``Score`` after the last step; ``export(module)`` the arrays the artifact
+    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns, after the last
+    step, a ``trainjob.Metric`` (a validation loss against its frozen value, say) or the
+    holdout's and the frozen baseline's ``Score``, judged as ``Run.gate`` judges them; ``export(module)`` the arrays the artifact
     publishes (default: the module's ``state_dict()``). ``run_options``: any other keyword of
     ``trainjob.Run`` (``max_drop``, ``keep``, ``backoff_limit``, ``idempotent``,
     ``async_checkpoint``, ``rank_timeout``, ``log``, ``die_at``). The number of steps is
@@ -77,7 +76,8 @@ class TrainJob(pl.Callback):
     def __init__(self, pvc: str | os.PathLike[str], *, ckpt_every: int, gate: Gate, export: Export | None = None,
                  **run_options: Any) -> None:
         self.pvc, self.ckpt_every, self.gate, self.export = pvc, ckpt_every, gate, export
-        self.run_options = {"name": "lightning", **run_options}
+        # Lightning draws its own progress bar: the run adds only the line saying how it ended.
+        self.run_options = {"name": "lightning", "progress": False, **run_options}
         self.run: Run | None = None
         self._code: int | None = None  # an end decided before the Run existed
         self._steps: Iterator[int] | None = None
@@ -129,19 +129,13 @@ class TrainJob(pl.Callback):
             # Nothing to train (out of retries, an error, an idempotent relaunch of a completed
             # job): the process ends here, before Lightning trains anything, 0 included.
             self._leave(always=True)
+        assert self.run.stop is not None
+        _keep_signals(trainer, self.run.stop._handle)
         with self._guard():
             if not state.loaded:  # a fresh start (a resume's load started the workers anew)
                 state.restart()
             self._steps = iter(self.run)
             self._next()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.run is not None and self.run.stop is not None
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.run.stop._handle)
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:  # a SIGTERM since Lightning's handler went in: the Run's flag has it too
-            connector.received_sigterm = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -217,9 +211,9 @@ class TrainJob(pl.Callback):
         if self.run is None or not self.run.gate_due:
             return
         with self._guard():
-            holdout, baseline = self.gate(module)
+            verdict = gate_arguments(self.gate(module))  # a Metric, or the holdout's and the baseline's Score
             export = self.export(module) if self.export is not None else module.state_dict()
-            self.run.gate(holdout=holdout, baseline=baseline, export=dict(export))
+            self.run.gate(**verdict, export=dict(export))
 
     def _steps_total(self) -> int:
         assert self.run is not None
@@ -263,6 +257,35 @@ class TrainJob(pl.Callback):
                 pass
         if always or self.run.exit_code != 0:
             raise _Ended(self.run.exit_code)
+
+
+def _keep_signals(trainer: pl.Trainer, handler: Callable[[int, Any], None]) -> None:
+    """SIGTERM and SIGINT stay the Run's (``handler``) from the moment it began. Lightning
+    registers its own SIGTERM handler after ``on_fit_start``, with the Run's behind it: a SIGTERM
+    there (its sanity check, its first batch) raised Lightning's own exit ("Received SIGTERM"),
+    nothing saved and no ``killed`` logged, and under DDP it broadcasts from inside the handler.
+    And its teardown puts back the handlers it found, the Run's among them, after the Run has
+    left (a stop's ``_Ended``): Python resets a handler to the default while it shuts down, so a
+    second SIGTERM then (Slurm's preemption sends two) ended the process by the signal, 143.
+    So its registration is wrapped, on this trainer only: signals wait while Lightning
+    registers, the Run's handler goes back in, and Lightning neither restores nor claims these two."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or threading.current_thread() is not threading.main_thread():
+        return
+    register = connector.register_signal_handlers
+    stops = {signal.SIGTERM, signal.SIGINT}
+
+    def register_around_the_run() -> None:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # one sent meanwhile waits for the Run's handler
+        try:
+            register()
+            signal.signal(signal.SIGTERM, handler)
+            for sig in stops:
+                getattr(connector, "_original_handlers", {}).pop(sig, None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    connector.register_signal_handlers = register_around_the_run
 
 
 def _loss(outputs: Any, step: int | None, required: bool) -> Any:
