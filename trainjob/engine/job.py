@@ -357,8 +357,9 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=kw.get("step") or self.cfg.steps,  # an early end's own step
-                          trainer=self.cfg.trainer, arrays=(), holdout=kw["holdout"], baseline=kw["baseline"])
+        step = kw.get("step") or self.cfg.steps  # the run's last step, or the one it stopped early at
+        record = Artifact(attempt=self.attempt, step=step, trainer=self.cfg.trainer, arrays=(),
+                          holdout=kw["holdout"], baseline=kw["baseline"])
         if isinstance(kw["exported"], Gathered):  # a sharded model: gathered and written tensor by tensor
             name = artifact_names(self.attempt)[1]
             stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
