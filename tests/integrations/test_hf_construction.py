@@ -39,12 +39,12 @@ def test_any_other_error_goes_to_pythons_own_handler():
     assert not construction.refused_construction(*raised(other, TRAINER))
 
 
-def test_install_puts_the_hook_in_front_of_the_handler_there_is_once(monkeypatch):
-    """In process, from Python's own handler (another test of this worker may have put torch's
-    distributed hook there since the integration was imported, as init_process_group does)."""
+def test_the_hook_goes_in_front_of_the_handler_there_is_once(monkeypatch):
+    """Importing the integration installs it; a handler put in front since (torch.distributed's) gets
+    it in front again, and installing twice in a row adds nothing."""
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     construction.install()
-    assert getattr(sys.excepthook, "_trainjob_hf", False)
-    before = sys.excepthook
+    installed = sys.excepthook
+    assert getattr(installed, "_trainjob_hf", False)
     construction.install()
-    assert sys.excepthook is before
+    assert sys.excepthook is installed
