@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -65,6 +66,16 @@ def io_calls(*args: str | Path) -> int:
 
 def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+# The progress lines rank 0 prints off a terminal (trainjob/engine/progress.py): where the launch
+# began, and each checkpoint.
+PROGRESS = re.compile(r"trainjob: (attempt \d+ started: \d+ steps|resumed from step \d+ of \d+|checkpointed step \d+/\d+  .*)")
+
+
+def said(stderr: str) -> list[str]:
+    """What a run printed on stderr besides its progress lines: its last line, or its error."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
