@@ -2,12 +2,13 @@
 """Per-step cost of trainjob's Lightning callback against plain Lightning saving at the same cadence.
 
     OMP_NUM_THREADS=1 python scripts/bench_lightning.py [--steps 120] [--ckpt-every 10] [--blocks 5]
-                                                        [--dim 1024] [--json FILE]
+                                                        [--dim 1024] [--batch 64] [--json FILE]
 
 One process, one model shape: an MLP ``Linear(DIM, DIM) -> GELU -> Dropout -> Linear(DIM, DIM)``
-with AdamW (the state: two DIM x DIM weights and their two moments, 24 MiB at the default), batch
-64 from a shuffling StatefulDataLoader over synthetic data, trained by ``Trainer.fit`` for STEPS
-steps. Four contenders in alternating blocks (A B C D A B C D ...), each a fresh model and a fresh
+with AdamW (the state: two DIM x DIM weights and their two moments, 24 MiB at the default, 1.5 MiB
+at DIM 256), batches of BATCH from a shuffling StatefulDataLoader over synthetic data, trained by
+``Trainer.fit`` for STEPS steps (BATCH sets the step's length: a small state with a step of tens
+of ms is DIM 256 and a large BATCH). Four contenders in alternating blocks (A B C D A B C D ...), each a fresh model and a fresh
 directory:
 
     none        plain Lightning, no checkpoint (for scale)
@@ -29,6 +30,15 @@ trainjob also saves the last step). Printed: the counts, the median and range of
 contender's per-step milliseconds over the blocks, and trainjob's (and async's) over lightning's
 by the medians, by the fastest blocks and by the median of each block's ratio (its two fits ran
 one after the other, so a load that changes over the run moves both; the target: <= 1.05).
+
+And the stall per checkpoint: how long the training thread spends on one checkpoint, two ways.
+"Held": the checkpointing callback's ``on_train_batch_end`` (Lightning's ModelCheckpoint, which
+saves there; trainjob's callback, whose Run saves there, and with ``async_checkpoint`` copies there
+and lands the write at a later step's), timed at every step; the median call is a step without a
+checkpoint, and what the calls took beyond it, summed, divided by the checkpoints, is the stall.
+"By the wall": the fit's time beyond the same block's fit without checkpoints, per checkpoint
+(it also counts what a checkpoint costs elsewhere: a helper thread's CPU on a busy machine, the
+caches). The target for ``async``: a stall no longer than Lightning's own synchronous save.
 """
 
 from __future__ import annotations
@@ -76,6 +86,28 @@ class Counted(L.pytorch.callbacks.ModelCheckpoint):
         super()._save_checkpoint(trainer, filepath)
 
 
+class Held:
+    """Times a callback's ``on_train_batch_end`` at every step (the training thread's time in it)."""
+
+    def __init__(self, callback: L.Callback) -> None:
+        self.seconds: list[float] = []
+        hook = callback.on_train_batch_end
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                self.seconds.append(time.perf_counter() - began)
+
+        callback.on_train_batch_end = timed  # type: ignore[method-assign]
+
+    def stall(self, checkpoints: int) -> float:
+        """Seconds per checkpoint beyond the median step's."""
+        usual = statistics.median(self.seconds)
+        return sum(t - usual for t in self.seconds) / max(checkpoints, 1)
+
+
 class Clock(L.Callback):
     def on_train_start(self, trainer, pl_module):
         self.start, self.cpu_start = time.perf_counter(), time.process_time()
@@ -84,20 +116,25 @@ class Clock(L.Callback):
         self.seconds, self.cpu = time.perf_counter() - self.start, time.process_time() - self.cpu_start
 
 
-def fit(kind: str, args: argparse.Namespace, directory: Path) -> tuple[float, float, int]:
-    """Seconds and CPU seconds per step, and the number of checkpoints written."""
+def fit(kind: str, args: argparse.Namespace, directory: Path) -> tuple[float, float, int, float]:
+    """Seconds and CPU seconds per step, the number of checkpoints written, and the seconds the
+    training thread was held per checkpoint."""
     torch.manual_seed(0)
-    data = torch.utils.data.TensorDataset(torch.randn(64 * args.steps, args.dim), torch.randn(64 * args.steps, args.dim))
-    loader = StatefulDataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
+    rows = args.batch * args.steps
+    data = torch.utils.data.TensorDataset(torch.randn(rows, args.dim), torch.randn(rows, args.dim))
+    loader = StatefulDataLoader(data, batch_size=args.batch, shuffle=True, generator=torch.Generator().manual_seed(0))
     clock = Clock()
     callbacks: list[L.Callback] = [clock]
-    saver = None
+    saver, held = None, None
     if kind == "lightning":
         saver = Counted(dirpath=directory, every_n_train_steps=args.ckpt_every, save_top_k=1)
         callbacks.append(saver)
+        held = Held(saver)
     elif kind in ("trainjob", "async"):
-        callbacks.append(TrainJob(directory, ckpt_every=args.ckpt_every, async_checkpoint=kind == "async",
-                                  gate=lambda m: (trainjob.Score(1, 1), trainjob.Score(1, 1))))
+        job = TrainJob(directory, ckpt_every=args.ckpt_every, async_checkpoint=kind == "async",
+                       gate=lambda m: (trainjob.Score(1, 1), trainjob.Score(1, 1)))
+        callbacks.append(job)
+        held = Held(job)
     trainer = L.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=kind == "lightning", callbacks=callbacks)
     trainer.fit(Net(args.dim), loader)
@@ -107,7 +144,7 @@ def fit(kind: str, args: argparse.Namespace, directory: Path) -> tuple[float, fl
         saves = 0
     else:
         saves = (directory / "log.jsonl").read_text().count('"event":"checkpointed"')
-    return clock.seconds / args.steps, clock.cpu / args.steps, saves
+    return clock.seconds / args.steps, clock.cpu / args.steps, saves, held.stall(saves) if held else 0.0
 
 
 def main() -> None:
@@ -116,6 +153,7 @@ def main() -> None:
     cli.add_argument("--ckpt-every", type=int, default=10)
     cli.add_argument("--blocks", type=int, default=5)
     cli.add_argument("--dim", type=int, default=1024)
+    cli.add_argument("--batch", type=int, default=64)
     cli.add_argument("--json", type=Path)
     args = cli.parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -125,19 +163,30 @@ def main() -> None:
     wall: dict[str, list[float]] = {k: [] for k in kinds}
     cpu: dict[str, list[float]] = {k: [] for k in kinds}
     saves: dict[str, set[int]] = {k: set() for k in kinds}
+    held: dict[str, list[float]] = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory(prefix="bench-lightning-") as tmp:
         fit("none", args, Path(tmp) / "warm-up")  # imports, first allocations
         for block in range(args.blocks):
             for kind in kinds:
-                seconds, cpu_seconds, written = fit(kind, args, Path(tmp) / f"{kind}-{block}")
+                seconds, cpu_seconds, written, stall = fit(kind, args, Path(tmp) / f"{kind}-{block}")
                 wall[kind].append(seconds)
                 cpu[kind].append(cpu_seconds)
                 saves[kind].add(written)
+                held[kind].append(stall)
     if not saves["lightning"] == saves["trainjob"] == saves["async"]:  # the comparison would not be fair
         sys.exit(f"the contenders saved different numbers of checkpoints: {saves}")
     state_mib = 4 * 3 * 2 * args.dim * (args.dim + 1) / 2 ** 20
-    print(f"{args.steps} steps, a checkpoint every {args.ckpt_every}, model + AdamW state {state_mib:.1f} MiB, "
-          f"{args.blocks} blocks; checkpoints written per fit: {', '.join(f'{k} {min(v)}' for k, v in saves.items())}")
+    print(f"{args.steps} steps of batch {args.batch}, a checkpoint every {args.ckpt_every}, model + AdamW state "
+          f"{state_mib:.1f} MiB, {args.blocks} blocks; checkpoints written per fit: "
+          f"{', '.join(f'{k} {min(v)}' for k, v in saves.items())}")
+    checkpoints = min(saves["lightning"])
+    by_wall = {k: [(t - n) * args.steps / checkpoints for t, n in zip(wall[k], wall["none"])]
+               for k in kinds if k != "none"}
+    print("stall per checkpoint, ms: held median (min..max); by the wall median")
+    for kind in by_wall:
+        ms = [s * 1000 for s in held[kind]]
+        print(f"  {kind:<10} {statistics.median(ms):.1f} ({min(ms):.1f}..{max(ms):.1f}); "
+              f"{statistics.median(by_wall[kind]) * 1000:.1f}")
     ratios = {}
     for clock, times in (("wall", wall), ("cpu", cpu)):
         print(f"{clock:<5} ms per step: median (min..max)")
@@ -154,7 +203,8 @@ def main() -> None:
                   f"fastest blocks, {ratio['paired']:.3f} by the median of the blocks' ratios (target <= 1.05)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "wall_s": wall,
-                                         "cpu_s": cpu, "ratios": ratios,
+                                         "cpu_s": cpu, "ratios": ratios, "held_s": held,
+                                         "stall_by_wall_s": by_wall,
                                          "checkpoints_per_fit": {k: min(v) for k, v in saves.items()}}, indent=1))
 
 

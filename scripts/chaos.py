@@ -27,6 +27,14 @@ each in scripts/campaign/):
   s3 faults       a run on ``--pvc s3://BUCKET/PREFIX`` while its server (a local SeaweedFS) is
                   SIGKILLed, SIGTERMed (and restarted) or SIGSTOPped (and SIGCONTed) during saves
                   and loads (skipped, with a note, without the ``weed`` binary)
+  scheduler stops the vision, HF Trainer and Lightning examples with two workers on every data
+                  loader, stopped as Slurm preempts (SIGTERM to every process, twice) and as
+                  Kubernetes ends a grace (SIGTERM, then SIGKILL to all): 75 and `killed`, never 70,
+                  then the uninterrupted bytes (``--examples`` trials each; skipped per framework
+                  not installed)
+
+Every run the sections start through the harness is also judged as it ends: its exit code must be
+what its log says, as `trainjob status` reads it (the last row, "status == exit").
 
 ``--launcher torchrun`` runs the two-rank kill and SIGTERM sections (launches and recoveries)
 under torchrun, whose ranks agree through its store, as a W > 1 pod runs it: ``trainjob torchrun``,
@@ -46,8 +54,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from campaign import bucket, faults, inputs, races, security, signals
-from campaign.harness import ASYNC, ASYNC_STEPS, ROOT, TORCH_DIM, TORCH_STEPS, W2_ASYNC_STEPS, W2_STEPS, \
+from campaign import bucket, examples, faults, inputs, races, security, signals
+from campaign.harness import ASYNC, ASYNC_STEPS, AUDIT, ROOT, TORCH_DIM, TORCH_STEPS, W2_ASYNC_STEPS, W2_STEPS, \
     W2_TORCHRUN_STEPS, Campaign
 
 
@@ -69,6 +77,8 @@ def main() -> int:
                         help="--async-checkpoint trials: kill storms and SIGTERMs at W=1 and W=2, io faults (x2)")
     parser.add_argument("--torch", type=int, default=2,
                         help="kill storms on a torch trainer (skipped, with a note, without torch)")
+    parser.add_argument("--examples", type=int, default=1,
+                        help="scheduler stops on each example with workers on every loader (minutes each)")
     parser.add_argument("--s3", type=int, default=3,
                         help="S3 server-fault trials (SIGKILL, SIGTERM, SIGSTOP in turn; saves and loads in turn)")
     parser.add_argument("--seed", type=int, default=1)
@@ -112,6 +122,8 @@ def main() -> int:
             races.reshard_races(campaign, args.races),
             security.security(campaign),
             bucket.s3_storm(campaign, args.s3),
+            *examples.scheduler_stops(campaign, args.examples),
+            AUDIT.section(),  # last: every run above, judged as it ended
         ]
     print(f"{'section':<28}{'trials':>8}{'injected':>10}{'late':>6}{'violations':>12}{'bytes lost':>12}  note")
     for s in sections:

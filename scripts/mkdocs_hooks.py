@@ -1,7 +1,7 @@
 """MkDocs hooks for the documentation site (mkdocs.yml's ``hooks:``): what docs/ cannot hold itself.
 
 - The CLI reference: ``docs/reference/cli.md`` holds a marker that becomes one section per
-  subcommand (its usage, then every argument with its default and help), generated from
+  subcommand (its usage, then every argument with its default, as ``--help`` shows it, and help), generated from
   ``trainjob.cli.build_parser()`` at build time, so the page cannot drift from the parser.
   ``cli_reference`` is a plain function, so the test that builds the site can read the same parser.
 - The machine's pictures drawn in the page, offline: an image of its own line that shows a
@@ -55,6 +55,8 @@ def _cell(text: str) -> str:
 
 
 def _argument(action: argparse.Action, formatter: argparse.HelpFormatter) -> tuple[str, str, str]:
+    from trainjob.cli import shown_default
+
     if action.option_strings:
         name = ", ".join(f"`{o}`" for o in action.option_strings)
         if action.nargs != 0:
@@ -63,14 +65,12 @@ def _argument(action: argparse.Action, formatter: argparse.HelpFormatter) -> tup
         name = f"`{action.metavar or action.dest}`"
     else:
         name = f"`{formatter._format_args(action, action.dest)}`"
-    default = action.default
-    # No default to show: none, a flag's False, an empty string (the help says what it stands for).
-    # By identity: 0 == False, and a default of 0 is shown.
-    unset = default is None or default is False or default is argparse.SUPPRESS or default == ""
-    shown = "" if unset or action.nargs == 0 else f"`{default}`"
+    default = shown_default(action)  # what `--help` appends to the help, so the two agree
+    shown = "" if default is None else f"`{default}`"
     if action.required and action.option_strings:
         shown = "required"
-    help_text = formatter._expand_help(action) if action.help else ""
+    # The help as written: the default has its own column (--help appends it to the text).
+    help_text = argparse.HelpFormatter(formatter._prog)._expand_help(action) if action.help else ""
     return name, shown, _cell(help_text)
 
 

@@ -12,7 +12,8 @@
 # `slurmctld -D`, `slurmd -D`) as a background process of this script whose PID goes to DIR/pids.
 # Three partitions: `debug` (the default), and `low`, whose jobs a job in `high` preempts by
 # requeueing them after a GraceTime (what a shared cluster's preemption does). A requeued job waits
-# cred_expire (5 s here, 120 by default) and a scheduling cycle before it starts again.
+# cred_expire (5 s here, Slurm's least; 120 by default) and a scheduling cycle before it starts again.
+# The node claims at least 8 CPUs whatever the machine has, so that jobs that mostly wait run side by side.
 set -euo pipefail
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }
@@ -53,7 +54,11 @@ up() {
     chmod 600 "$dir/munge/munge.key"
     local node ctld_port slurmd_port cpus
     node=$(hostname -s)
+    # At least 8 CPUs, whatever the machine has (config_overrides below: slurmd takes the node as
+    # slurm.conf describes it): the tests' jobs mostly wait (a requeue's cred_expire, a process
+    # starting), so several run at once, as a real cluster's would, instead of queueing for cores.
     cpus=$(getconf _NPROCESSORS_ONLN)  # not nproc, which OMP_NUM_THREADS=1 makes say 1
+    [ "$cpus" -ge 8 ] || cpus=8
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
     while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
@@ -82,7 +87,8 @@ JobCompLoc=$dir/log/jobcomp.txt
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
-SchedulerParameters=bf_interval=1,sched_interval=2
+SchedulerParameters=bf_interval=1,sched_interval=1
+SlurmdParameters=config_overrides
 MinJobAge=3600
 KillWait=20
 ReturnToService=2

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,6 +69,33 @@ def io_calls(*args: str | Path) -> int:
 
 def events(log: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, log.read_text().splitlines())]
+
+
+def log_length(pvc: Path) -> int:
+    """How many events the PVC's log holds now: what a launch about to start found."""
+    from trainjob.deploy.launches import events as logged
+
+    return len(logged(pvc))
+
+
+def agrees_with_its_log(code: int, pvc: Path, before: int = 0) -> None:
+    """Assert that a launch (or a Run) that ended with ``code`` left a log that `trainjob status`
+    reads as the same code (``launches.disagreement``); ``before``: the log's events when it
+    started. Every launch of the acceptance tests is checked so."""
+    from trainjob.deploy.launches import disagreement, events as logged
+
+    problem = disagreement(code, logged(pvc), before)
+    assert problem is None, problem
+
+
+# The progress lines rank 0 prints off a terminal (trainjob/engine/progress.py): where the launch
+# began, and each checkpoint.
+PROGRESS = re.compile(r"trainjob: (attempt \d+ started: \d+ steps|resumed from step \d+ of \d+|checkpointed step \d+/\d+  .*)")
+
+
+def said(stderr: str) -> list[str]:
+    """What a run printed on stderr besides its progress lines: its last line, or its error."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
@@ -163,13 +193,36 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests/helpers")])}
 
 
+@contextmanager
+def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest,
+                   alone: bool) -> Iterator[dict[str, str]]:
+    """The cluster for one test, beside the others that share it or alone (``flock``: shared or
+    exclusive), whichever xdist worker runs them. Every job the test submits is named after it
+    (``SBATCH_JOB_NAME`` overrides the script's ``--job-name``), and those alone are cancelled after it."""
+    name = f"pytest-{os.getpid()}-{request.node.name}"[:100]
+    with open(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        env = {**slurm_cluster, "SBATCH_JOB_NAME": name}
+        try:
+            yield env
+        finally:
+            subprocess.run(["scancel", "--quiet", "--name", name], env=env, check=False)
+
+
 @pytest.fixture
-def slurm(slurm_cluster: dict[str, str]) -> Iterator[dict[str, str]]:
-    """The cluster to this test alone: its tests run one at a time (a preemption must find only its
-    own job to preempt, and the node has a CPU per core), whichever xdist worker runs them."""
-    with FileLock(str(Path(slurm_cluster["SLURM_CONF"]).parent / "in-use.lock")):
-        yield slurm_cluster
-        subprocess.run(["scancel", "--quiet", "--user", "root"], env=slurm_cluster, check=False)
+def slurm(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster, shared with the other tests using this fixture (the node has CPUs enough for
+    their jobs at once: scripts/slurm.sh), never with one using ``slurm_alone``."""
+    with _using_cluster(slurm_cluster, request, alone=False) as env:
+        yield env
+
+
+@pytest.fixture
+def slurm_alone(slurm_cluster: dict[str, str], request: pytest.FixtureRequest) -> Iterator[dict[str, str]]:
+    """The cluster to this test alone: a preemption by a job that needs every CPU of the node must
+    find only this test's jobs to preempt."""
+    with _using_cluster(slurm_cluster, request, alone=True) as env:
+        yield env
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

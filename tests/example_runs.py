@@ -2,7 +2,8 @@
 read the loss it prints per step, finish it, SIGKILL it at a printed step, read its artifact.
 
 Shared by tests/engine/test_finetune_example.py and test_vision_example.py: each example prints
-``step N loss L`` after a step and before that step's checkpoint."""
+``step N loss L`` after a step and before that step's checkpoint. Every launch finished here is
+checked to leave a log that says its exit code (``agrees_with_its_log``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from conftest import agrees_with_its_log, log_length
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -27,8 +30,11 @@ def losses(text: str) -> dict[int, str]:
 
 
 def finish(script: Path, pvc: Path, *flags: str) -> dict[int, str]:
-    out, err = launch(script, pvc, *flags).communicate(timeout=600)
+    before = log_length(pvc)
+    proc = launch(script, pvc, *flags)
+    out, err = proc.communicate(timeout=600)
     assert "completed" in (pvc / "log.jsonl").read_text(), err[-2000:]
+    agrees_with_its_log(proc.returncode, pvc, before)
     return losses(out)
 
 

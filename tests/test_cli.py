@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import events, snapshot, trainjob, untouched
+from conftest import ROOT, events, snapshot, trainjob, untouched
 from trainjob import cli
 
 WALKTHROUGH = [
@@ -102,6 +102,8 @@ def test_log_flag_puts_the_log_elsewhere(tmp_path, pvc):
     "flags, message",
     [
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--steps", "100000000"], "--steps must be at most 99999999 (a checkpoint's name holds the step in 8"),
+        (["--backoff-limit", "9999"], "--backoff-limit must be at most 9998"),
         (["--ckpt-every", "0"], "--ckpt-every must be at least 1"),
         (["--die-at", "11"], "--die-at must be a step from 1 to --steps"),
         (["--backoff-limit", "-1"], "--backoff-limit"),
@@ -351,3 +353,27 @@ def test_stdout_on_a_full_device_is_storage_trouble_75(tmp_path):
                                 text=True, timeout=60)
     assert result.returncode == 75
     assert result.stderr == "trainjob diagram: stdout: cannot write: No space left on device\n"
+
+
+# --- --help and the CLI reference ----------------------------------------------------------------
+
+def test_help_shows_each_default_as_the_cli_reference_does(monkeypatch):
+    """The site's CLI reference (scripts/mkdocs_hooks.py) and `--help` read one parser: every
+    default the reference's column shows, `--help` appends to that argument's help; a 0 is shown,
+    an empty string is not shown as a pair of backquotes."""
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import mkdocs_hooks
+
+    rows = {}
+    for command, _, parser in mkdocs_hooks.subcommands(cli.build_parser()):
+        helped = " ".join(parser.format_help().split())
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            name, default, _ = mkdocs_hooks._argument(action, formatter)
+            rows[f"{command} {name}"] = default
+            if default not in ("", "required"):
+                said = re.escape(default.strip("`"))
+                assert re.search(rf"\(default:? {said}[);]", helped), f"{command} {name}"
+    assert rows["trainjob prove `--seed` `SEED`"] == "`0`"
+    assert rows["trainjob k8s render `--s3-secret` `S3_SECRET`"] == ""
+    assert rows["trainjob run `--steps` `STEPS`"] == "`10`"

@@ -6,6 +6,8 @@ import ast
 import errno
 import importlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -149,15 +151,15 @@ def test_run_whose_modules_fail_to_load_on_emfile_exits_75_with_one_line(tmp_pat
 
     class Failing:  # first on the import path: the module's source cannot be opened
         def find_spec(self, name, path=None, target=None):
-            if name == "trainjob.engine.progress":
-                raise OSError(errno.EMFILE, "Too many open files", "/x/trainjob/engine/progress.py")
+            if name == "trainjob.engine.run":
+                raise OSError(errno.EMFILE, "Too many open files", "/x/trainjob/engine/run.py")
             return None
 
-    monkeypatch.delitem(sys.modules, "trainjob.engine.progress", raising=False)
+    monkeypatch.delitem(sys.modules, "trainjob.engine.run", raising=False)  # cmd_run imports it itself
     monkeypatch.setattr(sys, "meta_path", [Failing(), *sys.meta_path])
     assert cli.main(["run", "--pvc", str(tmp_path / "pvc")]) == 75
     assert capsys.readouterr().err == ("trainjob run: the command's modules: cannot load (/x/trainjob/engine/"
-                                       "progress.py): Too many open files; a fault of this node, not of the job: "
+                                       "run.py): Too many open files; a fault of this node, not of the job: "
                                        "relaunch\n")
     assert not (tmp_path / "pvc").exists()
 
@@ -173,3 +175,80 @@ def test_run_whose_modules_fail_to_load_on_emfile_exits_75_with_one_line(tmp_pat
 def test_a_launchs_code_is_the_most_telling_of_its_ranks_codes(codes, job):
     assert exits.job_exit(codes) == job
     assert exits.job_exit(reversed(codes)) == job  # whichever rank, whatever order
+
+
+# --- a missing optional package ------------------------------------------------------------------
+
+WITHOUT = Path(__file__).resolve().parent / "helpers/without"  # its sitecustomize hides packages
+ROOT = WITHOUT.parent.parent.parent
+OWN_LOOP_ON_A_BUCKET = """
+import sys, numpy as np, trainjob
+class Vector:
+    def state_dict(self): return {"w": np.zeros(2)}
+    def load_state_dict(self, arrays): pass
+with trainjob.Run("s3://bucket/job", state=Vector(), steps=2, ckpt_every=1) as run:
+    for step in run:
+        run.report(0.5)
+    run.gate(holdout=trainjob.Score(correct=1, total=1), baseline=trainjob.Score(correct=1, total=1), export={})
+sys.exit(run.exit_code)
+"""
+# A --trainer module of the user's that needs an extra (trainjob's integration, or the package itself).
+TRAINER_MODULE = "{imports}\n\ndef make(data, lr):\n    raise AssertionError('not reached')\n"
+
+
+def without(packages: str, *argv: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python ARGV`` with ``packages`` (comma-separated) not importable, as if not installed."""
+    env = {**os.environ, "TRAINJOB_TEST_WITHOUT": packages,
+           "PYTHONPATH": os.pathsep.join([str(WITHOUT), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True, timeout=120,
+                          cwd=cwd, env=env)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize(("packages", "extra", "argv"), [
+    ("obstore", "s3", ["-m", "trainjob", "run", "--pvc", "s3://bucket/job"]),
+    ("obstore", "s3", ["-m", "trainjob", "status", "s3://bucket/job/log.jsonl"]),
+    ("obstore", "s3", ["-c", OWN_LOOP_ON_A_BUCKET]),  # an own loop: trainjob.Run says it as the CLI does
+    pytest.param("torch", "torch", ["-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "1",
+                                    "-m", "trainjob", "run", "--pvc", "{tmp}/pvc"], marks=pytest.mark.torchrun),
+    ("torch", "torch", ["-m", "trainjob", "run", "--pvc", "{tmp}/pvc", "--trainer", "examples.torch_digits:make"]),
+    ("torch", "torch", ["-m", "trainjob", "run", "--pvc", "{tmp}/pvc", "--trainer", "mine:make",
+                        "from trainjob.torch import TrainingState"]),
+    ("torchdata", "torch", ["-m", "trainjob", "run", "--pvc", "{tmp}/pvc", "--trainer", "mine:make",
+                            "from torchdata.stateful_dataloader import StatefulDataLoader"]),
+    ("transformers", "hf", ["-m", "trainjob", "run", "--pvc", "{tmp}/pvc", "--trainer", "mine:make",
+                            "from trainjob.integrations import hf"]),
+    ("lightning", "lightning", ["-m", "trainjob", "run", "--pvc", "{tmp}/pvc", "--trainer", "mine:make",
+                                "from trainjob.integrations.lightning import TrainJob"]),
+    ("matplotlib", "plot", ["-m", "trainjob", "plot", "{log}", "-o", "{tmp}/run.png"]),
+    ("graphviz", "diagrams", ["-m", "trainjob", "diagram", "--format", "dot", "-o", "{tmp}/machine.dot"]),
+    ("sklearn", "digits", ["-m", "trainjob", "gen", "--dataset", "digits", "{tmp}/data"]),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_a_missing_optional_package_is_exit_2_with_one_line_naming_its_extra(tmp_path, walkthrough_log, packages,
+                                                                            extra, argv):
+    """Every optional package trainjob (or what it runs) imports, hidden as if not installed: the
+    command, or an own loop's Run, exits 2 with one line saying which `pip install` brings it,
+    and writes nothing. On a bucket it was a traceback and 70."""
+    if argv[-1].startswith(("from ", "import ")):  # the --trainer module that needs it, in the working directory
+        (tmp_path / "mine.py").write_text(TRAINER_MODULE.format(imports=argv.pop()))
+    argv = [a.format(tmp=tmp_path, log=walkthrough_log) if "{" in a and "\n" not in a else a for a in argv]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = without(packages, *argv, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("trainjob") and line.endswith((f"pip install 'trainjob[{extra}]'",
+                                                          f"pip install 'trainjob[{extra}]' (exit 2)")), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and result.stdout == ""
+
+
+@pytest.mark.process
+def test_a_script_importing_an_integration_without_its_framework_is_told_which_extra():
+    """Imported by a script's own first lines, before trainjob runs anything: uncaught, one line and
+    exit 2 (it was Python's traceback and exit 1, the code of an honest failure); it stays an
+    ImportError, so a script may try it and go without."""
+    result = without("lightning", "-c", "import trainjob.integrations.lightning")
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        "trainjob: trainjob.integrations.lightning needs lightning, which is not installed: "
+        "pip install 'trainjob[lightning]' (exit 2)"], result.stderr
+    caught = without("torch", "-c", "try:\n    import trainjob.torch\nexcept ImportError as e:\n    print(e.name)")
+    assert (caught.returncode, caught.stdout) == (0, "torch\n")

@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PUBLIC = [
     "__version__",
     "Run", "Stateful",
-    "Factory", "Score", "State", "Trainer",
-    "AlreadyCompleted", "ArtifactUnverified", "InputError", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
+    "Factory", "Metric", "Score", "State", "Trainer",
+    "AlreadyCompleted", "ArtifactUnverified", "InputError", "MissingExtra", "NoSpace", "NoVerifiedCheckpoint", "OutOfMemory",
     "PeerFailed", "PeerRefused", "PvcBusy", "RankTimeout",
     "Refused", "ReplicasDisagree", "StateMismatch", "Superseded", "TrainJobError", "TryAgainLater", "UsageError", "WorldSizeMismatch",
     "WriteTimeout",

@@ -16,8 +16,8 @@ import os
 from typing import TYPE_CHECKING
 
 from .defaults import VERSION as __version__
-from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, NoSpace, NoVerifiedCheckpoint, OutOfMemory,
-                     PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
+from .errors import (AlreadyCompleted, ArtifactUnverified, InputError, MissingExtra, NoSpace, NoVerifiedCheckpoint,
+                     OutOfMemory, PeerFailed, PeerRefused, PvcBusy, RankTimeout, Refused, ReplicasDisagree, StateMismatch,
                      Superseded, TrainJobError, TryAgainLater, UsageError, WorldSizeMismatch, WriteTimeout)
 
 if "TRAINJOB_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
@@ -28,7 +28,7 @@ if "TRAINJOB_LAUNCHER_PID" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
 
 if TYPE_CHECKING:  # for type checkers; at run time ``__getattr__`` below imports each on first use
     from .engine.run import Run
-    from .records import Score
+    from .records import Metric, Score
     from .trainers.protocol import Factory, State, Stateful, Trainer
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "Stateful",
     # Writing a trainer (docs/trainers.md).
     "Factory",
+    "Metric",
     "Score",
     "State",
     "Trainer",
@@ -45,6 +46,7 @@ __all__ = [
     "AlreadyCompleted",
     "ArtifactUnverified",
     "InputError",
+    "MissingExtra",
     "NoSpace",
     "NoVerifiedCheckpoint",
     "OutOfMemory",
@@ -67,7 +69,7 @@ __all__ = [
 # Where each name that is not an error lives. They are imported on first use, so that `import
 # trainjob` and the commands which need none of them (`trainjob --help`, `status`, `k8s render`)
 # start without the engine, numpy or cattrs (tests/test_startup.py pins that).
-_LAZY = {"Run": "engine.run", "Score": "records", "Factory": "trainers.protocol", "State": "trainers.protocol",
+_LAZY = {"Run": "engine.run", "Score": "records", "Metric": "records", "Factory": "trainers.protocol", "State": "trainers.protocol",
          "Stateful": "trainers.protocol", "Trainer": "trainers.protocol"}
 
 

@@ -26,7 +26,8 @@ from typing import NoReturn
 from .defaults import VERSION
 from .deploy import k8s, policy, slurm
 from .engine.config import DEFAULT_LOG, RunConfig, idempotent_from
-from .errors import InputError, TrainJobError, UsageError, importing, one_line, open_regular, os_errors
+from .errors import (InputError, TrainJobError, UsageError, importing, missing_extra, one_line, open_regular,
+                     os_errors)
 from .exits import (EXIT_FAILED, EXIT_FOR_STATE, EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, EXIT_USAGE,
                     exit_code_for, job_exit)
 from .storage.backend import Url, location as _storage_location
@@ -55,7 +56,34 @@ JOB_ACTION_FOR_EXIT = {EXIT_USAGE: "FailJob", EXIT_FAILED: "Count", EXIT_INTERNA
                        EXIT_RELAUNCH: "Count"}
 
 
+def shown_default(action: argparse.Action) -> str | None:
+    """The default ``--help`` (and the CLI reference, scripts/mkdocs_hooks.py) shows for an
+    argument, or None: a flag without a value (``--quiet``), an unset default (None: the help
+    says what stands in, such as ``$WORLD_SIZE``) and an empty one (the help says what it means)
+    show none."""
+    default = action.default
+    if action.nargs == 0 or default is None or default == "" or default is argparse.SUPPRESS:
+        return None
+    return str(default)
+
+
+class _Help(argparse.HelpFormatter):
+    """Each argument's help ends with its default, where it has one to show (``shown_default``)
+    and the help does not say it already (``%(default)s``)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        shown = shown_default(action)
+        if shown is None or "%(default)" in text:
+            return text
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
     def error(self, message: str) -> NoReturn:
         # One line, not argparse's usage block: the usage is one --help away.
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -87,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("gen", help="write a data set (train, holdout, baseline): the lab's, or digits")
     gen.add_argument("--dataset", choices=list(DATASETS), default="lab",
-                     help="lab (default: the toy data) or digits (scikit-learn's, needs trainjob[digits])")
+                     help="lab (the toy data) or digits (scikit-learn's, needs trainjob[digits])")
     gen.add_argument("dir", type=Path, help="directory to write train.jsonl, holdout.jsonl and baseline.json into")
 
     r = sub.add_parser("run", help="train, checkpoint, gate and publish; resumes a cut-short attempt")
@@ -96,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="durable directory (or s3://BUCKET/PREFIX) for state, checkpoints, artifacts")
     r.add_argument("--data", type=Path, help="data directory from `trainjob gen` (default: the embedded lab data)")
     r.add_argument("--trainer", default=d.trainer,
-                   help=f"the model: {', '.join(BUILTIN)} (default %(default)s), or package.module:factory "
+                   help=f"the model: {', '.join(BUILTIN)}, or package.module:factory "
                         "(docs/trainers.md)")
     r.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
     r.add_argument("--steps", type=int, default=d.steps, help="training steps in all")
@@ -120,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--async-checkpoint", action="store_true",
                    help="write each checkpoint on a background thread while training goes on (one extra copy "
                         "of the state in host memory; docs/howto/async.md: when to choose it)")
+    r.add_argument("--quiet", action="store_true",
+                   help="no progress on stderr (a line rewritten on a terminal, else a line per checkpoint); "
+                        "the line saying how the run ended, and any error, are still printed")
     r.add_argument("--idempotent", action="store_true",
                    help="a relaunch of a completed job exits 0 once its artifact verifies, touching nothing "
                         "(what supervise and the k8s Job pass; TRAINJOB_IDEMPOTENT=1 does the same); without it, "
@@ -156,19 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"starts in all, relaunches included (default: the run's --backoff-limit "
                          f"+ {2 + policy.SPARE_STARTS})")
     sv.add_argument("--backoff-base", type=float, default=10.0,
-                    help="seconds before the first relaunch (default %(default)s)")
+                    help="seconds before the first relaunch")
     sv.add_argument("--backoff-cap", type=float, default=600.0,
-                    help="longest wait between starts, seconds (default %(default)s)")
+                    help="longest wait between starts, seconds")
     sv.add_argument("--grace", type=float, default=30.0,
-                    help="seconds a signalled child gets to checkpoint before SIGKILL (default %(default)s)")
+                    help="seconds a signalled child gets to checkpoint before SIGKILL")
     sv.add_argument("child", **child)
 
     pr = sub.add_parser("prove", help="kill your training command at random instants; exit 0 only if every "
                                       "resume reaches the uninterrupted run's bytes")
-    pr.add_argument("--kills", type=int, default=4, help="trials, each killed once (default %(default)s)")
-    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase (default %(default)s)")
+    pr.add_argument("--kills", type=int, default=4, help="trials, each killed once")
+    pr.add_argument("--seed", type=int, default=0, help="seeds the instants within each phase")
     pr.add_argument("--signal", choices=("KILL", "TERM", "both"), default="KILL",
-                    help="what each trial receives (default %(default)s; both: alternating)")
+                    help="what each trial receives (both: alternating)")
     pr.add_argument("--twice", action="store_true",
                     help="run the reference twice first: a command that differs from itself is reported as such")
     pr.add_argument("cmd", nargs="*", metavar="-- CMD", help="the command, with {pvc} where its PVC goes")
@@ -179,18 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     t = k8s.Target()
     kr.add_argument("--name", default=t.name, help="Job name (DNS-1123 label); the claim is NAME-data")
     kr.add_argument("--image", default=t.image, help="container image with trainjob installed")
-    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity (default %(default)s)")
+    kr.add_argument("--storage", default=t.storage, help="PVC size, a Kubernetes quantity")
     kr.add_argument("--world-size", type=int, default=t.world_size,
                     help="ranks; above 1 renders an Indexed Job on a ReadWriteMany claim")
     kr.add_argument("--backoff-limit", type=int, default=t.backoff_limit,
                     help="the run's retry budget; the Job's backoffLimit is this + 1")
     kr.add_argument("--grace", type=int, default=t.grace,
-                    help="terminationGracePeriodSeconds (default %(default)s)")
-    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds (default %(default)s)")
+                    help="terminationGracePeriodSeconds")
+    kr.add_argument("--deadline", type=int, default=t.deadline, help="activeDeadlineSeconds")
     kr.add_argument("--pvc", type=location_arg,
                     help="s3://BUCKET/PREFIX: keep the job's files in a bucket instead of a claim (no PVC rendered)")
     kr.add_argument("--s3-secret", default="",
-                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default NAME-s3)")
+                    help="with an s3:// --pvc: the Secret whose AWS_* keys the pod gets (default: NAME-s3)")
     kr.add_argument("child", nargs="*", metavar="-- run ARGS | -- python SCRIPT ARGS",
                     help="extra `trainjob run` flags, or an own loop (a script around trainjob.Run, with "
                          "--pvc {pvc}) that the pods run made idempotent (docs/kubernetes.md)")
@@ -211,9 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "first host)")
     sr.add_argument("--time", default=st.time, help="the job's time limit, as sbatch --time takes it")
     sr.add_argument("--partition", default=st.partition, help="the partition(s), as sbatch --partition takes them")
-    sr.add_argument("--grace", type=int, default=st.grace,
-                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a "
-                         "checkpoint's time (default %(default)s)")
+    sr.add_argument("--grace", type=int,
+                    help="seconds between SIGTERM and the time limit (--signal=TERM@GRACE), at least a step's and a "
+                         "checkpoint's time (default: twice what one short run of the job took here, plus 10; "
+                         f"{slurm.DEFAULT_GRACE} for an own loop)")
     sr.add_argument("--backoff-limit", type=int, default=st.backoff_limit,
                     help="the run's retry budget: a failed gate is requeued while it has attempts left")
     sr.add_argument("--max-stalls", type=int, default=st.max_stalls,
@@ -231,9 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the run's retry budget (absent: an own loop's, read from its log)")
         if name == "after":
             judge.add_argument("--code", type=int, required=True, help="the launch's exit code")
+            judge.add_argument("--from-tasks", action="store_true",
+                               help="the code is srun's over `trainjob slurm task`s (their ranks' most telling)")
             judge.add_argument("--before", required=True, help="what `slurm before` printed (- if nothing)")
             judge.add_argument("--stalls", type=int, default=0, help="launches in a row without progress so far")
             judge.add_argument("--max-stalls", type=int, default=st.max_stalls, help="the bound on them")
+
+    tk = sl_sub.add_parser("task", help="(the rendered script's) run one srun task's rank; exit with its code's "
+                                        "place in trainjob's precedence, so that srun's highest is the job's")
+    tk.add_argument("rank_command", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS", help="the rank's command")
 
     dg = sub.add_parser("diagram", help="draw the state machine, or the path a logged run took through it")
     dg.add_argument("--format", choices=list(DIAGRAM_FORMATS),
@@ -305,7 +343,6 @@ def _parse_run(argv: list[str]) -> argparse.Namespace:
 def cmd_run(args: argparse.Namespace) -> int:
     with importing("the command's modules"):
         from .engine.job import ARTIFACT_FORMATS, StopFlag
-        from .engine.progress import Progress
         from .engine.run import Run
         from .ranks.identity import resolve_rank
         from .trainers import protocol
@@ -331,7 +368,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          f"use one of {', '.join(ARTIFACT_FORMATS)} (or leave it out: safetensors)")
     run = Run(args.pvc, state=trainer, log=_log_path(args), rank=spec.rank, world_size=spec.world_size,
               idempotent=args.idempotent, artifact_format=artifact_format, data_sha256=trainer.data_sha256,
-              progress=Progress.for_stream(sys.stderr, cfg.steps) if spec.rank == 0 else None,
+              progress=not args.quiet,
               raise_errors=True, stop=stop, **_run_settings(cfg))
     with run:
         for step in run:
@@ -578,6 +615,8 @@ def cmd_k8s(args: argparse.Namespace) -> int:
 def cmd_slurm(args: argparse.Namespace) -> int:
     if args.slurm_command == "render":
         return _slurm_render(args)
+    if args.slurm_command == "task":
+        return _slurm_task(args.rank_command[1:] if args.rank_command[:1] == ["--"] else args.rank_command)
     with importing("the command's modules"):
         from .storage.eventlog import log_exists, read_log
     log = args.log if args.log is not None else args.pvc / DEFAULT_LOG
@@ -593,11 +632,36 @@ def cmd_slurm(args: argparse.Namespace) -> int:
         return EXIT_OK
     before = int(args.before) if args.before.isdigit() else None
     progressed = before is not None and checkpoints is not None and checkpoints > before
-    verdict = policy.after_launch(args.code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
+    code = slurm.launch_code(args.code) if args.from_tasks else args.code
+    verdict = policy.after_launch(code, _over(args.pvc, log, args.backoff_limit), progressed, args.stalls,
                                   args.max_stalls, str(log), str(args.pvc))
     warn(f"trainjob slurm: {one_line(verdict.line)}")
     emit(f"{verdict.action} {verdict.code} {verdict.stalls}")
     return EXIT_OK
+
+
+def _slurm_task(command: list[str]) -> int:
+    """One srun task: run its rank's command, and exit with ``slurm.task_status`` of its code.
+    Slurm signals every process of the step itself (scancel, a requeue, a preemption, the time
+    limit), so the rank gets its SIGTERM from Slurm: this process only outlives it, to report."""
+    import subprocess
+
+    if not command:
+        raise UsageError("slurm task needs the rank's command after --")
+    for signum in (signal.SIGTERM, signal.SIGINT):  # a handler, not SIG_IGN, which the rank would inherit
+        signal.signal(signum, lambda *_: None)
+    try:
+        with os_errors(command[0], "cannot start the rank", otherwise=InputError):
+            code = subprocess.call(command)
+    except TrainJobError as exc:
+        warn(f"trainjob slurm task: {one_line(str(exc))}")
+        code = exit_code_for(type(exc))
+    status = slurm.task_status(code)
+    if code != EXIT_OK:
+        ended = f"exited {code}" if code >= 0 else f"was ended by signal {-code}"
+        warn(f"trainjob slurm task: rank {os.environ.get('SLURM_PROCID', '?')} {ended}; this task exits "
+             f"{status}, so that srun's highest code is the job's (docs/howto/slurm.md)")
+    return status
 
 
 def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy.Over | None:
@@ -625,6 +689,8 @@ def _over(pvc: Path | Url, log: Path | Url, backoff_limit: int | None) -> policy
 
 
 def _slurm_render(args: argparse.Namespace) -> int:
+    import attrs  # loaded already: deploy/slurm.py's records are attrs classes
+
     location = None if args.pvc is None else args.pvc if isinstance(args.pvc, Url) else args.pvc.absolute()
     settings = dict(name=args.name, nodes=args.nodes, ntasks_per_node=args.ntasks_per_node,
                     nproc_per_node=args.nproc_per_node, time=args.time, partition=args.partition, grace=args.grace,
@@ -640,7 +706,7 @@ def _slurm_render(args: argparse.Namespace) -> int:
             _storage_location(loop.bucket)  # a malformed URL: the same one line as render --pvc's
         target = slurm.Target(**settings, pvc=where, loop=loop)
         target.check()
-        emit(slurm.script(target).splitlines())
+        emit(slurm.script(_sized(target, None, "an own loop's checkpoint is not measured")).splitlines())
         return EXIT_OK
     if args.child and args.child[0] != "run":
         raise UsageError(f"expected `-- run ARGS...` or `-- python SCRIPT ARGS...` after the flags, got "
@@ -659,11 +725,54 @@ def _slurm_render(args: argparse.Namespace) -> int:
         raise UsageError("the script gives each rank its place (--nodes, --ntasks-per-node, --nproc-per-node); "
                          "drop --world-size and --rank after --")
     if ran.log is not None:
-        with importing("the command's modules"):
-            import attrs
         target = attrs.evolve(target, log=str(ran.log))
+    if target.grace is None:
+        stop, unmeasured = _measure_stop(target)
+        target = _sized(target, stop, unmeasured)
     emit(slurm.script(target).splitlines())
     return EXIT_OK
+
+
+def _sized(target: slurm.Target, stop: float | None, unmeasured: str) -> slurm.Target:
+    """The target with its grace: the one given, else sized from the measured ``stop``."""
+    import attrs
+
+    if target.grace is not None:
+        return target
+    grace, why = slurm.grace_for(stop, slurm.time_seconds(target.time) if target.time else None, unmeasured)
+    return attrs.evolve(target, grace=grace, grace_why=why)
+
+
+def _measure_stop(target: slurm.Target) -> tuple[float | None, str]:
+    """Seconds one step and a checkpoint of the job take: a `trainjob run` of its own flags for one
+    step, timed, on a scratch PVC beside the job's (its filesystem), removed after. It also writes
+    the artifact and starts Python: more than a stop costs, the safe side. None where it cannot
+    run, with why (a bucket PVC, a directory that cannot be written, a run that failed)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    if target.pvc.startswith("s3://"):
+        return None, "a bucket PVC's checkpoint is not measured"
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix=".trainjob-grace-", dir=Path(target.pvc).parent))
+    except OSError as exc:
+        warn(f"trainjob slurm render: cannot measure a checkpoint beside {target.pvc}: {exc.strerror}")
+        return None, f"nothing could be written beside {target.pvc}"
+    try:
+        probe = [sys.executable, "-m", "trainjob", "run", *target.run_args, "--pvc", str(scratch / "pvc"),
+                 "--log", str(scratch / "log.jsonl"), "--steps", "1", "--ckpt-every", "1", "--backoff-limit", "0"]
+        started = time.monotonic()
+        done = subprocess.run(probe, stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        took = time.monotonic() - started
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if done.returncode not in (EXIT_OK, EXIT_FAILED):  # 1: the gate failed, after the checkpoint
+        said = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        warn(f"trainjob slurm render: a one-step run to measure the grace failed: {one_line(said[0])}")
+        return None, f"a one-step run to measure it exited {done.returncode}"
+    return took, ""
 
 
 def _write_output(data: bytes, output: Path | None) -> None:
@@ -738,10 +847,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainJobError as exc:
         warn(f"trainjob {args.command}: {one_line(str(exc))}")
         return exit_code_for(type(exc))
+    except ImportError as exc:  # an optional package the command needs (errors.EXTRA_FOR): say which extra
+        if (missing := missing_extra(exc)) is None:
+            return _internal(args.command)
+        warn(f"trainjob {args.command}: {one_line(str(missing))}")
+        return exit_code_for(type(missing))
     except Exception:  # a bug: say so loudly, and never look like an honest failure (1)
-        warn(traceback.format_exc().rstrip())
-        warn(f"trainjob {args.command}: internal error (exit {EXIT_INTERNAL}); please report it")
-        return EXIT_INTERNAL
+        return _internal(args.command)
+
+
+def _internal(command: str) -> int:
+    """A bug (the exception being handled): its traceback and one line saying so; exit 70."""
+    warn(traceback.format_exc().rstrip())
+    warn(f"trainjob {command}: internal error (exit {EXIT_INTERNAL}); please report it")
+    return EXIT_INTERNAL
 
 
 def entry() -> NoReturn:

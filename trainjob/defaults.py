@@ -21,3 +21,7 @@ ASYNC_WRITE_TIMEOUT = 600.0
 # "1": a relaunch of a completed job verifies its artifact and exits 0, in a script that never
 # passes idempotent=True (an own loop in a rendered pod); "0" or unset: the argument decides.
 IDEMPOTENT_ENV = "TRAINJOB_IDEMPOTENT"
+# The largest step and attempt a checkpoint's name holds (``step-%08d-a%04d``, checkpoint/plan.py):
+# a run of more steps, or a retry budget of more attempts, is refused before it starts, since its
+# later checkpoints would not be found (rotation, ``verify`` and a resume would miss them).
+MAX_STEP, MAX_ATTEMPT = 10 ** 8 - 1, 10 ** 4 - 1

@@ -3,6 +3,7 @@
     TrainJobError                 base; raised bare, it is unclassified     -> exit 70
     ├── Refused(ValueError)       the request cannot work; retrying cannot help -> exit 2
     │   ├── UsageError            a flag or argument that cannot work
+    │   ├── MissingExtra(ImportError)  an optional package is not installed (names its extra)
     │   ├── ReplicasDisagree      an entry every rank holds differs between ranks (W > 1)
     │   └── InputError            a file trainjob reads is missing or wrong
     │       ├── AlreadyCompleted      the PVC holds a completed job
@@ -33,6 +34,11 @@ Honest failures (drift_failed, job_failed) are outcomes of the state machine, no
 read-only or failing disk) is always retryable, anything else is what the caller says it means
 there (a bad path the user gave is ``InputError``; a failed write on the PVC is
 ``TryAgainLater``). The OSError stays chained as the cause.
+
+``missing_extra`` and ``require`` are the one way a missing optional package is said: an
+``ImportError`` of one of ``EXTRA_FOR``'s packages becomes ``MissingExtra``, one line naming the
+``pip install 'trainjob[EXTRA]'`` that brings it, exit 2 (the CLI and ``Run`` map any such error
+raised in what they run; ``require`` raises it where a module of trainjob needs the package).
 
 ``importing`` is that translation for a lazy import (the modules a command loads inside its own
 function, numpy, torch, an object store's client): a resource or I/O fault while a module loads
@@ -72,6 +78,12 @@ class Refused(TrainJobError, ValueError):
 
 class UsageError(Refused):
     """A command-line argument that cannot work (exit 2)."""
+
+
+class MissingExtra(Refused, ImportError):
+    """An optional package that what was asked needs is not installed (exit 2): the message names
+    the ``pip install 'trainjob[EXTRA]'`` that brings it. An ImportError too, so that code which
+    tries an import and goes without it still can."""
 
 
 class ReplicasDisagree(Refused):
@@ -184,6 +196,69 @@ def os_errors(where: object, doing: str, otherwise: type[TrainJobError] = TryAga
         raise
     except OSError as exc:
         raise classify(exc, otherwise)(f"{where}: {doing}: {exc.strerror or exc}") from exc
+
+
+# The optional packages trainjob, or a script it runs, imports: each with the extra of
+# pyproject.toml that installs it (torchdata comes with the torch extra, accelerate with hf).
+EXTRA_FOR = {"torch": "torch", "torchdata": "torch", "obstore": "s3", "transformers": "hf", "accelerate": "hf",
+             "lightning": "lightning", "matplotlib": "plot", "graphviz": "diagrams", "sklearn": "digits"}
+
+
+def _missing(package: str, extra: str, what: str) -> MissingExtra:
+    said = f"{what} needs {package}, which is not installed" if what else f"{package} is not installed"
+    error = MissingExtra(f"{said}: pip install 'trainjob[{extra}]'")
+    error.name = package
+    return error
+
+
+def missing_extra(exc: BaseException, what: str = "") -> MissingExtra | None:
+    """``exc`` as MissingExtra when it is the import of one of ``EXTRA_FOR``'s packages failing
+    because the package is not there (a module missing inside an installed package is not: that
+    install is broken, not incomplete); ``what`` says what needed it. Else None."""
+    if isinstance(exc, MissingExtra):
+        return exc
+    if not isinstance(exc, ModuleNotFoundError) or exc.name not in EXTRA_FOR:
+        return None
+    return _missing(exc.name, EXTRA_FOR[exc.name], what)
+
+
+def require(what: str, extra: str, *packages: str) -> None:
+    """At the top of a module of trainjob that cannot work without ``packages`` (an integration,
+    the torch adapter): MissingExtra naming ``extra`` if one is not installed. Looked up, not
+    imported (transformers alone takes seconds to import)."""
+    import importlib.util
+
+    for package in packages:
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):  # a finder that refuses it, or a stub left in sys.modules
+            found = False
+        if not found:
+            _say_if_uncaught()
+            raise _missing(package, extra, what)
+
+
+def _say_if_uncaught() -> None:
+    """A script's own ``import`` of an integration raises MissingExtra before trainjob runs
+    anything, so nothing else can give it trainjob's exit code: if it is never caught (a script may
+    try the import and go without: it stays an ImportError), Python's handler of uncaught exceptions
+    ends the process with one line and exit 2, not a traceback and exit 1. Installed once, in front of
+    the handler there is; any other exception goes on to that one."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_trainjob_extra", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        if isinstance(exc, MissingExtra):
+            print(f"trainjob: {exc} (exit 2)", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(2)  # EXIT_USAGE (exits.py imports this module)
+        previous(kind, exc, tb)  # type: ignore[arg-type]
+
+    hook._trainjob_extra = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _os_fault(exc: BaseException) -> OSError | None:

@@ -292,6 +292,23 @@ class Score:
         return f"{self.correct}/{self.total}"
 
 
+@attrs.frozen
+class Metric:
+    """A metric the trained model scored (a validation loss, a perplexity, an accuracy) against
+    the frozen ``baseline`` value it must hold up against: what ``Run.gate(metric=...)`` and the
+    integrations' gates judge, with ``max_drop`` percent as the tolerance (the rule is
+    ``engine/decisions.py``'s ``metric_counts``). ``higher_is_better``: False for a loss.
+    ``name`` is how the verdict names it. Checked by the gate (exit 2), not here."""
+
+    value: float
+    baseline: float = attrs.field(kw_only=True)
+    higher_is_better: bool = attrs.field(kw_only=True)
+    name: str = attrs.field(default="metric", kw_only=True)
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.value:.6g} vs baseline {self.baseline:.6g}"
+
+
 def _values_fill_shape(inst: NamedArray, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
     if len(value) != math.prod(inst.shape):
         raise ValueError(f"'values' must hold {math.prod(inst.shape)} numbers for shape {list(inst.shape)}, "

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from trainjob.deploy.launches import last_event
+from trainjob.deploy.launches import last_event, with_descendants
 
 from pathlib import Path
 
@@ -38,7 +38,8 @@ def io_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> Sect
         point = points[trial % len(points)]
         pvc = campaign.pvc("fiu")
         ctrl = campaign.work / f"fiu-{trial}"
-        proc = spawn("run", "--pvc", pvc, *flags, prefix=("fiu-run", "-x", "-f", str(ctrl)))
+        # --quiet: a fault's error must be one line, which the progress lines around it would hide.
+        proc = spawn("run", "--pvc", pvc, *flags, "--quiet", prefix=("fiu-run", "-x", "-f", str(ctrl)))
         # Arm the fault only once the run is under way: failing the interpreter's own imports
         # would test Python, not trainjob.
         while last_event(pvc) is None and proc.poll() is None:
@@ -91,7 +92,7 @@ def import_faults(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> 
         section.trials += 1
         pvc, ctrl = campaign.pvc("fiu-import"), campaign.work / f"fiu-import-{trial}"
         proc = subprocess.Popen(["fiu-run", "-x", "-f", str(ctrl), sys.executable, "-B", "-c", ARMED_START, "run",
-                                 "--pvc", str(pvc), *flags], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 "--pvc", str(pvc), *flags, "--quiet"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         proc.stdout.readline()  # "loaded": the command line's modules are in
@@ -171,14 +172,7 @@ FSDP = ROOT / "examples/fsdp.py"
 def descendant_of_rank(root: int, rank: int) -> int | None:
     """The pid of the process below ``root`` whose environment says RANK=``rank`` (a torchrun
     worker), or None while there is none."""
-    pids = [root]
-    for pid in pids:  # grows while walked
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    for pid in pids[1:]:
+    for pid in with_descendants(root)[1:]:
         try:
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 return pid

@@ -1,6 +1,11 @@
 """The campaign's harness: how a trial starts trainjob, what an uninterrupted run produces, and the
 checks every trial's recovery must pass (same artifact bytes, no attempt spent, no litter, status
 and verify clean). Sections (the other modules) inject faults; they share this and nothing else.
+
+Every ``trainjob run`` started through here is judged the moment its exit status is read (``AUDIT``):
+its log must say its exit code (``launches.disagreement``: `trainjob status` of the log it left
+equals the code), whatever the section did to it. Runs that shared a PVC at the same time (the
+races) interleave their lines, so they are counted apart, not judged.
 """
 
 from __future__ import annotations
@@ -13,8 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainjob.deploy import launches
-from trainjob.deploy.launches import artifact, last_event
+from trainjob.deploy.launches import artifact, disagreement, events, last_event
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["--steps", "100", "--ckpt-every", "1"]
@@ -60,13 +64,80 @@ def command(args: tuple[str | Path, ...], prefix: tuple[str, ...] = (), torchrun
     return [*prefix, sys.executable, "-B", "-m", "trainjob", *map(str, args)]
 
 
+@dataclass
+class Audit:
+    """Whether each run's exit code is what its log says (module docstring), over the campaign."""
+
+    judged: int = 0
+    shared: int = 0  # runs that shared their PVC with another at the same moment: not judged
+    problems: list[str] = field(default_factory=list)
+    running: dict[Path, list[Launch]] = field(default_factory=dict)
+
+    def judge(self, what: str, code: int, pvc: Path, before: int) -> None:
+        self.judged += 1
+        if (problem := disagreement(code, events(pvc), before)) is not None:
+            self.problems.append(f"`{what}` {problem}")
+
+    def section(self) -> Section:
+        return Section("status == exit, every run", trials=self.judged, violations=self.problems,
+                       note=f"{self.shared} runs sharing a PVC at once (races) not judged")
+
+
+AUDIT = Audit()
+
+
+def _pvc_of(args: tuple[str | Path, ...]) -> Path | None:
+    """The PVC of a ``trainjob run`` command line (the runs the audit judges), else None."""
+    words = list(map(str, args))
+    return Path(words[words.index("--pvc") + 1]) if words[:1] == ["run"] and "--pvc" in words else None
+
+
+class Launch(subprocess.Popen):
+    """A run (``argv``, on ``pvc``; ``what`` names it) started in a session of its own, so that a
+    kill reaches every rank, and judged by ``AUDIT`` the first time its exit status is read."""
+
+    def __init__(self, argv: list[str], pvc: Path | None, what: str, stderr=subprocess.PIPE) -> None:
+        self.pvc, self.what, self.judged = pvc, what, False
+        self.before = len(events(pvc)) if pvc is not None else 0
+        if pvc is not None:
+            others = [o for o in AUDIT.running.get(pvc, []) if o.returncode is None]
+            self.shared = bool(others)
+            for other in others:
+                other.shared = True
+            AUDIT.running[pvc] = [*others, self]
+        super().__init__(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+
+    def _judged(self, code: int | None) -> int | None:
+        if code is not None and self.pvc is not None and not self.judged:
+            self.judged = True
+            if self.shared:
+                AUDIT.shared += 1
+            else:
+                AUDIT.judge(self.what, code, self.pvc, self.before)
+        return code
+
+    def poll(self) -> int | None:
+        return self._judged(super().poll())
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._judged(super().wait(timeout))  # type: ignore[return-value]
+
+
 def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False,
              **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(command(args, prefix, torchrun), capture_output=True, text=True, timeout=120, **kw)
+    pvc = _pvc_of(args)
+    before = len(events(pvc)) if pvc is not None else 0
+    done = subprocess.run(command(args, prefix, torchrun), capture_output=True, text=True, timeout=120, **kw)
+    if pvc is not None:
+        if any(o.returncode is None for o in AUDIT.running.get(pvc, [])):
+            AUDIT.shared += 1
+        else:
+            AUDIT.judge(f"trainjob {' '.join(map(str, args))}", done.returncode, pvc, before)
+    return done
 
 
-def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False) -> subprocess.Popen:
-    return launches.spawn(command(args, prefix, torchrun))  # its own session: a kill reaches every rank
+def spawn(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False) -> Launch:
+    return Launch(command(args, prefix, torchrun), _pvc_of(args), f"trainjob {' '.join(map(str, args))}")
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

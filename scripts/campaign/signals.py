@@ -1,13 +1,17 @@
 """Signal storms: SIGKILL at random instants (and the instant `completed` is logged), SIGTERM at random
-instants (each must checkpoint and exit 75); every trial then recovers through the harness.
+instants, delivered as schedulers deliver it (``launches.Stop``), in turn: to the launcher alone
+(the kubelet: it must pass it on), to every process of the launch twice, half a second apart
+(Slurm's preemption), and to the launcher then SIGKILL to every process after a grace drawn
+within the uninterrupted run's length (Kubernetes). Each must checkpoint and exit 75 (or be
+SIGKILLed once its grace ended: the stop is then cut short, and the previous checkpoint
+stands); every trial then recovers through the harness.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 
-from trainjob.deploy.launches import kill_when, last_event
+from trainjob.deploy.launches import KUBELET, PREEMPTED, grace_ended, kill_when, last_event
 
 from .harness import AS_DEPLOYED, STEPS, Campaign, Section, label, spawn
 
@@ -41,24 +45,29 @@ def sigterm_storm(campaign: Campaign, trials: int, flags: list[str] = STEPS) -> 
     section = Section(label("sigterm", flags), note="signal sent once the run has logged its start"
                       + (", under torchrun" if campaign.torchrun(flags) else ""))
     seconds = campaign.seconds_for(flags) if trials else 0.0
+    graces_cut = 0
     for trial in range(trials):
         section.trials += 1
         pvc = campaign.pvc("term")
+        how = (KUBELET, PREEMPTED, grace_ended(campaign.rng.uniform(0, seconds / 4)))[trial % 3]
         proc = spawn("run", "--pvc", pvc, *flags, torchrun=campaign.torchrun(flags))
         # Before the interpreter has installed trainjob's handler, SIGTERM's default action
         # ends the process with nothing written; the storm targets the run itself.
         while last_event(pvc) is None and proc.poll() is None:
             time.sleep(0.005)
-        time.sleep(campaign.rng.uniform(0, seconds / 2))
-        proc.send_signal(signal.SIGTERM)  # to the launcher alone: it must pass it on
-        section.injected += 1
+        deadline = time.monotonic() + campaign.rng.uniform(0, seconds / 2)
+        if kill_when(proc, lambda: time.monotonic() >= deadline, how):
+            section.injected += 1
         code = proc.wait(timeout=60)
         event = last_event(pvc)
         if code == 75:
             log = (pvc / "log.jsonl").read_text().splitlines()
             if event != "killed" or "signal=SIGTERM" not in log[-1]:
-                section.violation(trial, f"exit 75 but the log ends with {event}")
+                section.violation(trial, f"{how.name}: exit 75 but the log ends with {event}")
+        elif how.kill_after is not None and code == -9:
+            graces_cut += 1  # the grace ended before the stop was saved: the recovery resumes before it
         elif not (code == 0 and event == "completed"):  # 0 only if it had finished already
-            section.violation(trial, f"SIGTERM ended the run with exit {code}, log at {event}")
+            section.violation(trial, f"{how.name}: SIGTERM ended the run with exit {code}, log at {event}")
         campaign.recover(section, trial, pvc, flags)
+    section.note += f"; to the launcher, to all twice, with a grace in turn ({graces_cut} graces ended mid-stop)"
     return section

@@ -186,6 +186,30 @@ def test_streams_nothing_seeded_or_drew_from_are_not_blamed_and_loader_workers_a
     assert pieces(evidence(ref, trial)) == ["rng"]
 
 
+def test_a_loader_over_an_epoch_shuffled_sampler_names_the_sampler_first_not_only_the_workers():
+    """Lightning's default DistributedSampler (its DistributedSamplerWrapper over the loader's own
+    sampler) diverged under prove while every saved piece agreed, and the hint blamed the loader's
+    workers alone: the loader's record names its epoch-shuffled samplers (``loader.py``), and the
+    hint names them first."""
+    loader = ('{"loader": {"_snapshot": {"_main_snapshot": {"_num_workers": 2, "_base_seed": 7}}}, '
+              '"samplers": [{"sampler": "DistributedSamplerWrapper", "epoch": 1}]}')
+
+    def at(torch: str) -> Snapshot:
+        return snapshot(groups(0.01), {0: rank_local(loader, torch=torch)})
+    e = attrs.evolve(evidence(at("t2"), at("t2")), reference_other=at("t1"), trial_other=at("t1"))
+    found = hints(e)
+    assert [h.piece for h in found] == ["elsewhere"]
+    text = found[0].text
+    assert "the loader's sampler, DistributedSamplerWrapper (epoch 1), draws each epoch's order" in text
+    assert text.index("DistributedSamplerWrapper") < text.index("the loader runs 2 worker processes")
+    assert "use_distributed_sampler=False" in text
+    drawn = hints(attrs.evolve(e, trial=at("t3"), trial_other=at("t1"), others_at_resume=True))
+    assert [h.piece for h in drawn] == ["rng"] and "DistributedSamplerWrapper (epoch 1)" in drawn[0].text
+    plain = '{"loader": {"_snapshot": {"_main_snapshot": {"_num_workers": 2, "_base_seed": 7}}}}'
+    without = snapshot(groups(0.01), {0: rank_local(plain, torch="t2")})
+    assert "sampler" not in hints(evidence(without, without))[0].text
+
+
 def test_a_stream_the_trial_drew_from_after_the_resume_is_blamed_one_that_differed_at_the_resume_is_not():
     def at(**streams: str) -> Snapshot:
         return snapshot(groups(0.01), {0: rank_local(**streams)})
@@ -194,3 +218,13 @@ def test_a_stream_the_trial_drew_from_after_the_resume_is_blamed_one_that_differ
     assert pieces(drawn) == ["rng"] and "torch's CPU generator" in hints(drawn)[0].text
     already = attrs.evolve(drawn, trial_other=at(torch="t0"))  # differed where the trial resumed from
     assert pieces(already) == ["elsewhere"]
+
+
+def test_streams_that_differ_with_no_loader_position_name_the_data_order_and_a_collators_draws():
+    """What prove found on a Trainer's masked-LM run and on its stream over several passes (issue 58):
+    torch's stream differs and nothing saved says where the data stood; the hint named only dropout."""
+    ref = snapshot(groups(0.01), {0: rank_local(None, torch="a")})
+    trial = snapshot(groups(0.01), {0: rank_local(None, torch="b")})
+    found = hints(evidence(ref, trial))
+    assert found[0].piece == "rng" and "the data order" in found[0].text and "a stream's pass" in found[0].text
+    assert "masked-LM masking" in found[0].text

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import attrs
 import hypothesis.strategies as st
 import numpy as np
 import pytest
@@ -21,7 +22,7 @@ from hypothesis import given
 
 from conftest import ROOT
 from trainjob import cli
-from trainjob.deploy import divergence, prove
+from trainjob.deploy import divergence, launches, prove
 
 PYTHON = sys.executable
 BETWEEN_AND_DURING = ["--kills", "2"]
@@ -44,8 +45,45 @@ def test_bad_usage_is_one_line_and_exit_2(cmd, said, capsys):
 def test_the_plan_covers_every_phase_in_four_trials_resumes_first_and_alternates_signals():
     plan = prove.plan(4, "both")
     assert sorted(phase for phase, _ in plan) == sorted(prove.PHASES)
-    assert [sig for _, sig in plan][:2] == [signal.SIGKILL, signal.SIGTERM]
+    assert [kind for _, kind in plan] == ["KILL", "preempted", "KILL", "grace ended"]
     assert [phase for phase, _ in prove.plan(2, "KILL")] == ["between checkpoints", "during a checkpoint write"]
+    assert [kind for _, kind in prove.plan(3, "TERM")] == ["preempted", "grace ended", "preempted"]
+
+
+def test_term_trials_are_stopped_as_slurm_preempts_and_as_kubernetes_ends_a_grace():
+    """The TERM trials used to signal the launch's first process once: the data loader's workers
+    never saw a signal, and neither a second SIGTERM nor a SIGKILL during the stop was tried."""
+    reference = prove.Outcome(Path("r"), (0,), 0, 10.0, {}, checkpoint_times=(1.0, 2.0, 3.0))
+    rng = random.Random(0)
+    assert prove.stop_for("KILL", reference, rng) == launches.NODE_DIES
+    preempted = prove.stop_for("preempted", reference, rng)
+    assert (preempted.sig, preempted.everyone, preempted.repeat) == (signal.SIGTERM, True, 0.5)
+    grace = prove.stop_for("grace ended", reference, rng)
+    assert grace.sig == signal.SIGTERM and not grace.everyone and 0 <= grace.kill_after <= 1.0  # the checkpoint gap
+
+
+def test_a_trial_that_crashed_is_its_own_verdict_never_not_deterministic(tmp_path):
+    """A launch that ended 70 was taken for "trial N was never resumed and still published other
+    bytes": NOT DETERMINISTIC, with advice to seed the command. A crash is a verdict of its own,
+    with the last line the launch wrote."""
+    reference = outcome(tmp_path / "reference")
+    trial = attrs.evolve(outcome(tmp_path / "trial-01", blob=b""), codes=(70,), code=70, artifacts={})
+    trial.pvc.parent.mkdir(parents=True)
+    (trial.pvc.parent / "launch-01.stderr").write_text("Traceback ...\ntrainjob: DataLoader worker (pid 7) is "
+                                                       "killed by signal: Terminated. (exit 70)\n")
+    verdicts = [prove.judge(1, trial, reference, lambda pvc: None)]
+    text = "\n".join(prove.report(reference, [trial], verdicts, tmp_path))
+    assert "NOT DETERMINISTIC" not in text and "DIVERGES" not in text, text
+    assert ("verdict: CRASHED: trial 1's launch 1 exited 70, an internal error (a bug in the command or in "
+            "trainjob), not a resume that went elsewhere: trainjob: DataLoader worker (pid 7) is killed") in text
+    assert "trial-01/launch-01.stderr" in text
+
+
+def test_a_launch_whose_log_does_not_say_its_exit_code_fails_its_trial(tmp_path):
+    said = "launch 2 exited 2 but its log ends at 'checkpointed', for which `trainjob status` says 75"
+    trial = attrs.evolve(outcome(tmp_path), disagreements=(said,))
+    verdict = prove.judge(1, trial, outcome(tmp_path), lambda pvc: None)
+    assert not verdict.passed and verdict.problems == (f"`trainjob status` disagrees: {said}",)
 
 
 def test_entry_diffs_name_each_entry_with_its_largest_difference():
@@ -172,7 +210,7 @@ def test_the_lab_trainer_is_proven_and_twice_finds_it_deterministic(capsys):
                      "run", "--pvc", "{pvc}", "--steps", "20", "--ckpt-every", "2", "--idempotent"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert "SIGKILL" in out and "SIGTERM" in out
+    assert "\n1     KILL " in out and "\n2     TERM all x2 " in out, out
 
 
 @pytest.mark.process

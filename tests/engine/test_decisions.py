@@ -5,7 +5,9 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainjob.engine.decisions import completion_announced, completion_unannounced, drift_passes, loss_milli, should_checkpoint, should_resume, within_backoff
+from trainjob.engine.decisions import (MAX_COUNT, METRIC_PARTS, completion_announced, completion_unannounced,
+                                      drift_passes, loss_milli, metric_counts, should_checkpoint, should_resume,
+                                      within_backoff)
 
 counts = st.integers(min_value=0, max_value=10_000)
 percent = st.integers(min_value=0, max_value=100)
@@ -35,6 +37,57 @@ class TestDriftPasses:
     def test_more_correct_never_turns_pass_into_fail(self, correct, bcorrect, max_drop):
         if drift_passes(correct, correct + 1, bcorrect, max_drop):
             assert drift_passes(correct + 1, correct + 1, bcorrect, max_drop)
+
+
+LARGEST = MAX_COUNT / METRIC_PARTS  # the largest metric Run.gate accepts
+metrics = st.floats(min_value=0, max_value=LARGEST, allow_nan=False)
+baselines = st.floats(min_value=1e-9, max_value=LARGEST, allow_nan=False)
+
+
+def metric_passes(value: float, baseline: float, higher_is_better: bool, max_drop: int) -> bool:
+    return drift_passes(*metric_counts(value, baseline, higher_is_better), max_drop)
+
+
+class TestMetricCounts:
+    """A metric against its frozen baseline, judged by the Score rule on whole millionths."""
+
+    def test_a_loss_and_an_accuracy_on_and_around_the_boundary(self):
+        assert metric_passes(0.625, 0.5, False, 20)  # 0.625 less 20% of itself is 0.5: on the boundary
+        assert not metric_passes(0.626, 0.5, False, 20)
+        assert metric_passes(0.8, 1.0, True, 20) and not metric_passes(0.799999, 1.0, True, 20)
+        assert metric_counts(0.41, 0.52, False) == (1268293, METRIC_PARTS, METRIC_PARTS)  # 0.52 / 0.41
+
+    @given(metrics, baselines, st.booleans(), percent)
+    def test_counts_are_whole_numbers_a_log_and_json_keep_exact(self, value, baseline, higher, max_drop):
+        correct, total, bcorrect = metric_counts(value, baseline, higher)
+        assert total == METRIC_PARTS and all(isinstance(n, int) and 0 <= n <= MAX_COUNT for n in (correct, bcorrect))
+
+    @given(metrics, baselines, st.booleans(), percent)
+    def test_a_metric_as_good_as_its_baseline_always_passes(self, value, baseline, higher, max_drop):
+        as_good = value >= baseline if higher else value <= baseline
+        if as_good:
+            assert metric_passes(value, baseline, higher, max_drop)
+
+    @given(metrics, metrics, baselines, st.booleans(), percent)
+    def test_a_better_metric_never_turns_pass_into_fail(self, value, other, baseline, higher, max_drop):
+        worse, better = sorted((value, other), reverse=not higher)
+        if metric_passes(worse, baseline, higher, max_drop):
+            assert metric_passes(better, baseline, higher, max_drop)
+
+    @given(metrics, baselines, st.booleans(), percent, percent)
+    def test_more_tolerance_never_turns_pass_into_fail(self, value, baseline, higher, drop, more):
+        if metric_passes(value, baseline, higher, min(drop, more)):
+            assert metric_passes(value, baseline, higher, max(drop, more))
+
+    @given(st.floats(min_value=1e-3, max_value=1e6), st.floats(min_value=1e-3, max_value=1e6), st.booleans(), percent)
+    def test_agrees_with_the_exact_rule_away_from_its_rounding(self, value, baseline, higher, max_drop):
+        """Higher is better: value >= baseline * (100 - d) / 100. Lower: value * (100 - d) / 100 <=
+        baseline. Exactly, in rationals, wherever the two sides are more than the millionths'
+        rounding apart."""
+        v, b, keep = Fraction(value), Fraction(baseline), Fraction(100 - max_drop, 100)
+        margin = (v - b * keep) / b if higher else (b - v * keep) / v
+        if abs(margin) > Fraction(1, 10**5):
+            assert metric_passes(value, baseline, higher, max_drop) == (margin >= 0)
 
 
 class TestWithinBackoff:

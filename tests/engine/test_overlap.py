@@ -84,6 +84,7 @@ def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_
         tmp_path, monkeypatch, capsys, code, text):
     pvc = tmp_path / "pvc"
     assert cli.main(["run", "--pvc", str(tmp_path / "ref"), *FLAGS]) == 0
+    capsys.readouterr()
     real = os.fsync
 
     def failing(fd):  # the second checkpoint's shard (its fsync runs on the fsync pool, into the commit)
@@ -92,7 +93,7 @@ def test_a_writer_io_error_ends_the_run_with_exit_75_and_its_one_line_error_and_
         return real(fd)
 
     monkeypatch.setattr(os, "fsync", failing)
-    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC]) == 75
+    assert cli.main(["run", "--pvc", str(pvc), *FLAGS, *ASYNC, "--quiet"]) == 75  # the error's line alone
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and text in err[0] and "shard-00000-of-00001" in err[0], err
     logged = events(pvc / "log.jsonl")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import trainjob
-from conftest import events, snapshot
+from conftest import agrees_with_its_log, events, said, snapshot
 from trainjob import Run, Score, cli
 from trainjob.trainers.linear import make as linear
 
@@ -105,10 +105,16 @@ def test_an_own_loop_completes_with_a_verified_artifact_and_exit_0(pvc):
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # a legal path of the table
 
 
+def told(capsys) -> list[str]:
+    """What the run printed on stderr besides its progress lines."""
+    return said(capsys.readouterr().err)
+
+
 def resumes_after(pvc: Path, first_code: int, capsys) -> None:
     """The misuse left the attempt in flight: a correct relaunch resumes it and completes."""
-    err = capsys.readouterr().err.strip().splitlines()
+    err = told(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: ") and f"(exit {first_code})" in err[0], err
+    agrees_with_its_log(first_code, pvc)  # the log says so too: `refused`, status 2
     run, state = own(pvc, good)
     assert run.exit_code == 0
     kinds = [e for e, _ in events(pvc / "log.jsonl")]
@@ -132,7 +138,8 @@ def test_a_step_reported_twice_is_exit_2_and_saves_nothing_of_it(pvc, capsys):
 def test_a_step_without_report_is_exit_2(pvc, capsys):
     run, _ = own(pvc, lambda run, state, step: state.step(step) if step == 2 else good(run, state, step))
     assert run.exit_code == 2 and "step 2 ended without run.report" in str(run.error)
-    assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started"]
+    assert [e for e, _ in events(pvc / "log.jsonl")] == ["job_started", "refused"]
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=2 reason=step 2 ended without run.report")
     resumes_after(pvc, 2, capsys)
 
 
@@ -145,14 +152,80 @@ def test_a_break_out_of_the_loop_is_exit_2_never_a_success(pvc, capsys):
                 break
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1), export={})
     assert run.exit_code == 2 and "gate(...) comes after" in str(run.error)
-    assert json.loads((pvc / "state.json").read_text())["state"] == "checkpointed"  # in flight, at step 2
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=3 reason=run.gate(...) comes after")
+    assert json.loads((pvc / "checkpoint.json").read_text())["step"] == 2  # in flight, from step 2
     resumes_after(pvc, 2, capsys)
+
+
+def published(pvc: Path):
+    """The artifact's record and its one array."""
+    from safetensors.numpy import load
+
+    from trainjob.engine.job import read_artifact_record
+
+    data = (pvc / "artifacts/model-v1.safetensors").read_bytes()
+    return read_artifact_record(data, "model-v1"), load(data)["w"]
+
+
+def test_an_early_end_saves_its_step_and_publishes_the_model_it_stopped_with(pvc, tmp_path):
+    """``end_early`` in the body of step 5 of 8: step 5 is saved (not due: forced), the gate
+    publishes the model of step 5, its record says step 5, ``completed``, exit 0. Called in the
+    body of step 6 before any ``report`` (a framework's loop that ended without training it), the
+    run ends at step 5 the same way."""
+    def stops_at_5(run, state, step):
+        run.report(state.step(step))
+        if step == 5:
+            run.end_early()
+
+    run, state = own(pvc, stops_at_5, steps=8)
+    assert (run.exit_code, run.final) == (0, "completed")
+    assert [d.split()[0] for e, d in events(pvc / "log.jsonl") if e == "checkpointed"] == ["step=2", "step=4",
+                                                                                           "step=5"]
+    assert [e for e, _ in events(pvc / "log.jsonl")][-2:] == ["artifact_written", "completed"]
+    record, weights = published(pvc)
+    assert record.step == 5 and np.array_equal(weights, state.w)
+    assert cli.main(["verify", "--pvc", str(pvc)]) == 0
+
+    def untrained_6(run, state, step):
+        if step == 6:
+            return run.end_early()
+        run.report(state.step(step))
+
+    other = tmp_path / "other"
+    run, _ = own(other, untrained_6, steps=8)
+    assert run.exit_code == 0 and events(other / "log.jsonl") == events(pvc / "log.jsonl")
+    assert (other / "artifacts/model-v1.safetensors").read_bytes() == (pvc / "artifacts/model-v1.safetensors").read_bytes()
+
+
+def test_an_early_end_cut_short_before_the_gate_ends_early_again_on_the_relaunch(pvc, tmp_path, capsys):
+    """Killed (here: left without the gate, exit 2) after the early end's checkpoint: the relaunch
+    resumes from step 5 and, its state saying the training ended, calls ``end_early`` before the
+    loop: no step is trained, and it publishes the uninterrupted run's bytes."""
+    def stops_at_5(run, state, step):
+        run.report(state.step(step))
+        if step == 5:
+            run.end_early()
+
+    assert own(pvc, stops_at_5, steps=8, gate=False)[0].exit_code == 2
+    capsys.readouterr()
+    first = len(events(pvc / "log.jsonl"))
+    state = Vector()
+    with Run(pvc, state=state, steps=8, ckpt_every=2) as run:
+        run.end_early()
+        assert list(run) == []
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+    assert run.exit_code == 0 and run.from_step == 5
+    assert events(pvc / "log.jsonl")[first:][0] == ("resumed", "from_step=5")
+    assert [e for e, _ in events(pvc / "log.jsonl")][first:] == ["resumed", "artifact_written", "completed"]
+    own(tmp_path / "whole", stops_at_5, steps=8)
+    assert (pvc / "artifacts/model-v1.safetensors").read_bytes() == \
+        (tmp_path / "whole/artifacts/model-v1.safetensors").read_bytes()
 
 
 def test_leaving_without_the_gate_is_exit_2_and_the_relaunch_gates(pvc, capsys):
     run, _ = own(pvc, good, gate=False)
     assert run.exit_code == 2 and "gate(...) was never called" in str(run.error)
-    assert [e for e, _ in events(pvc / "log.jsonl")][-1] == "checkpointed"
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=4 reason=the loop trained the last step")
     resumes_after(pvc, 2, capsys)
 
 
@@ -167,6 +240,7 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": state.w, "epoch": 3})
     assert run.exit_code == 2 and "no plain values" in str(run.error)
+    assert str(run.error).startswith("refused at step 4: export: publish a flat mapping")  # its one line says so
     last, detail = events(pvc / "log.jsonl")[-1]
     assert last == "refused" and detail.startswith("at_step=4 reason=export: publish a flat mapping")
     assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
@@ -174,6 +248,82 @@ def test_an_export_that_cannot_be_published_is_logged_refused_status_says_2_and_
     assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
     resumes_after(pvc, 2, capsys)
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # refused, then resumed: legal
+
+
+@pytest.mark.parametrize("export, says", [
+    ({}, "export: an empty mapping, an artifact with nothing in it"),
+    ({"": np.ones(2)}, "export: the name '' cannot be stored; a name is 1 to 200 letters"),
+    ({"x" * 5000: np.ones(2)}, "export: the name 'xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx'... (5000 characters) cannot"),
+    ({"w": np.ones(2, dtype=object)}, "export['w']: dtype object cannot be stored"),
+], ids=["empty", "empty-name", "long-name", "object-dtype"])
+def test_an_export_with_nothing_or_a_bad_entry_is_refused_in_one_line_naming_it_and_logged(pvc, capsys, export,
+                                                                                          says):
+    """An empty export published an artifact with nothing in it, exit 0; a name a file cannot
+    hold was refused with a dump of the record's attrs validator; an entry that cannot be
+    stored was blamed on ``state_dict()``. Each is now one line about the export, exit 2, and
+    the log says ``refused``; nothing is published."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=0, total=1), export=export)
+    assert run.exit_code == 2 and str(run.error).startswith(f"refused at step 2: {says}"), run.error
+    err = told(capsys)
+    assert len(err) == 1 and "Attribute(" not in err[0] and "state_dict()" not in err[0], err
+    kind, detail = events(pvc / "log.jsonl")[-1]
+    assert kind == "refused" and detail.startswith(f"at_step=2 reason={says}"), detail
+    assert not (pvc / "artifacts").exists() or not any((pvc / "artifacts").iterdir())
+
+
+def test_more_steps_or_attempts_than_a_checkpoints_name_holds_are_refused_before_the_pvc_is_touched(pvc):
+    """Past step 99,999,999 a checkpoint's name no longer parses: its checkpoints were invisible
+    (rotation stopped, verify missed the pointer's directory, a relaunch resumed backwards)."""
+    run, _ = own(pvc, good, steps=10 ** 8)
+    assert run.exit_code == 2 and "--steps must be at most 99999999" in str(run.error)
+    run, _ = own(pvc, good, backoff_limit=9999)
+    assert run.exit_code == 2 and "--backoff-limit must be at most 9998" in str(run.error)
+    assert not pvc.exists()
+
+
+def metric_gated(pvc: Path, **verdict) -> Run:
+    """Two steps of the Vector, gated by ``verdict`` (Run.gate's keywords besides export)."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2, max_drop=20) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(export=state.state_dict(), **verdict)
+    return run
+
+
+def test_a_metric_gate_publishes_a_loss_within_the_tolerance_and_refuses_one_beyond_it(tmp_path):
+    """A validation loss against its frozen value, lower is better, max_drop 20: 0.6 less 20% of
+    itself is 0.48, within 0.5 (completed, 0); 0.7 less 20% is 0.56 (drift_failed, 1). The log
+    holds the verdict in the Score rule's whole numbers: baseline / loss in millionths."""
+    loss = lambda value: trainjob.Metric(value, baseline=0.5, higher_is_better=False, name="val_loss")  # noqa: E731
+    published = metric_gated(tmp_path / "published", metric=loss(0.6))
+    assert (published.exit_code, events(tmp_path / "published/log.jsonl")[-1]) == (
+        0, ("completed", "holdout: 833333/1000000 vs baseline 1000000/1000000"))
+    refused = metric_gated(tmp_path / "refused", metric=loss(0.7))
+    assert (refused.exit_code, events(tmp_path / "refused/log.jsonl")[-1]) == (
+        1, ("drift_failed", "holdout: 714286/1000000 vs baseline 1000000/1000000 (max drop 20%); refusing artifact"))
+    accuracy = metric_gated(tmp_path / "accuracy", metric=trainjob.Metric(0.81, baseline=1.0, higher_is_better=True))
+    assert accuracy.exit_code == 0  # at least 1.0 less 20% of it
+
+
+@pytest.mark.parametrize(("verdict", "said"), [
+    (dict(metric=trainjob.Metric(float("nan"), baseline=0.5, higher_is_better=False, name="val_loss")),
+     "the gate's val_loss: its value is nan; a metric is a finite number from 0"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0, higher_is_better=False)), "its baseline is 0"),
+    (dict(metric=trainjob.Metric("0.4", baseline=0.5, higher_is_better=False)), "its value is a str, not a number"),
+    (dict(metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False), holdout=Score(correct=1, total=1)),
+     "holdout= and baseline= or metric=, not both"),
+    (dict(holdout=Score(correct=1, total=1)), "takes holdout= and baseline=, two trainjob.Score, or metric="),
+])
+def test_a_metric_the_gate_cannot_judge_is_refused_exit_2_and_resumable(pvc, verdict, said):
+    run = metric_gated(pvc, **verdict)
+    assert run.exit_code == 2 and said in str(run.error)
+    assert events(pvc / "log.jsonl")[-1][0] == "refused"
+    assert metric_gated(pvc, metric=trainjob.Metric(0.4, baseline=0.5, higher_is_better=False)).exit_code == 0
 
 
 def test_gating_before_the_last_step_is_exit_2(pvc, capsys):
@@ -202,13 +352,32 @@ def test_an_exception_in_the_body_is_70_with_its_traceback_never_1_and_no_checkp
     assert run.exit_code == 0
 
 
+def test_an_error_after_the_outcome_is_said_and_the_exit_code_stays_the_logged_outcomes(pvc, capsys):
+    """The script's own code after ``gate``, inside the ``with``, fails: the job completed and the
+    log says so, so the process exits 0 as `status` says (it exited 70 before), and the error is
+    printed in full."""
+    state = Vector()
+    with Run(pvc, state=state, steps=2, ckpt_every=2) as run:
+        for step in run:
+            run.report(state.step(step))
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export=state.state_dict())
+        raise ZeroDivisionError("the script's own code after the gate")
+    assert (run.exit_code, run.final, run.error) == (0, "completed", None)
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ZeroDivisionError: the script's own code after the gate" in err
+    lines = err.strip().splitlines()
+    assert lines[-2].endswith("after the run's outcome (completed), which stands (exit 0)"), lines
+    assert lines[-1].startswith("trainjob: completed (exit 0): published "), lines  # the last line says how it ended
+    agrees_with_its_log(run.exit_code, pvc)
+
+
 def test_a_trainjob_error_in_the_body_keeps_its_code(pvc, capsys):
     def peer_gone(run, state, step):
         raise trainjob.PeerFailed("a peer left")
 
     run, _ = own(pvc, peer_gone)
     assert run.exit_code == 75
-    assert capsys.readouterr().err.strip() == "trainjob: a peer left (exit 75)"
+    assert told(capsys) == ["trainjob: a peer left (exit 75)"]
 
 
 def test_sigterm_in_the_body_saves_that_step_and_ends_killed_75(pvc):
@@ -494,21 +663,25 @@ def test_an_odd_but_legal_loss_is_recorded_exactly(pvc, value, milli):
     (np.array([0.5, 0.6]), "2 elements"), (np.array([]), "0 elements"), ("0.5", "not a number"),
     (float("nan"), "not a finite number"),
 ], ids=["1e308", "1e16", "10**30", "10**5000", "two-elements", "empty", "str", "nan"])
-def test_an_odd_and_wrong_loss_is_exit_2_in_one_line(pvc, capsys, value, says):
+def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, capsys, value, says):
+    """The log says it too (``refused``): it used to end at ``job_started``, so `status` said 75
+    (relaunch) where the run had exited 2."""
     run, _ = own(pvc, reporting(value), steps=2)
     assert run.exit_code == 2 and says in str(run.error), run.error
-    err = capsys.readouterr().err.strip().splitlines()
+    err = told(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: step 1: ") and err[0].endswith("(exit 2)"), err
+    assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=1 reason=step 1: the loss ")
+    assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
 
 
 def test_a_torch_loss_of_one_element_is_accepted_more_or_a_meta_one_is_exit_2(pvc, capsys):
     torch = pytest.importorskip("torch")
     run, _ = own(pvc, reporting(lambda: torch.tensor([0.5], requires_grad=True) * 1), steps=2)
-    assert run.exit_code == 0
+    assert run.exit_code == 0 and told(capsys)[-1].startswith("trainjob: completed (exit 0): published ")
     for n, value in enumerate([torch.tensor([0.5, 0.6]), torch.tensor(0.5, device="meta")]):
         run, _ = own(pvc.parent / str(n), reporting(value), steps=2)
         assert run.exit_code == 2 and ("2 elements" if n == 0 else "meta") in str(run.error), run.error
-        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+        assert len(told(capsys)) == 1
 
 
 class MetaState(Vector):
@@ -530,7 +703,7 @@ def test_a_meta_tensor_in_the_state_or_the_export_is_exit_2_in_one_line(pvc, cap
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": torch.empty(4, device="meta")})
     assert run.exit_code == 2 and "meta" in str(run.error)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = told(capsys)
     assert len(err) == 2 and all(line.endswith("(exit 2)") for line in err), err
 
 
@@ -540,7 +713,7 @@ def test_a_run_entered_off_the_main_thread_is_refused_in_one_line(pvc, capsys):
     worker.start()
     worker.join()
     assert found and found[0].exit_code == 2 and "main thread" in str(found[0].error)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = told(capsys)
     assert len(err) == 1 and err[0].endswith("(exit 2)"), err
     assert not pvc.exists()
 
@@ -652,3 +825,66 @@ def test_a_launch_refused_before_it_began_leaves_no_directory_it_created(tmp_pat
         for _ in run:
             pytest.fail("trained")
     assert run.exit_code == 2 and sorted(p.name for p in existing.rglob("*")) == ["notes"]
+
+
+class Stopping(Vector):
+    """A Vector whose training decides to stop at ``stop_at``: the decision is part of its state."""
+
+    def __init__(self, stop_at: int) -> None:
+        super().__init__()
+        self.stop_at, self.stopped = stop_at, False
+
+    def state_dict(self):
+        return {"w": self.w, "stopped": self.stopped}
+
+    def load_state_dict(self, state) -> None:
+        self.w[...], self.stopped = state["w"], state["stopped"]
+
+
+def stopping(pvc: Path, stop_at: int, signal_at: int | None = None) -> Run:
+    """An own loop of 8 steps (a checkpoint every 2) whose training stops early at ``stop_at``."""
+    state = Stopping(stop_at)
+    with Run(pvc, state=state, steps=8, ckpt_every=2) as run:
+        if state.stopped:  # resumed from the step it stopped at: nothing left to train
+            run.end_early()
+        for step in run:
+            run.report(state.step(step))
+            if step == state.stop_at:
+                state.stopped = True
+                run.end_early()
+            if step == signal_at:
+                os.kill(os.getpid(), signal.SIGTERM)
+        run.gate(holdout=Score(correct=9, total=10), baseline=Score(correct=9, total=10), export={"w": state.w})
+    return run
+
+
+def test_an_early_stop_checkpoints_its_step_gates_and_publishes_that_step(pvc):
+    run = stopping(pvc, 3)
+    assert (run.exit_code, run.final, run.last_step) == (0, "completed", 3)
+    assert [(e, d.split()[0]) for e, d in events(pvc / "log.jsonl")][1:3] == [("checkpointed", "step=2"),
+                                                                             ("checkpointed", "step=3")]
+    assert [e for e, _ in events(pvc / "log.jsonl")][3:] == ["artifact_written", "completed"]
+    from safetensors import safe_open
+    with safe_open(str(pvc / "artifacts/model-v1.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["trainjob.artifact"])["step"] == 3
+    assert cli.main(["verify", "--pvc", str(pvc)]) == 0
+
+
+def test_a_stop_at_the_early_stop_step_resumes_straight_to_the_gate_with_the_same_bytes(pvc):
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert stopping(pvc, 3, signal_at=3).exit_code == 75
+    assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=3 signal=SIGTERM")
+    run = stopping(pvc, 3)
+    assert (run.exit_code, run.last_step) == (0, 3)
+    kinds = [e for e, _ in events(pvc / "log.jsonl")]
+    assert kinds[kinds.index("killed") + 1:] == ["resumed", "artifact_written", "completed"]
+    stopping(pvc.parent / "straight", 3)
+    assert (pvc / "artifacts/model-v1.safetensors").read_bytes() == \
+        (pvc.parent / "straight/artifacts/model-v1.safetensors").read_bytes()
+
+
+def test_end_early_outside_the_loop_of_a_fresh_run_is_exit_2(pvc, capsys):
+    state = Vector()
+    with Run(pvc, state=state, steps=4, ckpt_every=2) as run:
+        run.end_early()
+    assert run.exit_code == 2 and "run.end_early() belongs inside" in str(run.error)

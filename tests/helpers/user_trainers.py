@@ -66,19 +66,23 @@ def exits(data, lr):
 
 
 def refused_at_rank_1(data, lr):
-    """Rank 1 alone meets bad input (its own data, say): the launch must end 2, not 75."""
+    """Rank 1 alone meets bad input (its own data, say): the launch must end 2, not 75. Rank 1 by
+    torchrun's RANK, the --rank flag, or as an srun task (SLURM_PROCID inside a step)."""
     argv = sys.argv
-    if os.environ.get("RANK") == "1" or ("--rank" in argv and argv[argv.index("--rank") + 1] == "1"):
+    if (os.environ.get("RANK") == "1" or ("--rank" in argv and argv[argv.index("--rank") + 1] == "1")
+            or ("SLURM_STEP_ID" in os.environ and os.environ.get("SLURM_PROCID") == "1")):
         raise InputError("rank 1: its data cannot be read")
     return Watched(load_dataset(data), lr)
 
 
 class Slow(LinearTrainer):
     """The linear trainer, each step taking TRAINJOB_TEST_STEP_SECONDS (default 0.05) longer: a
-    run long enough to be signalled mid-way, whose bytes do not depend on the delay."""
+    run long enough to be signalled mid-way, whose bytes do not depend on the delay. Once the file
+    TRAINJOB_TEST_FAST_FILE names exists (a test's last signal has landed), at full speed again."""
 
     def step(self, step):
-        time.sleep(float(os.environ.get("TRAINJOB_TEST_STEP_SECONDS", "0.05")))
+        if not os.path.exists(os.environ.get("TRAINJOB_TEST_FAST_FILE", "")):
+            time.sleep(float(os.environ.get("TRAINJOB_TEST_STEP_SECONDS", "0.05")))
         return super().step(step)
 
 

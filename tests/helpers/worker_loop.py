@@ -1,8 +1,11 @@
 """A user's training script whose loader has worker processes (tests/trainers/test_workers.py).
 
-    python worker_loop.py PVC [--context fork|spawn|forkserver] [--persistent] [--steps N]
+    python worker_loop.py PVC [--context fork|spawn|forkserver] [--persistent] [--eval-workers] [--steps N]
 
 The script uses a shuffling ``StatefulDataLoader(num_workers=2)`` inside ``trainjob.Run(state=TrainingState(...))``.
+``--eval-workers``: it also evaluates, every five steps from step 1, over a loader of its own
+that trainjob is never given (a plain ``DataLoader``, two persistent workers: alive from the
+first step on), as a script's validation loader is; the evaluation changes nothing it trains.
 Its dataset refuses to serve an item in a worker where the script's own ``worker_init_fn`` has not
 run, so a wrapper that drops the user's function fails the run. Each item takes a few
 milliseconds, so a signal sent once the first checkpoint is logged arrives before the last step.
@@ -41,6 +44,7 @@ def main():
     cli.add_argument("pvc")
     cli.add_argument("--context", default=None)
     cli.add_argument("--persistent", action="store_true")
+    cli.add_argument("--eval-workers", action="store_true")
     cli.add_argument("--steps", type=int, default=120)
     args = cli.parse_args()
     torch.manual_seed(0)
@@ -50,6 +54,9 @@ def main():
     net = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     state = TrainingState(model=net, optimizer=opt, loader=loader)
+    held_out = torch.utils.data.DataLoader(Data(), batch_size=64, num_workers=2, worker_init_fn=init_worker,
+                                           multiprocessing_context=args.context, persistent_workers=True,
+                                           generator=torch.Generator().manual_seed(2))
 
     def batches():
         while True:
@@ -62,6 +69,9 @@ def main():
             loss.backward()
             opt.step()
             opt.zero_grad()
+            if args.eval_workers and step % 5 == 1:
+                with torch.no_grad():
+                    sum(float(net(batch).sum()) for batch in held_out)
             run.report(loss.item())
         run.gate(holdout=trainjob.Score(correct=1, total=1), baseline=trainjob.Score(correct=0, total=1),
                  export=dict(net.state_dict()))

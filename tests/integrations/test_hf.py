@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, built_once, skip_without, trainjob
+from conftest import ROOT, agrees_with_its_log, built_once, log_length, skip_without, trainjob
 
 pytestmark = pytest.mark.acceptance  # scripts/test.sh's acceptance step: minutes of Trainer launches
 EXAMPLE = ROOT / "examples/hf_trainer.py"
@@ -104,27 +104,32 @@ def losses(text: str) -> dict[int, str]:
 
 
 def finish(pvc: Path, *flags: str, script: Path = EXAMPLE) -> tuple[int, dict[int, str], str]:
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     out, err = proc.communicate(timeout=600)
+    agrees_with_its_log(proc.returncode, pvc, before)  # every launch: its log says its exit code
     return proc.returncode, losses(out), err
 
 
 def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, script: Path = EXAMPLE,
-              flags: tuple[str, ...] = (), group: bool = False) -> tuple[int, str]:
+              flags: tuple[str, ...] = (), group: bool = False, twice: bool = False) -> tuple[int, str]:
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
     ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)
-    to the process, or with ``group`` to its whole process group (its loader's workers too)."""
+    to the process, or with ``group`` to its whole process group (its loader's workers too); with
+    ``twice``, again half a second later, if it still runs (Slurm's preemption)."""
+    before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     assert proc.stdout is not None
     for line in proc.stdout:
         if (step := losses(line)) and min(step) >= at_line:
             break
     time.sleep(then)
-    if group:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
+    for n in range(2 if twice else 1):
+        time.sleep(0.5 if n else 0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
+    agrees_with_its_log(proc.returncode, pvc, before)
     return proc.returncode, err
 
 
@@ -317,25 +322,36 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
     last = events(tmp_path / "pvc")[-1]
     holdout = int(re.search(r"holdout: (\d+)/1000000 vs baseline 1000000/1000000", last["detail"])[1])
     assert last["event"] == "completed" and 1_500_000 < holdout < 1_800_000  # 3.4657 / 2.1 in millionths
+    ours = [line for line in err.splitlines() if line.startswith("trainjob")]  # the Trainer keeps its own progress
+    assert len(ours) == 1 and ours[0].startswith("trainjob: completed (exit 0): published "), ours
+    assert ours[0].endswith(" vs baseline 3.4657 (lower is better; at most 4.33212 passes with max_drop 20%)")
 
 
 @pytest.mark.process
 @pytest.mark.killpoint
-def test_a_sigterm_to_the_whole_process_group_with_loader_workers_is_a_saved_step_and_75(reference, tmp_path):
-    """Two launches with 2 loader workers: SIGTERM to the process group (Slurm's scancel, Ctrl-C)
-    reaches the workers too (the integration guards them as TrainingState guards a script's
-    loader); the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes (the
-    workers change no batch). Not a control for the guard: without it this run also ended 75 once
-    (the Trainer prefetches a step's batches before training it); tests/trainers/test_workers.py
-    tests the guard itself."""
-    expected, _, _ = reference
+def test_a_sigterm_to_the_whole_process_group_twice_with_workers_on_every_loader_is_a_saved_step_and_75(tmp_path):
+    """Slurm's preemption: SIGTERM to the process group, twice, half a second apart, with 2 workers
+    on the train loader and 2 on the loader of an evaluation every 4 steps (eval_dataset), sent
+    as step 12's evaluation begins. The
+    integration guarded the train loader's workers only: the eval loader's died of the signal and
+    the run ended 70 ("DataLoader worker ... is killed by signal"). Now every loader's workers
+    outlive it: the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes of
+    the same script. Three launches: the uninterrupted one, the stopped one, the relaunch."""
+    _needs_transformers()
+    script = variant(tmp_path / "hf_eval_workers.py",
+                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout * 8)"),
+                     ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=4,'))
+    flags = ("--workers", "2")
+    code, _, err = finish(tmp_path / "ref", *flags, script=script)
+    assert code == 0, err[-2000:]
     pvc = tmp_path / "pvc"
-    code, err = signalled(pvc, signal.SIGTERM, 12, flags=("--workers", "2"), group=True)
+    # Step 12's loss line is printed just before its evaluation (64 batches): the signal lands there.
+    code, err = signalled(pvc, signal.SIGTERM, 12, script=script, flags=flags, group=True, twice=True)
     assert code == 75, err[-2000:]
     assert events(pvc)[-1]["event"] == "killed"
-    code, _, err = finish(pvc, "--workers", "2")
+    code, _, err = finish(pvc, *flags, script=script)
     assert code == 0, err[-2000:]
-    assert artifact(pvc) == expected
+    assert artifact(pvc) == artifact(tmp_path / "ref")
 
 
 @pytest.mark.process
@@ -361,3 +377,42 @@ def test_a_resume_at_an_epochs_end_with_an_evaluation_there_reaches_the_uninterr
     assert code == 0, err[-2000:]
     assert [e["detail"] for e in events(pvc) if e["event"] == "resumed"] == ["from_step=12"]
     assert artifact(pvc) == artifact(tmp_path / "ref")
+
+
+EARLY = (("from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments",
+          "from transformers import EarlyStoppingCallback, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments"),
+         ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=3, '
+                                    'metric_for_best_model="eval_loss",'),
+         ("trainer = PrintLoss(model=model, args=training, train_dataset=train)",
+          "trainer = PrintLoss(model=model, args=training, train_dataset=train, eval_dataset=holdout, callbacks=["
+          "EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.05)])"))
+
+
+@pytest.mark.process
+@pytest.mark.killpoint
+def test_an_early_stopping_callback_that_fires_ends_the_run_there_killed_or_not(tmp_path, capsys):
+    """The example with the Transformers docs' EarlyStoppingCallback (an evaluation every 3 steps; it
+    fires at step 33 of 36): the run checkpoints step 33, gates and publishes that model, `completed`.
+    A SIGTERM during step 33 saves it with the decision (75) and the relaunch goes straight to the
+    gate; prove's four trials are PROVEN. About twelve launches."""
+    _needs_transformers()
+    script = variant(tmp_path / "hf_early.py", *EARLY)
+    code, lines, err = finish(tmp_path / "ref", script=script)
+    assert code == 0 and max(lines) == 33, err[-2000:]
+    log = events(tmp_path / "ref")
+    assert [e["event"] for e in log][-3:] == ["checkpointed", "artifact_written", "completed"]
+    assert log[-3]["detail"].startswith("step=33 ")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "ref/artifacts/model-v1.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["trainjob.artifact"])["step"] == 33
+    pvc = tmp_path / "pvc"
+    code, err = signalled(pvc, signal.SIGTERM, 33, script=script)
+    assert code == 75 and events(pvc)[-1]["detail"].startswith("at_step=33 "), err[-2000:]
+    code, lines, err = finish(pvc, script=script)
+    assert code == 0 and not lines, err[-2000:]  # nothing trained: the gate
+    assert [e["event"] for e in events(pvc)][-4:] == ["killed", "resumed", "artifact_written", "completed"]
+    assert artifact(pvc) == artifact(tmp_path / "ref")
+    from trainjob import cli
+    code = cli.main(["prove", "--kills", "4", "--signal", "both", "--", sys.executable, str(script), "--pvc", "{pvc}"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verdict: PROVEN" in out and out.count("same bytes, verified") == 4, out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, trainjob
+from conftest import ROOT, events, trainjob
 from trainjob.errors import PeerFailed, PeerRefused, RankTimeout, Superseded, TrainJobError, UsageError
 from trainjob.exits import exit_code_for
 from trainjob.ranks import connect
@@ -618,6 +620,32 @@ def test_a_verdict_round_asks_every_rank_before_any_session_and_a_refusal_names_
     assert asked == {r: ["step-00000008-a0001-w003", "step-00000004-a0001-w003"] for r in (1, 2)}  # once each
 
 
+def test_a_stop_reaching_rank_0_in_a_verdict_round_no_rank_answers_ends_the_round_at_once(server, pvc):
+    """A rank that never answers (SIGSTOPped, dead, or itself stopping before it joins) must not
+    hold rank 0's SIGTERM up for --rank-timeout (30 s here): the round ends with None (rank 0
+    then verifies alone) moments after the signal, and leaves no thread in the store's wait."""
+    signals: dict[int, str] = {}
+    rank0 = StoreCoordinator(client(server), pvc, 2, 30.0, lambda: signals.get(0))
+    threading.Timer(0.3, signals.__setitem__, (0, "SIGTERM")).start()
+    started = time.monotonic()
+    assert rank0.verify_round("step-00000004-a0001-w002", None, False, lambda: None) is None
+    assert time.monotonic() - started < 10
+    time.sleep(0.2)  # the store's wait, answered by the keys rank 0 set, has returned
+    assert not [t for t in threading.enumerate() if t.name == "trainjob-verdicts"]
+    rank0.publish(lambda g: session(g))  # the same connections serve the rest of the launch
+    assert rank0.get("session")
+
+
+def test_a_verdict_round_no_rank_answers_ends_in_rank_timeout_naming_the_rank(server, pvc):
+    rank0 = StoreCoordinator(client(server), pvc, 3, 1.0, lambda: None)
+    follower = StoreFollower(client(server), 1, 3, 1.0, lambda: None)
+    answering = threading.Thread(target=lambda: in_threads([follower], lambda f: f.join("s", set(), lambda c: None)))
+    answering.start()  # rank 1 answers, rank 2 never does
+    with pytest.raises(RankTimeout, match=r"waited 1s for ranks \[2\] to verify their share of step-00000004"):
+        rank0.verify_round("step-00000004-a0001-w003", None, False, lambda: None)
+    answering.join(10)
+
+
 def test_a_rank_that_fails_verifying_ends_the_round_with_peer_failed_not_a_refusal(server, pvc):
     rank0 = StoreCoordinator(client(server), pvc, 2, 5.0, lambda: None)
     follower = StoreFollower(client(server), 1, 2, 5.0, lambda: None)
@@ -638,3 +666,146 @@ def test_a_rank_that_fails_verifying_ends_the_round_with_peer_failed_not_a_refus
         rank0.verify_round("step-00000004-a0001-w002", None, False, lambda: None)
     t.join(10)
     assert len(raised) == 1 and isinstance(raised[0], MemoryError)
+
+
+# A sharded (FSDP2) state resumed under torchrun: rank 0 asks rank 1 to verify its share in a
+# verdict round, and rank 1, SIGSTOPped before it joins, never answers. The process group's
+# timeout is far longer than any wait tested, so a rank 0 that reached the gate's collectives
+# would still be waiting when the test gives up.
+SHARDED = '''
+import argparse, datetime, os, signal, sys
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+import trainjob
+from trainjob.torch import TrainingState
+
+cli = argparse.ArgumentParser()
+cli.add_argument("--pvc")
+cli.add_argument("--rank-timeout", type=float)
+cli.add_argument("--die-at", type=int)
+cli.add_argument("--stop-rank-1", action="store_true")
+args = cli.parse_args()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+if args.stop_rank_1 and rank == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+with trainjob.Run(args.pvc, state=TrainingState(model=model, optimizer=opt, rng=False), steps=4, ckpt_every=2,
+                  rank_timeout=args.rank_timeout, die_at=args.die_at) as run:
+    for step in run:
+        loss = model(torch.ones(2, 4)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        run.report(float(total) / world)
+    with torch.no_grad():  # the gate's collectives, as examples/fsdp.py's
+        counts = torch.tensor([1, 1])
+        dist.all_reduce(counts)
+        run.gate(holdout=trainjob.Score(correct=1, total=1), baseline=trainjob.Score(correct=1, total=1),
+                 export=dict(model.state_dict()))
+dist.destroy_process_group()
+sys.exit(run.exit_code)
+'''
+
+
+def sharded_launch(script: Path, pvc: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                             "--monitor-interval", "0.1", str(script), "--pvc", str(pvc), *flags],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def workers(launcher: int) -> dict[int, int]:
+    """The launcher's worker processes, by the RANK in their environment."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int(process_state(int(entry.name), 3)) == launcher:
+                env = (entry / "environ").read_bytes().split(b"\0")
+                found.update((int(e[5:]), int(entry.name)) for e in env if e.startswith(b"RANK="))
+        except (OSError, ValueError):
+            pass  # gone meanwhile
+    return found
+
+
+def process_state(pid: int, field: int = 2) -> str:
+    """A field of /proc/PID/stat, counted from 0 (2: the state, T when stopped; 3: the parent);
+    "gone" once the process is (a zombie is gone too)."""
+    try:
+        fields = [*Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()]
+    except OSError:
+        return "gone"
+    return "gone" if field == 2 and fields[0] in "ZX" else fields[field - 2]
+
+
+def holds(pid: int, path: Path) -> bool:
+    try:
+        return any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+
+
+def until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def cut_short_sharded(tmp_path_factory) -> Path:
+    """A W=2 FSDP run that exited 75 after its step-2 checkpoint (``die_at``): an attempt to resume."""
+    pvc = tmp_path_factory.mktemp("sharded") / "pvc"
+    (pvc.parent / "sharded.py").write_text(SHARDED)
+    launch = sharded_launch(pvc.parent / "sharded.py", pvc, "--rank-timeout", "60", "--die-at", "2")
+    _, err = launch.communicate(timeout=300)
+    assert launch.returncode == 75, err[-3000:]
+    assert events(pvc / "log.jsonl")[-1] == ("killed", "at_step=2")
+    return pvc
+
+
+@pytest.mark.process
+@pytest.mark.torchrun
+@pytest.mark.parametrize("sigterm", [True, False], ids=["sigterm", "rank-timeout"])
+def test_rank_0_waiting_for_a_stopped_ranks_verdict_ends_75_without_reaching_the_gates_collectives(
+        tmp_path, cut_short_sharded, sigterm):
+    """Rank 1 is SIGSTOPped before it joins, so rank 0's verdict round never hears from it. A
+    SIGTERM to rank 0 (--rank-timeout 600) ends the round at once: rank 0 verifies every shard
+    itself, logs ``resumed`` and ``killed ... signal=SIGTERM`` and exits 75, with rank 1 still
+    stopped (before: ignored until --rank-timeout, then torchrun's SIGKILL). Unsignalled, with
+    --rank-timeout 5, rank 0 exits 75 once the round times out, without the script's gate
+    collectives (before: they waited out the process group's timeout). Each: two torchrun
+    launches (the fixture's, shared) of torch's start-up, hence over 20 s here."""
+    pvc = tmp_path / "pvc"
+    shutil.copytree(cut_short_sharded, pvc)
+    before = events(pvc / "log.jsonl")
+    launch = sharded_launch(cut_short_sharded.parent / "sharded.py", pvc, "--rank-timeout", "600" if sigterm else "5",
+                            "--stop-rank-1")
+    try:
+        until(lambda: len(ranks := workers(launch.pid)) == 2 and process_state(ranks[1]) == "T"
+              and holds(ranks[0], pvc / ".lock"), 120, "rank 0 never entered its Run beside a stopped rank 1")
+        ranks = workers(launch.pid)
+        if sigterm:
+            time.sleep(1)  # rank 0 is in the verdict round by now (a SIGTERM before it is noted all the same)
+            os.kill(ranks[0], signal.SIGTERM)
+        until(lambda: process_state(ranks[0]) == "gone", 60 if sigterm else 90, "rank 0 is still waiting")
+        assert process_state(ranks[1]) == "T"  # rank 1 never answered: the round did not end on its word
+        os.kill(ranks[1], signal.SIGCONT)  # torchrun's agent has SIGTERMed it meanwhile: it ends now
+        _, err = launch.communicate(timeout=120)
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)
+            launch.communicate()
+    assert launch.returncode == 75, err[-3000:]
+    added = events(pvc / "log.jsonl")[len(before):]
+    if sigterm:
+        assert added[-2:] == [("resumed", "from_step=2"), ("killed", "at_step=2 signal=SIGTERM")], added
+    else:
+        assert added == []  # nothing began: the start is not logged, and status still says 75
+        assert "waited 5s for ranks [1] to verify their share of step-00000002-a0001-w002" in err, err[-3000:]

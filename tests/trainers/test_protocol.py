@@ -1,17 +1,13 @@
-"""Loading trainers (`--trainer NAME | package.module:factory`), their one-line errors, progress."""
+"""Loading trainers (`--trainer NAME | package.module:factory`) and their one-line errors."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from conftest import ROOT, events, trainjob
-from trainjob.engine.progress import Progress, line
 
 HELPERS = {**os.environ, "PYTHONPATH": str(ROOT / "tests/helpers")}
 
@@ -63,55 +59,3 @@ def test_linear_by_name_or_by_path_is_the_default(tmp_path, walkthrough_log):
     record = json.loads((by_path / "artifacts/model-v1.json").read_text())
     assert record["arrays"] == json.loads((pvc / "artifacts/model-v1.json").read_text())["arrays"]
     assert record["trainer"] == "trainjob.trainers.linear:make"
-
-
-# --- progress -------------------------------------------------------------------------------------
-
-class Tty(io.StringIO):
-    def isatty(self) -> bool:
-        return True
-
-
-def test_progress_is_silent_unless_stderr_is_a_terminal():
-    assert Progress.for_stream(io.StringIO(), 10) is None
-    assert isinstance(Progress.for_stream(Tty(), 10), Progress)
-
-
-def test_progress_line_shows_step_loss_rate_and_eta():
-    ticks = iter([100.0, 102.0, 104.0])
-    stream = Tty()
-    progress = Progress(stream, 4, clock=lambda: next(ticks))
-    progress(3, 228)  # a resumed launch: the rate counts steps done here, not from step 0
-    progress(4, 226)
-    assert line(2, 10, 310, 2, 4.0) == "step 2/10  loss 0.310  0.50 steps/s  ETA 16s"
-    assert stream.getvalue().endswith("step 4/4  loss 0.226  0.50 steps/s  ETA 0s\x1b[K\n")
-
-
-@pytest.mark.process
-def test_a_run_under_a_pipe_prints_no_progress_and_the_log_holds_none(tmp_path):
-    result = trainjob("run", "--pvc", tmp_path / "pvc")
-    assert result.returncode == 0 and result.stderr == ""
-    assert not [e for e in events(tmp_path / "pvc/log.jsonl") if "steps/s" in e[1]]
-
-
-@pytest.mark.process
-def test_a_run_on_a_terminal_shows_progress_on_stderr_only(tmp_path):
-    pty = pytest.importorskip("pty")
-    leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "trainjob", "run", "--pvc", str(tmp_path / "pvc")],
-                            stdout=subprocess.PIPE, stderr=follower)
-    os.close(follower)
-    out, _ = proc.communicate(timeout=60)
-    seen = b""
-    while True:
-        try:
-            chunk = os.read(leader, 4096)
-        except OSError:
-            break
-        if not chunk:
-            break
-        seen += chunk
-    os.close(leader)
-    assert proc.returncode == 0
-    assert b"step 10/10  loss 0.225" in seen and b"steps/s" not in out
-    assert not [e for e in events(tmp_path / "pvc/log.jsonl") if "steps/s" in e[1]]

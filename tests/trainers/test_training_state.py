@@ -311,6 +311,41 @@ def test_a_loader_resumed_mid_epoch_yields_the_same_batches_and_leaves_the_globa
         assert run(resume_at=at) == reference, at
 
 
+def test_a_loader_over_a_distributed_sampler_resumed_after_epoch_0_walks_its_epochs_order():
+    """A DistributedSampler draws each epoch's order from ``seed + epoch``; the script (or
+    Lightning's fit loop) calls ``set_epoch`` before each epoch's ``iter()``. The load builds the
+    resumed iterator at once, so the sampler's epoch must be back before it: built at epoch 0, the
+    resumed epoch walked epoch 0's order (Lightning's DDP default diverged under ``trainjob prove``)."""
+    from torch.utils.data.distributed import DistributedSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def run(resume_at: int | None) -> list:
+        def make():
+            sampler = DistributedSampler(list(range(24)), num_replicas=2, rank=1, shuffle=True, seed=3)
+            return StatefulDataLoader(list(range(24)), batch_size=4, sampler=sampler), sampler
+
+        loader, sampler = make()
+        state = TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
+        seen = []
+        for epoch in range(3):  # 3 batches an epoch
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            for i in range(3):
+                if resume_at == len(seen):  # a relaunch: a new loader, the checkpoint loaded into it
+                    saved = state.state_dict()
+                    loader, sampler = make()
+                    state = TrainingState(model=torch.nn.Linear(1, 1), loader=loader)
+                    state.load_state_dict(saved)
+                    sampler.set_epoch(epoch)  # as the script's loop does again at the resumed epoch
+                    batches = iter(loader)
+                seen.append(next(batches).tolist())
+        return seen
+
+    reference = run(resume_at=None)
+    for at in (4, 7):  # mid-epoch 1, mid-epoch 2
+        assert run(resume_at=at) == reference, at
+
+
 # --- a loader's worker processes: the randomness drawn in them (worker_rng.py) ----------------------
 
 

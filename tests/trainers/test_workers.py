@@ -116,16 +116,21 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str,
 
 
 @pytest.mark.process
-@pytest.mark.parametrize("sig, flags", [
-    (signal.SIGTERM, ()),
-    (signal.SIGINT, ("--context", "spawn", "--persistent")),
-], ids=["sigterm-fork", "sigint-spawn-persistent"])
-def test_a_signal_to_the_whole_group_saves_the_step_exits_75_and_leaves_no_worker(references, tmp_path, sig, flags):
-    """The SIGTERM case is scancel's and systemd's: before the guard it ended in exit 70 with "DataLoader
-    worker (pid N) is killed by signal: Terminated", and no stop checkpoint. The SIGINT case is Ctrl-C
-    with workers that spawn started. Such a worker does not inherit the training process's SIGINT
-    handler, so a KeyboardInterrupt ended its loop and the step waiting for it failed. Persistent
-    workers are started once and kept across epochs, and the guard must already be in them."""
+@pytest.mark.parametrize("sig, flags, twice", [
+    (signal.SIGTERM, ("--eval-workers",), True),
+    (signal.SIGINT, ("--context", "spawn", "--persistent", "--eval-workers"), False),
+], ids=["sigterm-twice-fork", "sigint-spawn-persistent"])
+def test_a_signal_to_the_whole_group_saves_the_step_exits_75_and_leaves_no_worker(references, tmp_path, sig, flags,
+                                                                                  twice):
+    """The SIGTERM case is scancel's and systemd's, sent twice half a second apart as Slurm's
+    preemption does: before the guard it ended in exit 70 with "DataLoader worker (pid N) is
+    killed by signal: Terminated", and no stop checkpoint. The SIGINT case is Ctrl-C with workers
+    that spawn started. Such a worker does not inherit the training process's SIGINT handler, so a
+    KeyboardInterrupt ended its loop and the step waiting for it failed. Persistent workers are
+    started once and kept across epochs, and the guard must already be in them. In both, the
+    script also evaluates over a loader of its own that trainjob never sees (``--eval-workers``):
+    when only the train loader's workers were guarded, those died of the signal and the run
+    ended in exit 70 (the SIGCHLD handler's "killed by signal", or "exited unexpectedly")."""
     pvc = tmp_path / "pvc"
     proc = launch(pvc, *flags, start_new_session=True)
     try:
@@ -135,6 +140,9 @@ def test_a_signal_to_the_whole_group_saves_the_step_exits_75_and_leaves_no_worke
             time.sleep(0.02)
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         os.killpg(proc.pid, sig)
+        if twice:
+            time.sleep(0.5)
+            os.killpg(proc.pid, sig)
         code = proc.wait(timeout=60)
         err = proc.stderr.read()
         assert code == 75, err[-3000:]
@@ -199,3 +207,15 @@ def test_a_sigkilled_runs_workers_leave_even_with_a_full_result_pipe(tmp_path):
     for p in alive:
         os.kill(p, signal.SIGKILL)
     assert not alive, "a worker outlived its killed run"
+
+
+def test_importing_the_torch_adapter_guards_every_loaders_workers_once():
+    """Every worker torch or torchdata starts calls ``_set_worker_signal_handlers`` first: the
+    guard follows it there, whichever loader started the worker (the train loader's, a
+    validation loader's, a script's own), once however often the hook is installed."""
+    from torch.utils.data._utils import signal_handling
+
+    hooked = signal_handling._set_worker_signal_handlers
+    assert isinstance(hooked, workers._GuardAfter) and not isinstance(hooked.original, workers._GuardAfter)
+    workers._hook()
+    assert signal_handling._set_worker_signal_handlers is hooked

@@ -39,7 +39,7 @@ MAX_WORLD_SIZE = 64  # the local launcher starts this many processes at most; sa
 # an array (even an empty one) whose dimensions, zeros aside, multiply past what an index counts
 # ("array is too big"), so a manifest naming such a shape is corrupt, not a crash (70) at load.
 MAX_EXTENT = 1 << 62
-_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")
+_NAME = re.compile(r"step-(\d{8})-a(\d{4})-w(\d{3})")  # at most defaults.MAX_STEP and MAX_ATTEMPT
 
 
 # --- names -------------------------------------------------------------------------------------

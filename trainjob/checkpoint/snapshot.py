@@ -34,6 +34,7 @@ imported it), a DTensor only if torch.distributed.tensor is. No I/O.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -42,8 +43,8 @@ import numpy as np
 
 from . import plan, replicas, shards
 from .. import plain, state_tree as tree
-from ..errors import InputError, UsageError, importing
-from ..records import TensorSpec
+from ..errors import InputError, UsageError, importing, one_line
+from ..records import PLAIN_NAME, TensorSpec
 
 # torch dtype name -> safetensors code; the numpy side of each code is in shards.py.
 _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
@@ -51,6 +52,7 @@ _TORCH_CODE = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16":
 
 
 PLAIN_KEY, LOCAL_KEY = "trainjob.plain", "trainjob.local"  # shard metadata: the two plain documents
+STATE, EXPORT = "state_dict()", "export"  # what handed the arrays out, as a message names it
 
 
 class HostArrays(dict[str, np.ndarray]):
@@ -147,9 +149,9 @@ def as_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def _check(name: str, value: object) -> str:
+def _check(name: str, value: object, source: str = STATE) -> str:
     """The safetensors dtype code of one state value; UsageError saying what to change."""
-    where = f"state_dict()[{name!r}]"
+    where = f"{source}[{name!r}]"
     if is_dtensor(value):
         dtensor_box(name, value)  # its placements, before anything is written
         value = value.to_local()
@@ -200,20 +202,35 @@ def exported(export: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
                   and v.layout == _torch().strided else np.asarray(v, order="C") if isinstance(v, np.ndarray) else v
                   for n, v in export.items()}
     host = HostState()
-    arrays = host.snapshot(export, step)
+    arrays = host.snapshot(export, step, EXPORT)
     if arrays.plain is not None or arrays.local is not None:  # an artifact holds arrays only
         raise UsageError("export: publish a flat mapping of names to arrays (no nesting, no plain values)")
+    if not arrays:
+        raise UsageError("export: an empty mapping, an artifact with nothing in it; export the arrays a user of "
+                         "the model needs, such as its weights")
     return {n: a.reshape(()) if n in host.scalars else a for n, a in arrays.items()}
 
 
-def specs_of(state: Mapping[str, Any]) -> tuple[TensorSpec, ...]:
-    """The state as the manifest describes it; UsageError for a value that cannot be checkpointed."""
+def specs_of(state: Mapping[str, Any], source: str = STATE) -> tuple[TensorSpec, ...]:
+    """The state as the manifest describes it; UsageError for a value that cannot be checkpointed
+    (``source``: what handed it out, named in the message)."""
     if not isinstance(state, Mapping):
-        raise UsageError(f"state_dict() returned {type(state).__name__}, expected a mapping of names to arrays")
-    try:
-        return tuple(TensorSpec(name=n, dtype=_check(n, v), shape=tuple(v.shape)) for n, v in sorted(state.items()))
-    except (TypeError, ValueError) as exc:  # a name the manifest cannot hold
-        raise UsageError(f"state_dict(): cannot be checkpointed: {exc}") from None
+        raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
+    specs = []
+    for name, value in sorted(state.items()):
+        dtype = _check(name, value, source)
+        try:
+            specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(value.shape)))
+        except (TypeError, ValueError) as exc:  # what the manifest cannot hold: one line, not the validator's repr
+            raise UsageError(_unstorable(name, source) if re.fullmatch(PLAIN_NAME, name) is None else
+                             f"{source}[{name!r}]: cannot be checkpointed: {one_line(str(exc.args[0]))[:200]}") from None
+    return tuple(specs)
+
+
+def _unstorable(name: str, source: str) -> str:
+    shown = one_line(repr(name)) if len(name) <= 60 else f"{one_line(repr(name[:40]))}... ({len(name)} characters)"
+    return (f"{source}: the name {shown} cannot be stored; a name is 1 to 200 letters, digits, '_', '.' or '-', "
+            "not beginning with '.' or '-'")
 
 
 def _changes(first: tuple[TensorSpec, ...], now: tuple[TensorSpec, ...]) -> str:
@@ -277,26 +294,26 @@ class HostState:
             self.buffers[name] = buf
         return buf
 
-    def snapshot(self, state: Mapping[str, Any], step: int) -> HostArrays:
-        """Host arrays holding ``state`` (a trainer's ``state_dict()``) as it is now, and its
-        plain values as text.
+    def snapshot(self, state: Mapping[str, Any], step: int, source: str = STATE) -> HostArrays:
+        """Host arrays holding ``state`` (a trainer's ``state_dict()``; ``source`` names what
+        handed it out) as it is now, and its plain values as text.
 
         The first call fixes the names, shapes and dtypes; a later state that differs is a
         UsageError naming the array (``step`` says when). Raises before anything is written."""
         if not isinstance(state, Mapping):
-            raise UsageError(f"state_dict() returned {type(state).__name__}, expected a mapping of names to arrays")
+            raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
         try:
             parts = tree.split(state, _torch())
             plain_text = None if parts.plain is None else plain.encode(parts.plain)
             local_text = None if parts.local is None else plain.encode(parts.local)
         except plain.PlainError as exc:
-            raise UsageError(f"state_dict(): {exc}") from None
+            raise UsageError(f"{source}: {exc}") from None
         state = parts.arrays
         # A 0-d value (BatchNorm's num_batches_tracked, Adam's step) is stored with one axis, a
         # view of its memory: a shard's slices split a tensor along its first axis.
         scalars = {n for n, v in state.items() if _ndim(v) == 0 and not is_dtensor(v)}
         state = {n: _with_axis(v) if n in scalars else v for n, v in state.items()}
-        specs = specs_of(state)  # a DTensor's whole shape; its placements checked
+        specs = specs_of(state, source)  # a DTensor's whole shape; its placements checked
         boxes = {n: dtensor_box(n, v) for n, v in state.items() if is_dtensor(v)}
         if self.specs is None:
             self.specs, self.paths, self.scalars = specs, parts.paths, scalars

@@ -159,8 +159,14 @@ class CheckpointStore:
         every slice where its shards' headers pin it down (``plan.unpinned``)."""
         directory = self.path(ref)
         if self.pvc.local:  # a bucket has no directories, and no links to follow
-            with os_errors(self.rel(directory), "cannot stat it", InputError):  # EIO: storage trouble (75)
-                st = os.lstat(directory) if os.path.lexists(directory) else None
+            st = None
+            # Not lexists() then lstat(): rotation may take it away in between (verify runs beside
+            # a job). Any other OSError (EIO) is storage trouble (75), never "missing".
+            with os_errors(self.rel(directory), "cannot stat it", InputError):
+                try:
+                    st = os.lstat(directory)
+                except FileNotFoundError:
+                    pass
             if st is None:
                 raise InputError(f"{self.rel(directory)}: missing")
             if not stat.S_ISDIR(st.st_mode):

@@ -18,7 +18,8 @@ first:
                  its own copy of (DDP's buffers), named;
 - ``unsaved``    no definite cause, and the checkpoint holds no RNG streams or no loader position
                  (after a definite cause, in a nested state: those pieces, as "also not saved");
-- ``elsewhere``  every saved piece agrees, yet the weights differ: randomness outside the state.
+- ``elsewhere``  every saved piece agrees, yet the weights differ: randomness outside the state
+                 (the loader's epoch-shuffled sampler named first when its record holds one).
 
 No I/O, no clock: ``divergence.py`` reads the checkpoints and hands the documents over decoded.
 """
@@ -210,8 +211,10 @@ def hints(e: Evidence) -> list[Hint]:
     if (unsaved := _unsaved(e, also=False)):
         return unsaved
     workers = max((_workers(find(doc, "loader")) for doc in e.reference.local.values()), default=0)
+    samplers = _samplers(e)
     return [Hint("elsewhere", f"randomness outside the saved state: the saved lr, loader position and the RNG "
                               f"streams the runs draw from all agree {at}, yet the run went elsewhere: "
+                              + (f"{_sampler_order(samplers)}; or " if samplers else "")
                               + (f"the loader runs {workers} worker processes, which a relaunch starts afresh, and "
                                  "what they draw (noise or augmentation in Dataset.__getitem__) is in no saved "
                                  "stream; or " if workers else "")
@@ -257,12 +260,19 @@ def _loader_and_streams(e: Evidence, at: str) -> list[Hint]:
             why = ("the loader's worker processes were seeded afresh on the relaunch, so what they draw (noise or "
                    "augmentation in Dataset.__getitem__) differs after the resume")
         else:
-            why = ("after the resume the run drew from it a different number of times, so dropout masks or noise "
-                   "differ (a DataLoader without generator= draws a seed from torch's stream for each iterator it "
-                   "builds; a reseed inside the loop)")
+            why = ("after the resume the run drew from it a different number of times, so dropout masks, noise or a "
+                   "data collator's random draws (masked-LM masking, drawn as batches are collated ahead of "
+                   "training) differ (a DataLoader without generator= draws a seed from torch's stream for each "
+                   "iterator it builds; a reseed inside the loop)")
+            if not held:  # the batches themselves may be others: nothing saved says where the data stood
+                why = ("the batches after the resume may be other ones than the reference's (the data order: a "
+                       "stream's pass over its data, batches skipped from the wrong place), drawing other numbers; "
+                       "or " + why)
         if (n := _workers(find(ref.local[rank], "loader"))) > 0:
             why += (f"; the loader runs {n} worker processes, which a relaunch starts afresh: what they draw is in "
                     "no saved stream")
+        if samplers := _samplers(e):
+            why += f"; and {_sampler_order(samplers)}"
         verb = "differs" if len(which) == 1 else "differ"
         found.append(Hint("rng", f"RNG stream: {_join(which)} {at} {verb}{_on(rank, e)}, and {agree}: {why}"))
     return found
@@ -334,6 +344,24 @@ def _workers(loader: Any) -> int:
     """How many worker processes a loader's saved record says it runs (torchdata's ``_num_workers``)."""
     found = find(_expand(loader), "_num_workers")
     return found if isinstance(found, int) and not isinstance(found, bool) else 0
+
+
+def _samplers(e: Evidence) -> list[str]:
+    """The loader's samplers that are told their epoch, as its record names them (``loader.py``:
+    a DistributedSampler, Lightning's DistributedSamplerWrapper), each with its epoch."""
+    for rank in sorted(e.reference.local):
+        found = find(_expand(find(e.reference.local[rank], "loader")), "samplers")
+        if isinstance(found, list) and found:
+            return [f"{s.get('sampler')} (epoch {s.get('epoch')})" for s in found if isinstance(s, Mapping)]
+    return []
+
+
+def _sampler_order(samplers: Sequence[str]) -> str:
+    return (f"the loader's sampler, {_join(samplers)}, draws each epoch's order when the epoch's iterator is "
+            "built, and the saved position only counts how far into that order the run was: an order drawn from "
+            "more than the sampler's seed and epoch (a sampler it wraps, shuffling with a stream of its own) is "
+            "another one after a resume (use_distributed_sampler=False and a DistributedSampler of your own, or a "
+            "sampler with a state_dict())")
 
 
 def _on(rank: int, e: Evidence) -> str:

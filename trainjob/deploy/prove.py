@@ -1,16 +1,25 @@
 """``trainjob prove``: kill a user's training command at random instants and say where its resume diverges.
 
-One uninterrupted run (the reference), then N trials: each is killed once, at an instant chosen in
+One uninterrupted run (the reference), then N trials: each is stopped once, at an instant chosen in
 one of four phases of the run (between checkpoints, during a checkpoint write, before the first
 checkpoint, after ``completed``, in that order), and relaunched as a supervisor would (while the launch's
-code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial whose signal
-never landed (the run had ended first) tested nothing: it is drawn again at an earlier instant, at
-most ``MAX_DRAWS`` times in all, then reported untested, and an untested trial is never PROVEN. A
-trial passes when its signal landed and it ends with the reference's code, publishes the
-reference's artifact bytes and leaves a PVC that ``trainjob verify`` accepts. When one does not,
-``divergence`` reads both PVCs: the first step whose logged loss differs, and the state that
-differs at the first checkpoint after the resume that both still hold, from which ``hints`` names
-the piece that did not resume. Pure decisions (draws, verdicts, hints) are apart from the launches.
+code, read by ``exits.job_exit``, says relaunch; at most ``MAX_LAUNCHES``). A trial is stopped as
+schedulers stop jobs (``launches.Stop``): a KILL trial as a node dies (SIGKILL to every process);
+the TERM trials in turn as Slurm preempts (SIGTERM to every process of the launch, the data
+loader's workers included, twice, half a second apart) and as Kubernetes ends a pod's grace
+(SIGTERM to the first process, then SIGKILL to every process after a grace drawn within the
+reference's time between two checkpoints: it often lands while the stop is being saved).
+
+A trial whose signal never landed (the run had ended first) tested nothing: it is drawn again at
+an earlier instant, at most ``MAX_DRAWS`` times in all, then reported untested, and an untested
+trial is never PROVEN. A trial passes when its signal landed and it ends with the reference's
+code, publishes the reference's artifact bytes, leaves a PVC that ``trainjob verify`` accepts,
+and every launch of it left a log that says its exit code (``launches.disagreement``). A launch
+that crashed (70) is a verdict of its own, CRASHED, never taken for a command that differs from
+itself. When a trial diverges, ``divergence`` reads both PVCs: the first step whose logged loss
+differs, and the state that differs at the first checkpoint after the resume that both still hold,
+from which ``hints`` names the piece that did not resume. Pure decisions (draws, verdicts, hints)
+are apart from the launches.
 """
 
 from __future__ import annotations
@@ -19,7 +28,6 @@ import hashlib
 import random
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -28,16 +36,18 @@ from pathlib import Path
 
 import attrs
 
-from ..errors import InputError, UsageError, importing
-from ..exits import EXIT_OK, EXIT_RELAUNCH, job_exit
+from ..errors import InputError, UsageError, importing, one_line
+from ..exits import EXIT_INTERNAL, EXIT_OK, EXIT_RELAUNCH, job_exit, rank_exit
 from .divergence import describe, divergence
-from .launches import artifacts, events, kill_launch, kill_when, last_event, spawn
+from .launches import (NODE_DIES, PREEMPTED, Stop, artifacts, disagreement, events, grace_ended, kill_launch, kill_when,
+                       last_event, spawn)
 
 PHASES = ("before the first checkpoint", "between checkpoints", "during a checkpoint write", "after completed")
 # The order trials take them in: first where a resume from a checkpoint can go wrong, so that two
 # trials already test one; a kill before any checkpoint only restarts the run.
 ORDER = (PHASES[1], PHASES[2], PHASES[0], PHASES[3])
-SIGNALS = {"KILL": (signal.SIGKILL,), "TERM": (signal.SIGTERM,), "both": (signal.SIGKILL, signal.SIGTERM)}
+SIGNALS = {"KILL": ("KILL",), "TERM": ("TERM",), "both": ("KILL", "TERM")}
+TERMS = ("preempted", "grace ended")  # how the TERM trials are stopped, in turn (module docstring)
 GRACE = 120  # seconds a signalled launch gets to checkpoint and exit before it is killed whole
 MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
 MAX_DRAWS = 3  # instants drawn for one trial whose signal the run keeps outrunning, before it is reported untested
@@ -60,6 +70,7 @@ class Outcome:
     first_line: float = 0.0  # seconds until the log's first line: start-up (imports) before it
     delivered: bool = True  # the signal reached a launch that had not ended by itself
     draws: int = 1  # instants drawn until it was delivered (or MAX_DRAWS, when it never was)
+    disagreements: tuple[str, ...] = ()  # launches whose exit code their log does not say
 
 
 @attrs.frozen
@@ -189,15 +200,28 @@ def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Ou
                    checkpoint_times=tuple(times), first_line=first_line or 0.0)
 
 
-def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, reference: Outcome,
+def stop_for(kind: str, reference: Outcome, rng: random.Random) -> Stop:
+    """The ``Stop`` of a trial of ``kind`` (``plan``'s); a grace is drawn within the reference's
+    time between two checkpoints."""
+    if kind == "KILL":
+        return NODE_DIES
+    if kind == TERMS[0]:
+        return PREEMPTED
+    times = reference.checkpoint_times
+    gap = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else reference.seconds / 2
+    return grace_ended(rng.uniform(0, gap))
+
+
+def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, kind: str, reference: Outcome,
               rng: random.Random, progress: Callable[[str], None] = lambda _: None) -> Outcome:
     """One trial: drawn again, earlier, while the run outruns its signal (at most ``MAX_DRAWS``
     runs, each on a PVC of its own); the last outcome, with how many draws it took."""
     at: Draw | None = None
     for n in range(1, MAX_DRAWS + 1):
         at = draw(phase, reference, rng, at)
+        how = stop_for(kind, reference, rng)
         folder = work / (f"trial-{index:02d}" if n == 1 else f"trial-{index:02d}-draw-{n}")
-        outcome = attrs.evolve(_signalled(cmd, folder / "pvc", phase, sig, at), draws=n)
+        outcome = attrs.evolve(_signalled(cmd, folder / "pvc", phase, how, at), draws=n)
         if outcome.delivered:
             return outcome
         progress(f"prove: trial {index}: the run ended before its signal landed; "
@@ -205,13 +229,13 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, sig: int, 
     return outcome
 
 
-def _signalled(cmd: Sequence[str], pvc: Path, phase: str, sig: int, at: Draw) -> Outcome:
-    """Signal the first launch at the instant ``at``, then relaunch while the job says relaunch."""
+def _signalled(cmd: Sequence[str], pvc: Path, phase: str, how: Stop, at: Draw) -> Outcome:
+    """Stop the first launch at the instant ``at``, then relaunch while the job says relaunch."""
     pvc.parent.mkdir(parents=True)
     started = time.monotonic()
     ready = target(phase, at, pvc)
     proc = _launch(for_pvc(cmd, pvc), pvc, 1)
-    delivered = kill_when(proc, ready, sig)
+    delivered = kill_when(proc, ready, how)
     logged = events(pvc)
     landed = f"after {logged[-1]['event']} {logged[-1]['detail']}".strip() if logged else "before the first log line"
     writing = [m.group(1) for p in _listing(pvc / "checkpoints") if (m := re.match(r"\.tmp-step-0*(\d+)", p.name))]
@@ -224,16 +248,20 @@ def _signalled(cmd: Sequence[str], pvc: Path, phase: str, sig: int, at: Draw) ->
     except subprocess.TimeoutExpired:  # a SIGTERM the command ignored: as the kubelet, kill it
         kill_launch(proc)
         codes = [proc.wait()]
+    said = [f"launch 1 {problem}" for problem in [disagreement(codes[0], events(pvc))] if problem]
     code = job_exit(codes)
     while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
         if last_event(pvc) == "completed":
             code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
             break
+        before = len(events(pvc))
         proc = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
         codes.append(proc.wait())
+        if problem := disagreement(codes[-1], events(pvc), before):
+            said.append(f"launch {len(codes)} {problem}")
         code = job_exit(codes[-1:])
     return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
-                   phase, signal.Signals(sig).name, landed, delivered=delivered)
+                   phase, how.name, landed, delivered=delivered, disagreements=tuple(said))
 
 
 def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path], str | None]) -> Verdict:
@@ -252,6 +280,7 @@ def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path
             problems.append("published other bytes than the reference")
     if (refused := verify(trial.pvc)) is not None:
         problems.append(f"trainjob verify refuses its PVC: {refused}")
+    problems += [f"`trainjob status` disagrees: {said}" for said in trial.disagreements]
     return Verdict(index, tuple(problems))
 
 
@@ -272,11 +301,14 @@ def verify_problem(pvc: Path) -> str | None:
 
 # --- the whole proof -----------------------------------------------------------------------------------
 
-def plan(kills: int, signals: str) -> list[tuple[str, int]]:
-    """Each trial's phase and signal: the phases in turn (``ORDER``), the signals alternating when
-    both are asked for. The seed picks the instants within them."""
-    sigs = SIGNALS[signals]
-    return [(ORDER[i % len(ORDER)], sigs[i % len(sigs)]) for i in range(kills)]
+def plan(kills: int, signals: str) -> list[tuple[str, str]]:
+    """Each trial's phase and how it is stopped: the phases in turn (``ORDER``), the signals
+    alternating when both are asked for, the TERM trials stopped each way of ``TERMS`` in turn.
+    The seed picks the instants within them."""
+    kinds = SIGNALS[signals]
+    trials = [(ORDER[i % len(ORDER)], kinds[i % len(kinds)]) for i in range(kills)]
+    terms = iter(range(kills))
+    return [(phase, TERMS[next(terms) % len(TERMS)] if kind == "TERM" else kind) for phase, kind in trials]
 
 
 def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
@@ -302,8 +334,8 @@ def prove(cmd: Sequence[str], kills: int, seed: int, signals: str, twice: bool,
                      f"runs kept in {work}"]
             return 1, lines
     trials, verdicts = [], []
-    for index, (phase, sig) in enumerate(plan(kills, signals), 1):
-        trial = run_trial(cmd, work, index, phase, sig, reference, rng, progress)
+    for index, (phase, kind) in enumerate(plan(kills, signals), 1):
+        trial = run_trial(cmd, work, index, phase, kind, reference, rng, progress)
         verdict = judge(index, trial, reference, verify_problem)
         trials.append(trial)
         verdicts.append(verdict)
@@ -327,9 +359,9 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
     delivered = sum(t.delivered for t in trials)
     lines = [f"trainjob prove: {len(trials)} trials, {delivered} signals delivered, reference "
              f"{reference.seconds:.1f} s, {len(reference.checkpoint_times)} checkpoints",
-             f"{'trial':<6}{'signal':<9}{'phase':<28}{'launches':<14}result"]
+             f"{'trial':<6}{'signal':<17}{'phase':<28}{'launches':<14}result"]
     for t, v in zip(trials, verdicts):
-        lines.append(f"{v.trial:<6}{t.signal:<9}{t.phase:<28}{' '.join(map(str, t.codes)):<14}"
+        lines.append(f"{v.trial:<6}{t.signal:<17}{t.phase:<28}{' '.join(map(str, t.codes)):<14}"
                      + ("UNTESTED" if v.untested else "same bytes, verified" if v.passed else "DIFFERS"))
         redrawn = f" (drawn {t.draws} times: the run outran the earlier instants)" if t.draws > 1 else ""
         lines.append(f"{'':<6}landed {t.landed}" + (redrawn if t.delivered else f", in each of {t.draws} draws"))
@@ -344,6 +376,15 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
         name, blob = next(iter(reference.artifacts.items()))
         lines.append(f"verdict: PROVEN: every trial resumed to the reference's {name} "
                      f"(sha256 {hashlib.sha256(blob).hexdigest()[:12]}...)")
+        return lines
+    if crashed := [(v, t) for v, t in zip(verdicts, trials) if v.problems and crash(t) is not None]:
+        # A crash says nothing of how the command resumes: neither a divergence nor a command
+        # that differs from itself, whatever it published.
+        v, t = crashed[0]
+        n, said = crash(t)  # type: ignore[misc]
+        lines.append(f"verdict: CRASHED: trial {v.trial}'s launch {n} exited 70, an internal error (a bug in the "
+                     f"command or in trainjob), not a resume that went elsewhere: {said}")
+        lines.append(f"runs kept in {work} ({t.pvc.parent.relative_to(work)}/launch-{n:02d}.stderr: all it said)")
         return lines
     first = failed[0]
     trial = trials[first.trial - 1]
@@ -376,3 +417,16 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
         lines += describe(found)
     lines.append(f"runs kept in {work} (reference/pvc, {trial.pvc.relative_to(work)}, each launch's output)")
     return lines
+
+
+def crash(trial: Outcome) -> tuple[int, str] | None:
+    """The first launch of ``trial`` that crashed (70: a bug, not a stop or a refusal), and the
+    last line it wrote to stderr; None when none did."""
+    n = next((i for i, code in enumerate(trial.codes, 1) if rank_exit(code) == EXIT_INTERNAL), None)
+    if n is None:
+        return None
+    try:
+        said = (trial.pvc.parent / f"launch-{n:02d}.stderr").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        said = []
+    return n, one_line(said[-1])[:300] if said else "it wrote nothing to stderr"

@@ -19,6 +19,19 @@ identity.py), coordinating through files on the shared PVC; or, with ``nproc_per
 SIGKILL workers that Slurm still lets checkpoint. An own loop (``-- python SCRIPT ARGS``) runs
 under torchrun at W > 1 (it reads torchrun's ``RANK``), with ``TRAINJOB_IDEMPOTENT=1`` as in a pod.
 
+A launch of several tasks is read by trainjob's rule, not srun's: srun exits with the highest code
+its tasks exited with (128 + the highest signal if one was killed by a signal), where trainjob's
+``exits.job_exit`` lets the most telling code win (a 2 on one rank beside another's 75 is bad
+input, not a kill). So each task runs under ``trainjob slurm task``, which exits with its rank's
+code's place in that precedence (``task_status``): srun's highest is then the job's code, which
+``launch_code`` reads back.
+
+The grace (``--signal=TERM@GRACE``), when not given, is sized by ``grace_for`` from a measured
+stop: ``cli.py`` times one short run of the job (a step and a checkpoint) on the PVC's filesystem.
+Slurm sends the signal and ends a job at its time limit on slurmctld's 30 s timer
+(``PERIODIC_TIMEOUT``), so the signal comes up to 30 s earlier than asked, and a grace must leave a
+launch time to train.
+
 It builds text only: it never talks to a cluster or reads a file. Every value that reaches the
 shell is quoted with ``shlex.quote``. ``cli.py`` checks the run's flags with ``run``'s own parser
 before rendering. docs/howto/slurm.md explains each line.
@@ -26,6 +39,7 @@ before rendering. docs/howto/slurm.md explains each line.
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 from collections.abc import Sequence
@@ -34,6 +48,7 @@ import attrs
 
 from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV, VERSION
 from ..errors import UsageError
+from ..exits import EXIT_OK, PRECEDENCE, rank_exit
 from .k8s import PVC_ENV, OwnLoop
 from .policy import MAX_STALLS
 
@@ -44,6 +59,70 @@ PORT_SPAN = 1000
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TIME = re.compile(r"(\d+-)?\d+(:\d+){0,2}|\d+-\d+")  # sbatch's forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _PARTITION = re.compile(r"[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*")
+
+DEFAULT_GRACE = 60  # seconds, when no stop was measured (an own loop, a bucket PVC)
+MIN_GRACE = 10
+SCRIPT_SECONDS = 10  # after the tasks stop: the script's `slurm after` and its `scontrol requeue`
+SLURMCTLD_PERIOD = 30  # slurmctld's timer for --signal and time limits (PERIODIC_TIMEOUT)
+
+
+def time_seconds(time: str) -> int:
+    """sbatch's --time (``_TIME``'s forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S) in seconds."""
+    days, _, clock = time.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-H, D-H:M, D-H:M:S
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:  # M, M:S, H:M:S
+        hours, minutes, seconds = ([0] + parts + [0])[:3] if len(parts) < 3 else parts
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def grace_for(stop: float | None, limit: int | None, unmeasured: str = "nothing was measured") -> tuple[int, str]:
+    """The grace when ``--grace`` is not given, and why: twice ``stop`` (seconds a measured run of
+    a step and a checkpoint took: the storage of a busy node may be slower) plus the script's own
+    verdict and requeue, at least ``MIN_GRACE``; ``DEFAULT_GRACE`` when nothing was measured.
+    Under a time limit of ``limit`` seconds at most half of what the limit leaves after slurmctld's
+    timer (a launch then trains at least as long as it may take to stop); UsageError when that is
+    less than the measured stop itself. ``unmeasured`` says why nothing was measured."""
+    if stop is None:
+        grace, why = DEFAULT_GRACE, f"the default, as {unmeasured}"
+    else:
+        grace = max(MIN_GRACE, math.ceil(2 * stop) + SCRIPT_SECONDS)
+        why = f"twice the {stop:.1f} s a step and a checkpoint took at render, plus {SCRIPT_SECONDS} s"
+    if limit is None:
+        return grace, why
+    room = (limit - SLURMCTLD_PERIOD) // 2
+    if room < max(1, math.ceil(stop or 0)):
+        need = f"a stop measured {stop:.1f} s" if stop is not None else "any stop"
+        raise UsageError(f"--time of {limit} s leaves no room for {need} (Slurm may signal up to "
+                         f"{SLURMCTLD_PERIOD} s early, and a launch should train at least as long as it takes to "
+                         "stop): ask for more --time, or give --grace")
+    if grace > room:
+        return room, f"{why}, cut to half of what the time limit leaves"
+    return grace, why
+
+
+# What `trainjob slurm task` exits with for its rank's code: 0 for 0 (any other code is a bad
+# exit to srun --kill-on-bad-exit), then trainjob's codes from the least telling up, from 96: clear
+# of trainjob's own codes and of 128 + N, which srun reports for a task killed by a signal (a task
+# SIGKILLed when KillWait ran out: a kill, 75, whatever its peers said).
+TASK_BASE = 96
+TASK_STATUS = {EXIT_OK: 0, **{code: TASK_BASE + place for place, code in
+                              enumerate(c for c in reversed(PRECEDENCE) if c != EXIT_OK)}}
+_CODE_OF_TASK_STATUS = {status: code for code, status in TASK_STATUS.items()}
+
+
+def task_status(code: int) -> int:
+    """What a task exits with for its rank's exit status (negative: a signal), read by ``rank_exit``."""
+    return TASK_STATUS[rank_exit(code)]
+
+
+def launch_code(status: int) -> int:
+    """trainjob's code for srun's exit status over ``trainjob slurm task``s: the most telling rank's,
+    except that a 0 beside a 75 reads 75 (0 is the least of srun's codes; the log's ``completed``
+    then ends the job, ``policy.after_launch``). Any other status (srun's own failure, a task killed
+    by a signal) is read as a rank's."""
+    return _CODE_OF_TASK_STATUS.get(status, rank_exit(status))
 
 
 @attrs.frozen
@@ -58,7 +137,8 @@ class Target:
     nproc_per_node: int = 0  # > 0: one `trainjob torchrun` per node, this many ranks each
     time: str = ""
     partition: str = ""
-    grace: int = 60
+    grace: int | None = None  # None: not given, so sized (grace_for) before the script is built
+    grace_why: str = ""  # how a sized grace was chosen, for the script's comment
     backoff_limit: int = BACKOFF_LIMIT
     max_stalls: int = MAX_STALLS
     run_args: tuple[str, ...] = ()  # extra `trainjob run` flags, after --pvc, --backoff-limit and --idempotent
@@ -72,6 +152,11 @@ class Target:
     @property
     def torchrun(self) -> bool:
         return self.nproc_per_node > 0
+
+    @property
+    def tasks(self) -> int:
+        """The launch's srun tasks: one per rank, or one ``trainjob torchrun`` per node."""
+        return self.nodes if self.torchrun else self.world_size
 
     def check(self) -> None:
         """Raise UsageError for a flag sbatch would reject or that breaks the contract."""
@@ -90,8 +175,12 @@ class Target:
         if self.partition and not _PARTITION.fullmatch(self.partition):
             raise UsageError(f"--partition must be a partition name (or several, comma-separated), "
                              f"got {self.partition!r}")
-        if self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
+        if self.grace is not None and self.grace < 1:  # 0: SIGKILL at once, no checkpoint, the step lost
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
+        if self.grace is not None and self.time and self.grace + SLURMCTLD_PERIOD >= time_seconds(self.time):
+            raise UsageError(f"--grace {self.grace} with --time {self.time}: Slurm may signal up to "
+                             f"{SLURMCTLD_PERIOD} s before the grace, which is as the job starts; ask for more "
+                             "--time or a shorter --grace")
         if self.max_stalls < 1:
             raise UsageError(f"--max-stalls must be at least 1, got {self.max_stalls}")
         if self.world_size > 1 and not self.torchrun:
@@ -122,11 +211,12 @@ class Target:
 
     def step(self) -> list[str]:
         """The launch: ``srun`` (a task's non-zero exit ends the step's other tasks), each task a
-        rank, or one ``trainjob torchrun`` per node."""
-        srun = ["srun", "--kill-on-bad-exit=1"]
+        rank, or one ``trainjob torchrun`` per node; several tasks each under ``trainjob slurm task``."""
+        srun = ["srun", "--kill-on-bad-exit=1", *(["--ntasks-per-node=1"] if self.torchrun else []),
+                *([self.trainjob, "slurm", "task", "--"] if self.tasks > 1 else [])]
         if not self.torchrun:
             return [*srun, *self.program()]
-        return [*srun, "--ntasks-per-node=1", self.trainjob, "torchrun", "--nnodes", str(self.nodes),
+        return [*srun, self.trainjob, "torchrun", "--nnodes", str(self.nodes),
                 "--nproc-per-node", str(self.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", '"$head:$port"', "--rdzv-id", '"$SLURM_JOB_ID"', "--max-restarts", "0",
                 # torchrun SIGKILLs its workers this long after passing SIGTERM on: not before Slurm would.
@@ -146,6 +236,7 @@ def _words(words: Sequence[str]) -> str:
 
 def script(target: Target) -> str:
     """The sbatch script, ``#SBATCH`` lines first (sbatch reads them only before the first command)."""
+    assert target.grace is not None, "size the grace (grace_for) before building the script"
     options = [f"--job-name={target.name}", f"--nodes={target.nodes}",
                f"--ntasks-per-node={1 if target.torchrun else target.ntasks_per_node}",
                "--requeue", "--open-mode=append", f"--signal=TERM@{target.grace}",
@@ -164,6 +255,8 @@ def script(target: Target) -> str:
         "#!/bin/bash",
         f"# Rendered by `trainjob slurm render` (trainjob {VERSION}); docs/howto/slurm.md explains each line.",
         *(f"#SBATCH {option}" for option in options),
+        *([f"# The grace, TERM@{target.grace}: {target.grace_why} (render --grace S to choose it)."]
+          if target.grace_why else []),
         "set -u",
         *env,
         "# The job as scontrol names it: an array task's own ARRAYJOB_TASK, else the job.",
@@ -176,14 +269,16 @@ def script(target: Target) -> str:
         *rendezvous,
         "# The log's checkpoints before this launch: a launch that adds none has made no progress.",
         f"before=$({tj} slurm before {judge} || echo -)",
+        *(["# Each task under `trainjob slurm task`: srun's highest code is then the most telling rank's."]
+          if target.tasks > 1 else []),
         f"{_words(target.step())} &",
         "launch=$!",
         'while kill -0 "$launch" 2>/dev/null; do wait "$launch"; done',
         'wait "$launch"; code=$?',
         "# What the launch's code makes the job do; launches without progress so far, from the job's Comment.",
         f"stalls=$(scontrol show job \"$job\" -o 2>/dev/null | sed -n 's/.*Comment={STALLS}=\\([0-9]*\\).*/\\1/p')",
-        f"verdict=$({tj} slurm after --code \"$code\" --before \"$before\" --stalls \"${{stalls:-0}}\" "
-        f"--max-stalls {target.max_stalls} {judge})",
+        f"verdict=$({tj} slurm after --code \"$code\"{' --from-tasks' if target.tasks > 1 else ''} "
+        f"--before \"$before\" --stalls \"${{stalls:-0}}\" --max-stalls {target.max_stalls} {judge})",
         'read -r action exit stalls <<<"$verdict"',
         'case "${action:-}" in',
         "    complete|fail) exit \"$exit\" ;;",

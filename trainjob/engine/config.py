@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV
+from ..defaults import BACKOFF_LIMIT, IDEMPOTENT_ENV, MAX_ATTEMPT, MAX_STEP
 from ..errors import UsageError
 
 DEFAULT_LOG = "log.jsonl"  # the decision log's name inside the PVC, unless --log says otherwise
@@ -39,6 +39,9 @@ class RunConfig:
         ``lr_required=False``: an own loop that names no learning rate (recorded as 0)."""
         if self.steps < 1:
             raise UsageError(f"--steps must be at least 1, got {self.steps}")
+        if self.steps > MAX_STEP:
+            raise UsageError(f"--steps must be at most {MAX_STEP} (a checkpoint's name holds the step in "
+                             f"{len(str(MAX_STEP))} digits), got {self.steps}")
         if self.ckpt_every < 1:
             raise UsageError(f"--ckpt-every must be at least 1, got {self.ckpt_every}")
         if (lr_required or self.lr != 0) and not (self.lr > 0 and self.lr < float("inf")):
@@ -47,6 +50,9 @@ class RunConfig:
             raise UsageError(f"--max-drop is a percentage from 0 to 100, got {self.max_drop}")
         if self.backoff_limit < 0:
             raise UsageError(f"--backoff-limit must be 0 or more, got {self.backoff_limit}")
+        if self.backoff_limit >= MAX_ATTEMPT:
+            raise UsageError(f"--backoff-limit must be at most {MAX_ATTEMPT - 1} (a checkpoint's name holds the "
+                             f"attempt in {len(str(MAX_ATTEMPT))} digits), got {self.backoff_limit}")
         if self.die_at is not None and not 1 <= self.die_at <= self.steps:
             raise UsageError(f"--die-at must be a step from 1 to --steps ({self.steps}), got {self.die_at}")
         if self.keep < 1:

@@ -49,6 +49,32 @@ def drift_passes(correct: int, total: int, bcorrect: int, max_drop: int) -> bool
     return total > 0 and correct * 100 >= bcorrect * (100 - max_drop)
 
 
+# A metric is gated in millionths of itself: ``drift_passes`` judges whole numbers.
+METRIC_PARTS = 10**6
+# The largest count a metric's verdict may log: 2**53, exact in every JSON reader (as a loss is).
+MAX_COUNT = 2**53
+
+
+def metric_counts(value: float, baseline: float, higher_is_better: bool) -> tuple[int, int, int]:
+    """A metric and its frozen baseline as ``drift_passes``' whole numbers: (correct, total,
+    baseline's correct), so that ``max_drop`` percent is the tolerance, as it is for a Score.
+
+    Higher is better (an accuracy): both in millionths; the gate passes when ``value`` is at
+    least ``baseline`` less ``max_drop`` percent of it. Lower is better (a loss, a perplexity):
+    the ratio ``baseline / value`` in millionths, against a baseline of one; the gate passes when
+    ``value`` less ``max_drop`` percent of itself is at most ``baseline`` (a value of 0 always
+    passes). Each count is at most ``MAX_COUNT``, so a verdict on the same two numbers is the same
+    on every machine and every integration (``trainjob.Metric``, ``hf.metric``). Expects what
+    ``Run.gate`` checks: ``value`` from 0, ``baseline`` above 0, both finite and at most
+    ``MAX_COUNT / METRIC_PARTS``.
+    """
+    if higher_is_better:
+        return (min(round(value * METRIC_PARTS), MAX_COUNT), METRIC_PARTS,
+                min(round(baseline * METRIC_PARTS), MAX_COUNT))
+    scaled = baseline * METRIC_PARTS / value if value > 0 else float("inf")
+    return round(scaled) if scaled < MAX_COUNT else MAX_COUNT, METRIC_PARTS, METRIC_PARTS
+
+
 def should_checkpoint(step: int, every: int, steps: int) -> bool:
     """Checkpoint every ``every`` steps and always at the last one."""
     return step % every == 0 or step == steps

@@ -191,14 +191,15 @@ class Job(MachineModel, AsyncCheckpoints):
                 return verdicts[ref].reason
             # Sharded: this rank's part read by offsets. Through a verdict round every rank
             # verifies its own share (ranks/store.py); without one, rank 0 hashes every shard
-            # in the same pass, since it picks the checkpoint for every rank.
+            # in the same pass, since it picks the checkpoint for every rank. So does a rank 0
+            # that a stop reached (the launch will not train): it waits for no other rank.
             shared = (self.peers is not None and self.peers.shares_verification and not self.peers.solo
-                      and ref.world_size == self.cfg.world_size)
+                      and ref.world_size == self.cfg.world_size and not self.peers.stop_signal())
 
-            def mine() -> str | None:
+            def mine(every: bool) -> str | None:
                 try:
                     sharded[ref] = self.store.load_local(ref, host.specs, host.wanted(), 0, expect, into,
-                                                         verify_all=not shared)
+                                                         verify_all=every)
                 except StateMismatch:
                     raise  # another model's checkpoint is not damage: refused, nothing set aside
                 except InputError as exc:
@@ -206,8 +207,10 @@ class Job(MachineModel, AsyncCheckpoints):
                 return None
 
             if not shared:
-                return mine()
-            verdict = self.peers.verify_round(ref.name, expect, into is not None, mine)
+                return mine(True)
+            verdict = self.peers.verify_round(ref.name, expect, into is not None, lambda: mine(False))
+            if verdict is None:  # a stop came before every verdict: this rank checks every shard itself
+                return mine(True)
             bad = [why if r == 0 else f"rank {r}: {why}" for r, why in verdict if why]
             if bad:
                 sharded.pop(ref, None)
@@ -354,14 +357,15 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def persist_artifact(self, ev: EventData) -> None:
         kw = ev.kwargs
-        record = Artifact(attempt=self.attempt, step=self.cfg.steps, trainer=self.cfg.trainer, arrays=(),
+        step = kw.get("step") or self.cfg.steps  # the run's last step, or the one it stopped early at
+        record = Artifact(attempt=self.attempt, step=step, trainer=self.cfg.trainer, arrays=(),
                           holdout=kw["holdout"], baseline=kw["baseline"])
         if isinstance(kw["exported"], Gathered):  # a sharded model: gathered and written tensor by tensor
             name = artifact_names(self.attempt)[1]
             stream = shards.encode_lazy(kw["exported"].specs, kw["exported"].host, {ARTIFACT_KEY: dumps(record)})
             self.artifact = {"sha256": self.pvc.write_artifact(name, stream), "path": f"artifacts/{name}"}
             return
-        exported = snapshot.exported(kw["exported"], self.cfg.steps)  # checked and on the host
+        exported = snapshot.exported(kw["exported"], step)  # checked and on the host
         if kw["format"] == "json":  # the lab's model-vN.json: the arrays as exact JSON numbers
             record = attrs.evolve(record, arrays=tuple(NamedArray.of(n, a) for n, a in sorted(exported.items())))
             name, data = artifact_names(self.attempt)[0], (dumps(record) + "\n").encode()

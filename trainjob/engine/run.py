@@ -37,10 +37,23 @@ without ``completed``, or 1 without ``drift_failed``/``job_failed``:
     meta device
     a meta-device tensor in the state   UsageError, exit 2, naming the array
     or the ``gate``'s export
+    ``end_early()`` outside a step, but UsageError, exit 2 (in a step it ends the loop there:
+    before the loop of a resumed run     an early stop; the gate is due)
     a ``break`` out of the loop, or     UsageError, exit 2: the steps since the last checkpoint
     leaving without ``gate`` when due   are not saved, and a relaunch resumes
     ``gate`` before the last step       UsageError, exit 2
     a Run entered off the main thread   UsageError, exit 2 (signal handlers are the main thread's)
+
+At W > 1, a launch that ends before its first step (a refused start, a rank that never answered,
+a stop before every rank joined) ends the process at ``for step in run``, on every rank, with its
+exit code: the rest of the block (the gate's collectives) could wait on a rank that is not there.
+
+An early end (early stopping): ``run.end_early()`` in a step's body, on every rank at the same
+step, ends the loop after that step: the step is saved (its checkpoint forced, holding the state
+as it is now) and the gate is due, as after the last step. Called where the step was not trained
+(no ``report`` yet: the framework's loop ended instead), the run ends at the step before it;
+called before the loop (a resume whose state says the training had ended), at the step it resumed
+from. A relaunch resumes from that checkpoint, and the script ends early again there.
 
 Signals: SIGTERM and SIGINT are noted, the step finishes, its checkpoint is saved, exit 75. A
 Run inside another's ``with`` block is allowed: the signal is passed on to the handler the
@@ -60,6 +73,8 @@ how a launch begins (the machine does, through ``decisions.py``).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import signal
 import sys
@@ -76,20 +91,21 @@ from . import decisions, machine
 from .completion import Completion, completed_job
 from .config import DEFAULT_LOG, RunConfig, as_setting, from_python, idempotent_from
 from .job import ARTIFACT_FORMATS, Job, StopFlag
+from .progress import Narrated, Narrator, metric_verdict
 from ..checkpoint.background import BackgroundSaver
 from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, PeerFailed, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
-                      TryAgainLater, UsageError, memory_errors, one_line, os_errors)
-from ..exits import EXIT_INTERNAL, exit_code_for, exit_code_for_state
+from ..errors import (InputError, PeerFailed, Refused, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
+                      TryAgainLater, UsageError, memory_errors, missing_extra, one_line, os_errors)
+from ..exits import EXIT_INTERNAL, EXIT_USAGE, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
 from ..ranks.peers import stopped_before_joining
-from ..records import Candidate, Score, Session
+from ..records import Candidate, Metric, Score, Session
 from ..states import State as JobState
-from ..storage.eventlog import EventLog, check_writable
+from ..storage.eventlog import check_writable
 from ..storage.backend import Url, as_location
 from ..storage.durable import check_path, make_dir, missing_dirs, remove_empty
 from ..storage.pvc import Pvc
@@ -98,7 +114,6 @@ from ..trainers.protocol import State, Stateful, check_loss, check_resumable, re
 # A run that names no data: the empty input's hash, so a resume cannot tell other data apart.
 NO_DATA_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
-Progress = Callable[[int, int], None]
 # How long a rank whose collective failed waits for the other survivors to say so, to name the
 # rank that left (``ranks/store.py``'s ``absent``): survivors meet the failure within moments.
 LOST_GRACE = 3.0
@@ -130,6 +145,9 @@ class Run:
     turns it on too (what ``k8s render`` sets in an own loop's pods).
     ``async_checkpoint``: each checkpoint is copied into host staging buffers and written by a
     background thread while the loop trains on (docs/howto/async.md: when to choose it; overlap.py).
+    ``progress``: rank 0 shows the run's progress on stderr (on a terminal, a line rewritten after
+    every step; elsewhere, a line per checkpoint); False keeps only the line saying how the launch
+    ended, which rank 0 always prints (``progress.py``). The decision log is the same either way.
     """
 
     def __init__(self, pvc: str | os.PathLike[str], *, state: Stateful, steps: int, ckpt_every: int,
@@ -137,7 +155,7 @@ class Run:
                  backoff_limit: int = BACKOFF_LIMIT, keep: int = 3, log: str | os.PathLike[str] | None = None,
                  rank: int | None = None, world_size: int | None = None, rank_timeout: float = 60.0,
                  idempotent: bool = False, artifact_format: str = "safetensors", name: str = "own-loop",
-                 die_at: int | None = None, progress: Progress | None = None, raise_errors: bool = False,
+                 die_at: int | None = None, progress: bool = True, raise_errors: bool = False,
                  stop: StopFlag | None = None, async_checkpoint: bool = False) -> None:
         """Nothing is checked or touched here: entering the ``with`` does it, so that every error
         ends in ``exit_code``. ``stop``: a StopFlag already installed (the CLI installs it before
@@ -169,7 +187,10 @@ class Run:
         self._iterated = self._loop_over = self.gate_due = False
         self._entered = False  # the launch began (or found its outcome): no longer refusable untouched
         self._step: int | None = None  # the step the loop body is training
+        self._narrator: Narrator | None = None  # rank 0's voice on stderr (progress.py)
         self._loss: int | None = None  # its reported loss, in thousandths
+        self._early = False  # end_early(): the loop ends after this step
+        self.last_step: int | None = None  # the step the loop ended at (the model the gate publishes)
 
     # --- entering ---------------------------------------------------------------------------
 
@@ -252,7 +273,8 @@ class Run:
         self._peers = peers = connect.coordinator(pvc, cfg.world_size, cfg.rank_timeout, self._signal)
         self._launch_open = True  # from here, an error ends the launch for every rank, with its code
         initial = self._host.snapshot(self.stateful.state_dict(), 0)  # checks the state; host views of it
-        self._job = job = Job(cfg, pvc, EventLog(self.log_path), self.data_sha256, peers)
+        self._narrator = Narrator(sys.stderr, cfg.steps, str(self.pvc_path), progress=bool(self.progress))
+        self._job = job = Job(cfg, pvc, Narrated(self.log_path, self._narrator), self.data_sha256, peers)
         if not peers.solo:  # which transport the ranks agree through, logged with the launch's first event
             job.notes.append(("ranks_coordinated", dict(transport=peers.transport, world_size=cfg.world_size)))
         # Before any write: a checkpoint holding other arrays than this state's, or a
@@ -343,6 +365,11 @@ class Run:
         return self._steps()
 
     def _steps(self) -> Iterator[int]:
+        if (self.final is not None or self.error is not None) and self._peers is not None and not self._peers.solo:
+            # The launch ended before it began, at W > 1: nothing trains and the gate does nothing,
+            # and the rest of the block could wait on a rank that is not there (a collective with a
+            # stopped or dead peer waits out the process group's timeout). Every rank ends here.
+            raise SystemExit(self.exit_code)
         while self.final is None and self.error is None:
             try:
                 yield from self._train()
@@ -367,17 +394,20 @@ class Run:
         while True:
             if target is None and peers.stop_wanted():
                 target = peers.agree_stop()
-            if step >= (cfg.steps if target is None else target):
+            if self._early or step >= (cfg.steps if target is None else target):
                 break
             step += 1
             self._step, self._loss = step, None
             yield step
             if self._loss is None:
+                if self._early:  # the step was not trained: the run ends at the one before
+                    step, self._step = step - 1, None
+                    break
                 raise UsageError(f"step {step} ended without run.report(loss); report every step's loss once")
             loss, self._step = self._loss, None
             peers.step = step
-            if self.progress is not None:
-                self.progress(step, loss)
+            if self._narrator is not None:
+                self._narrator.step(step, loss)
             self._between()
             if decisions.should_checkpoint(step, cfg.ckpt_every, cfg.steps) or step == target:
                 self._save(step, loss, step == target)
@@ -387,12 +417,30 @@ class Run:
         if target is None and peers.stop_wanted():  # the stop came during the last step
             target = peers.agree_stop()
         if target is None:
+            if self._early and step > last_saved:  # the early end's step, saved as it is now
+                self._save(step, loss, True)
             self._settle(release=True)  # the last checkpoint lands (and is logged) before the gate
-            self.gate_due = True
+            self.gate_due, self.last_step = True, step
             return None
         if step > last_saved:  # save the step we finished before obeying the stop
             self._save(step, loss, True)
         return self._end(step, stopped=True)
+
+    def end_early(self) -> None:
+        """The training decided that the step it is at is its last (an early stop: Lightning's
+        ``EarlyStopping``, the HF Trainer's ``EarlyStoppingCallback``), as every rank decides it.
+        Called in the loop's body, the step is checkpointed when it ends (due or not), the loop
+        ends and the gate is due, as after the last step; the artifact records that step. Called
+        before the loop's first step, on a resume whose checkpoint holds that decision (the
+        caller's state says so), the loop trains nothing and the gate is due. A stop (SIGTERM)
+        during such a step saves it and ends the launch as any stop does: the relaunch resumes
+        from the checkpoint that holds the decision. Called in a step that was not trained (no
+        ``report`` yet: the framework's own loop ended instead), the run ends at the step before it."""
+        if self.final is not None or self.error is not None or (
+                self._step is None and (self._iterated or self.from_step == 0)):
+            raise UsageError("run.end_early() belongs inside `for step in run`, or before it on a resume "
+                             "(a run that stopped early at the step it resumed from)")
+        self._early = True
 
     def report(self, loss: float) -> None:
         """The loss of the step being trained, once per step: a number >= 0 (``check_loss``: a
@@ -432,7 +480,9 @@ class Run:
         except ReplicasDisagree as exc:
             job = self._job
             if job is not None and job.state in (*machine.TRAINING, JobState.snapshotted):
-                job.refuse(at_step=job.in_flight["step"] if step is None else step, reason=one_line(str(exc))[:400])
+                at_step = job.in_flight["step"] if step is None else step
+                job.refuse(at_step=at_step, reason=one_line(str(exc))[:400])
+                raise refusal(exc, at_step) from exc
             raise
 
     def _write_shard(self, step: int, arrays: dict[str, Any]) -> int:
@@ -503,22 +553,43 @@ class Run:
 
     # --- the gate and the end -------------------------------------------------------------------
 
-    def gate(self, *, holdout: Score, baseline: Score, export: State) -> None:
+    def gate(self, *, export: State, holdout: Score | None = None, baseline: Score | None = None,
+             metric: Metric | None = None) -> None:
         """After the last step: publish ``export`` (the arrays a user of the model needs) as the
-        attempt's artifact if ``holdout`` holds up against ``baseline`` (completed, exit 0), else
-        refuse it (drift_failed, exit 1). Does nothing when the run has already ended (a stop,
-        out of retries, already completed); ranks >= 1 wait for rank 0's verdict instead."""
+        attempt's artifact if the model holds up against its frozen baseline (completed, exit 0),
+        else refuse it (drift_failed, exit 1); ``max_drop`` percent is the tolerance. The model's
+        score is either ``holdout`` and ``baseline``, two ``Score``s (correct predictions out of
+        a total), or ``metric``, a ``Metric`` (a validation loss, a perplexity, an accuracy
+        against its frozen value; ``decisions.metric_counts`` says how it is judged). A metric
+        that is not a finite number from 0 (its baseline above 0) is refused, exit 2. Does
+        nothing when the run has already ended (a stop, out of retries, already completed);
+        ranks >= 1 wait for rank 0's verdict instead."""
         if self.final is not None or self.error is not None:
             return
         if not self.gate_due:
             raise UsageError("run.gate(...) comes after `for step in run` has trained the last step")
         self.gate_due = False
         try:
+            holdout, baseline = self._scores(holdout, baseline, metric)
+            if metric is not None and self._narrator is not None:
+                self._narrator.verdict = metric_verdict(metric, self.cfg.max_drop)
             self._gate(holdout, baseline, export)
         except UsageError as exc:  # the export cannot be published: said in the log, so `status` says 2
             if self.rank == 0 and self._job is not None and self._job.state in machine.TRAINING:
                 self._job.refuse(at_step=self.cfg.steps, reason=one_line(str(exc))[:400])
+                raise refusal(exc, self.cfg.steps) from exc
             raise
+
+    def _scores(self, holdout: Score | None, baseline: Score | None, metric: Metric | None) -> tuple[Score, Score]:
+        """The two Scores the machine's gate judges: given, or ``metric``'s (``metric_scores``)."""
+        if metric is None:
+            if not (isinstance(holdout, Score) and isinstance(baseline, Score)):
+                raise UsageError("run.gate(...) takes holdout= and baseline=, two trainjob.Score, or metric=, a "
+                                 f"trainjob.Metric; got holdout={holdout!r}, baseline={baseline!r}")
+            return holdout, baseline
+        if holdout is not None or baseline is not None:
+            raise UsageError("run.gate(...) takes holdout= and baseline= or metric=, not both")
+        return metric_scores(metric)
 
     def _gate(self, holdout: Score, baseline: Score, export: State) -> None:
         if Gathered.wanted(export):  # a sharded model: every rank joins the gathering, tensor by tensor
@@ -535,7 +606,8 @@ class Run:
             self.final = self._peers.wait_outcome().state
             return
         assert self._job is not None
-        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline)
+        self._job.gate(exported=export, format=self.artifact_format, holdout=holdout, baseline=baseline,
+                       step=self.last_step)
         self._finish(self._job.state)
 
     def _finish(self, state: str) -> None:
@@ -561,8 +633,14 @@ class Run:
 
     def _leave(self, exc: BaseException | None) -> bool:
         leaving = exc is not None and not isinstance(exc, Exception)
-        if leaving and self.final is not None and self.error is None:
-            exc = None  # the outcome stands: the script ends the process with its code
+        after = exc if exc is not None and self._decided() else None
+        if after is not None:
+            # The outcome stands, as the log says it: the script ends the process with its code.
+            # An error after it (the script's own code after ``gate``, a collective a peer that
+            # already exited cannot join) is said, and changes neither.
+            if not leaving:
+                self._said_after_the_outcome(after)
+            exc = None
         made: BaseException | None = None
         if exc is None and self.final is None and self.error is None:
             exc = made = self._unfinished()
@@ -577,15 +655,32 @@ class Run:
             try:
                 self._stack.close()
             except Exception as late:  # putting the signal handlers back, letting go of the lock
-                self._end_with(late)
-                made = late
+                if self._decided():
+                    self._said_after_the_outcome(late)
+                else:
+                    self._end_with(late)
+                    made = late
             if self.completion is not None and not self.raise_errors:
                 _say(f"trainjob: {self.completion.line()}")
+            if self._narrator is not None and self.final is not None and self.error is None:
+                self._narrator.ending(self.final, self.exit_code)
         if leaving:
             raise SystemExit(self.exit_code) from None
         if made is not None and self.raise_errors:
             raise made
-        return exc is not None and exc is not made and not self.raise_errors
+        return after is not None or (exc is not None and exc is not made and not self.raise_errors)
+
+    def _decided(self) -> bool:
+        """The launch's outcome is decided, and logged by rank 0: completed, drift_failed,
+        job_failed, killed, or an idempotent finding."""
+        return self.final is not None and self.error is None
+
+    def _said_after_the_outcome(self, exc: BaseException) -> None:
+        code = self.exit_code
+        if not isinstance(exc, TrainJobError):  # a bug, here or in the script: all of it
+            _say("".join(traceback.format_exception(exc)).rstrip())
+        _say(f"trainjob: {one_line(str(exc)) or type(exc).__name__}: after the run's outcome ({self.final}), "
+             f"which stands (exit {code})")
 
     def _lost_peer(self, exc: BaseException) -> PeerFailed | None:
         """A collective that failed because a peer went away (``ranks/lost.py``), escaping the
@@ -624,9 +719,12 @@ class Run:
         """End the launch with an error: tell the other ranks, let go of the PVC, say it."""
         if self.error is not None:
             return
-        self.error = exc
+        if self._narrator is not None:
+            self._narrator.close()  # a progress line left open: what follows starts on its own line
+        self.error = exc = missing_extra(exc) or exc  # an optional package not installed: 2, naming its extra
         try:
             self._close_writes()
+            self._log_refusal(exc)
             if self._launch_open:
                 self._launch_open = False
                 self._peers.finish("error", f"{type(exc).__name__}: {exc}", exit_code_for(type(exc)))
@@ -645,6 +743,19 @@ class Run:
                 _say("".join(traceback.format_exception(exc)).rstrip())
             _say(f"trainjob: {one_line(str(exc))} (exit {code})")
 
+    def _log_refusal(self, exc: BaseException) -> None:
+        """(rank 0) An error that ends a launch which began (``job_started`` or ``resumed`` is
+        logged) with exit 2 is said in the log too, ``refused``, so that ``status`` says 2 as the
+        process does: a loss that is not a number, a step without ``report``, a ``break``, a
+        missing ``gate``, a state that cannot be checkpointed. The attempt stays in flight for the
+        mended script, as every refusal leaves it."""
+        job = self._job
+        if (self.rank != 0 or job is None or exit_code_for(type(exc)) != EXIT_USAGE
+                or job.state not in (*machine.TRAINING, JobState.snapshotted)):
+            return
+        step = self._step if self._step is not None else self._peers.step
+        job.refuse(at_step=step, reason=one_line(str(exc))[:400])
+
     @property
     def exit_code(self) -> int:
         """What the process should exit with: the final state's code, or the error's."""
@@ -653,6 +764,53 @@ class Run:
         if self.final is None:
             raise UsageError("run.exit_code is known once the `with Run(...)` block has ended")
         return exit_code_for_state(self.final)
+
+
+def refusal(exc: Refused, step: int) -> Refused:
+    """A refusal the log now holds (``refused``), said as the launch's one last line: what was
+    refused, and what a relaunch does. The same class, so its exit code and its catchers stay."""
+    return type(exc)(f"refused at step {step}: {exc}; a relaunch of the mended script resumes from the newest "
+                     "checkpoint")
+
+
+def metric_scores(metric: Metric) -> tuple[Score, Score]:
+    """The holdout's and the baseline's Score for ``metric`` (``decisions.metric_counts``), or a
+    UsageError (exit 2) saying what is wrong with it."""
+    if not isinstance(metric, Metric):
+        raise UsageError(f"metric= takes a trainjob.Metric, got {type(metric).__name__}")
+    name = one_line(str(metric.name))[:80]
+    largest = decisions.MAX_COUNT / decisions.METRIC_PARTS
+
+    def number(what: str, given: object) -> float:
+        if isinstance(given, bool) or not isinstance(given, numbers.Real):
+            raise UsageError(f"the gate's {name}: {what} is a {type(given).__name__}, not a number (for a tensor, "
+                             "pass its .item())")
+        value = float(given)
+        if not (math.isfinite(value) and 0 <= value <= largest):
+            raise UsageError(f"the gate's {name}: {what} is {value!r}; a metric is a finite number from 0 to "
+                             f"{largest:.4g}")
+        return value
+
+    value, baseline = number("its value", metric.value), number("its baseline", metric.baseline)
+    if baseline == 0:
+        raise UsageError(f"the gate's {name}: its baseline is 0; a baseline is above 0 (it scales the tolerance)")
+    if not isinstance(metric.higher_is_better, bool):
+        raise UsageError(f"the gate's {name}: higher_is_better is {metric.higher_is_better!r}, not True or False")
+    correct, total, baseline_correct = decisions.metric_counts(value, baseline, metric.higher_is_better)
+    return Score(correct=correct, total=total), Score(correct=baseline_correct, total=total)
+
+
+def gate_arguments(verdict: Metric | tuple[Score, Score]) -> dict[str, Any]:
+    """What an integration's ``gate`` callable returned (a Metric, or the holdout's and the
+    baseline's Score), as ``Run.gate``'s keywords."""
+    if isinstance(verdict, Metric):
+        return {"metric": verdict}
+    try:
+        holdout, baseline = verdict
+    except (TypeError, ValueError):
+        raise UsageError(f"the gate returned {type(verdict).__name__}; return a trainjob.Metric, or the holdout's "
+                         "and the baseline's trainjob.Score") from None
+    return {"holdout": holdout, "baseline": baseline}
 
 
 def _after_the_run(uninstall: Callable[[], None]) -> None:

@@ -39,6 +39,7 @@ class Coordination(Protocol):
     generation: int  # the launch this rank takes part in; 0 before it has one
     step: int  # the last step this rank completed: the train loop updates it after every step
     transport: str  # how the ranks reach each other, for the log: "files" or "store"
+    stop_signal: Callable[[], str | None]  # the signal that reached this rank (SIGTERM...), or None
 
     @property
     def solo(self) -> bool:
@@ -65,11 +66,12 @@ class Coordinator(Coordination, Protocol):
     shares_verification: bool  # whether verify_round can ask the other ranks (the store: yes)
 
     def verify_round(self, checkpoint: str, manifest_sha256: str | None, lend: bool,
-                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]]:
+                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]] | None:
         """(rank 0, resuming a sharded state, before ``publish``; only if ``shares_verification``)
         Ask every other rank to verify (and read) its share of ``checkpoint`` while this rank
         does its own (``mine``); each rank's verdict, by rank (None: verified; else the reason).
-        PeerFailed when a rank could not say (it failed otherwise, and ends with its own code)."""
+        PeerFailed when a rank could not say (it failed otherwise, and ends with its own code);
+        None when a stop reached this rank before every verdict was in (the caller verifies alone)."""
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, once per launch, before any other call but ``verify_round``) Start a new

@@ -27,7 +27,9 @@ other rank, waiting to join, reads its share of it (``CheckpointStore.load_local
 ``ok``, ``refused:`` and why (the checkpoint is damaged: every rank refuses it, rank 0 sets it
 aside and tries the next), or ``failed:`` and why (the rank itself failed, and ends with its own
 code; rank 0 ends with PeerFailed, 75). So no rank reads or hashes more than its share, and rank
-0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md).
+0 publishes a session only for a checkpoint every rank verified (docs/checkpoints.md). A stop
+reaching rank 0 before every answer is in ends the round (rank 0 sets the missing answers to
+``stopped``, read by nobody): rank 0 verifies every shard itself, and the launch ends unbegun.
 
 A checkpoint takes no word from rank 0 before the shards: every rank knows the staging
 directory's name, and the first to get there makes it (``StoreFollower.wait_staging``). Rank 0
@@ -80,13 +82,14 @@ CHECK_EVERY = 0.05  # how often a rank blocked in a store wait checks for a sign
 STOP_GRACE = 3.0  # the least a signalled rank waits for its round's other votes (seconds)
 
 
-def wait_beside(kv: Any, keys: list[str], timeout: float, name: str, check: Callable[[], None]) -> BaseException | None:
+def wait_beside(kv: Any, keys: list[str], timeout: float, name: str, check: Callable[[], None],
+                release: Callable[[], None] | None = None) -> BaseException | None:
     """The store's blocking wait for ``keys`` (answered the moment the last is set, no polling),
     on a daemon thread, while this thread calls ``check`` every CHECK_EVERY: a signal's handler
     runs only in the main thread, and never while it is inside the store's C++ wait. ``check``
-    may raise, which abandons the wait (it ends with the process). Returns the wait's error, or
-    None once every key is set; ``kv`` serves nothing else meanwhile (a client serves one call
-    at a time)."""
+    may raise, which abandons the wait (it ends with the process), unless ``release`` (setting
+    the keys on another connection) ends it first. Returns the wait's error, or None once every
+    key is set; ``kv`` serves nothing else meanwhile (a client serves one call at a time)."""
     waited: list[BaseException | None] = []
 
     def wait() -> None:
@@ -102,9 +105,17 @@ def wait_beside(kv: Any, keys: list[str], timeout: float, name: str, check: Call
         try:
             check()
         except BaseException as exc:
-            _abandon(waiter, exc)
+            if release is not None:
+                release()
+                waiter.join(timeout)  # the keys are set: the wait returns at once, unless the store is gone
+            if waiter.is_alive():
+                _abandon(waiter, exc)
             raise
     return waited[0]
+
+
+class _StopCame(Exception):
+    """(``StoreCoordinator.verify_round``) A stop reached rank 0 before every verdict did."""
 
 
 # Waits ``wait_beside`` left running, with the exit code of the error that abandoned each.
@@ -203,8 +214,8 @@ class StorePeers:
 
     def await_keys(self, keys: list[str], what: Callable[[], str]) -> None:
         """(rank 0) Wait until every one of ``keys`` is set, at most ``--rank-timeout``
-        (RankTimeout naming ``what()``): the others' verdicts in a verdict round, and in a
-        checkpoint's commit their receipts, then their word that their shards are durable.
+        (RankTimeout naming ``what()``): in a checkpoint's commit, the others' receipts, then
+        their word that their shards are durable.
 
         One blocking store ``wait`` on this thread, answered the moment the last key is set: no
         poll (a poll's interval grows, and it woke up to half the time waited after the key was
@@ -351,17 +362,21 @@ class StoreCoordinator(StorePeers):
     shares_verification = True
 
     def verify_round(self, checkpoint: str, manifest_sha256: str | None, lend: bool,
-                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]]:
+                     mine: Callable[[], str | None]) -> list[tuple[int, str | None]] | None:
         """(rank 0, before ``publish``) One verdict round (module docstring): ``mine`` runs while
-        the other ranks verify theirs."""
+        the other ranks verify theirs. None when a stop (SIGTERM, SIGINT) reaches this rank before
+        every verdict is in: the launch will not train, and a rank that never answers (stopped,
+        dead, or itself stopping before it joins) must not hold the stop up for --rank-timeout."""
         self.verify_rounds += 1
         n = self.verify_rounds
         self.set("verify", dumps(Candidate(nonce=self.nonce, round=n, world_size=self.world_size,
                                            checkpoint=checkpoint, manifest_sha256=manifest_sha256, lend=lend)))
         verdicts: list[tuple[int, str | None]] = [(0, mine())]
         keys = {r: f"verify/{self.nonce}/{n}/{r}" for r in range(1, self.world_size)}
-        self.await_keys(list(keys.values()), lambda: f"ranks {[r for r, k in keys.items() if not self.has(k)]} to "
-                        f"verify their share of {checkpoint}")
+        try:
+            self._await_verdicts(keys, checkpoint)
+        except _StopCame:
+            return None
         with answering(f"reading the verdicts on {checkpoint}"):
             values = [bytes(v).decode("utf-8", "replace") for v in self.kv.multi_get(list(keys.values()))]
         # Left in the store: W small keys once per launch, where dropping them costs W requests.
@@ -372,6 +387,37 @@ class StoreCoordinator(StorePeers):
                                  "known to be wrong with the checkpoint: relaunch all ranks together")
             verdicts.append((r, None if kind == "ok" else why))
         return verdicts
+
+    def _await_verdicts(self, keys: dict[int, str], checkpoint: str) -> None:
+        """Wait for every other rank's verdict, at most --rank-timeout (RankTimeout), on a
+        connection of its own beside this thread (``wait_beside``), which checks for a stop:
+        _StopCame then, once every verdict still missing is set to ``stopped`` (nobody reads
+        those: the wait returns, and no thread is left waiting in the store)."""
+        with answering("opening a connection for the verdicts"):
+            kv = self.kv.clone()
+        started = time.monotonic()
+
+        def check() -> None:
+            if self.stop_signal():
+                raise _StopCame
+
+        def release() -> None:
+            for key in keys.values():
+                if not self.has(key):
+                    self.set(key, "stopped")
+
+        error = wait_beside(kv, list(keys.values()), self.timeout, "trainjob-verdicts", check, release)
+        if isinstance(error, RuntimeError):
+            if self.has(*keys.values()):  # every verdict came as the wait timed out
+                return
+            if time.monotonic() - started < 0.9 * self.timeout:  # the store rounds its timeout to milliseconds
+                with answering(f"waiting for the verdicts on {checkpoint}"):
+                    raise error from None
+            raise RankTimeout(f"waited {self.timeout:g}s for ranks {[r for r, k in keys.items() if not self.has(k)]}"
+                              f" to verify their share of {checkpoint}; relaunch all ranks together (or raise "
+                              "--rank-timeout)") from None
+        if error is not None:
+            raise error
 
     def publish(self, session_for: Callable[[int], Session]) -> Session:
         """(rank 0, under the job lock, first but for ``verify_round``) Allocate the generation

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from ..errors import InputError, PvcBusy, TryAgainLater, importing, one_line
+from ..errors import InputError, PvcBusy, TryAgainLater, importing, missing_extra, one_line
 from .backend import SCHEME, ByteSource, Data, Url, Written
 from .digest import Sha256Pipe
 
@@ -174,18 +174,20 @@ class S3Backend:
         self._lost: BaseException | None = None  # the lease's renewal failed: write nothing more
         self._unanswered = ""  # what a call said after it waited out the request timeout (``_answering``)
         self.request_timeout = float(os.environ.get("TRAINJOB_S3_TIMEOUT", "30"))  # seconds, each request
+        try:
+            with importing("the S3 client"):  # the first of this module's obstore imports; the rest find it loaded
+                import obstore  # noqa: F401
+        except ImportError as exc:  # before any method needs it: every command on a bucket says the same
+            if (missing := missing_extra(exc, f"{self.root}: an s3:// PVC")) is None:
+                raise
+            raise missing from exc
 
     # --- the client ---------------------------------------------------------------------------
 
     @property
     def store(self) -> Any:
         if self._store is None:
-            try:
-                with importing("the S3 client"):  # the first of this module's obstore imports; the rest find it loaded
-                    from obstore.store import S3Store
-            except ImportError as exc:
-                raise InputError(f"{self.root}: an s3:// PVC needs the S3 client: pip install 'trainjob[s3]'") \
-                    from exc
+            from obstore.store import S3Store  # there: the backend's constructor looked
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
             options = {"allow_http": True} if endpoint.startswith("http://") else {}
             retry = {"max_retries": int(os.environ.get("TRAINJOB_S3_RETRIES", "3")),

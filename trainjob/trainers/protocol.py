@@ -40,7 +40,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import InputError, OutOfMemory, TrainJobError, UsageError, importing, memory_errors, one_line
+from ..errors import (InputError, OutOfMemory, TrainJobError, UsageError, importing, memory_errors, missing_extra,
+                      one_line)
 from ..records import Score, TensorSpec, is_sha256_hex
 from .builtin import BUILTIN
 
@@ -86,6 +87,8 @@ def resolve(spec: str) -> Factory:
         with importing(f"--trainer {spec!r}"):
             module = importlib.import_module(module_name)
     except ImportError as exc:
+        if (missing := missing_extra(exc, f"--trainer {spec!r}")) is not None:
+            raise missing from None
         raise UsageError(f"--trainer {spec!r}: cannot import {module_name}: {exc}") from None
     obj: Any = module
     for part in attr.split("."):
@@ -112,6 +115,8 @@ def build(spec: str, data: Path | None, lr: float) -> Trainer:
     except TrainJobError:
         raise
     except (Exception, SystemExit) as exc:  # the user's code failed, not trainjob: a usage error, named
+        if (missing := missing_extra(exc, f"--trainer {spec!r}")) is not None:
+            raise missing from None
         raise UsageError(f"--trainer {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
     missing = [m for m in METHODS if not callable(getattr(trainer, m, None))]
     if not is_sha256_hex(getattr(trainer, "data_sha256", None)):

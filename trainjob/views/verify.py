@@ -8,6 +8,13 @@ the pointer and every artifact must verify. A PVC holding none of them (an empty
 bucket prefix with nothing under it, a mistyped path) has nothing to verify: that is an
 InputError (exit 2) naming where it looked, never "verdict: ok".
 
+Beside a running job the PVC moves while it is read: rotation takes a checkpoint away, the
+pointer is replaced, an artifact's log line follows the artifact. A failure that such a move
+explains (``moved``: the checkpoint is no longer there, the pointer changed, the log now records
+the artifact) is not damage: the pass is made again on what is there now (``retry``), at most
+``TRIES`` times, then exit 75 (the job outran every pass). A failure of anything still there and
+unchanged is damage, reported at once: committed bytes never change under their name.
+
 Each artifact is checked by ``engine/completion.py``, which an idempotent relaunch asks too.
 """
 
@@ -21,24 +28,76 @@ from ..checkpoint import plan
 from ..checkpoint.plan import MANIFEST, Ref
 from ..checkpoint.store import REJECTED, CheckpointStore
 from ..engine.completion import Item, check_artifact, logged_artifacts
-from ..errors import InputError
+from ..errors import InputError, TryAgainLater
 from ..storage.deletion import TMP, TRASH
-from ..storage.pvc import Pvc
+from ..storage.pvc import MAX_RECORD, Pvc
+
+TRIES = 10  # passes over a PVC that keeps moving under verify, before saying so (exit 75)
 
 
 @attrs.frozen
 class Report:
     items: list[Item]
     ok: bool
+    failing: list[Item] = attrs.field(factory=list)  # the items that make ``ok`` false
 
 
-def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
+@attrs.frozen
+class View:
+    """What a running job changes on a PVC, read around a pass: the pointer's bytes (or why they
+    cannot be read), the names of the committed checkpoints, the artifacts the log records."""
+
+    pointer: bytes | str | None
+    committed: frozenset[str] = frozenset()
+    logged: frozenset[str] = frozenset()
+
+
+def moved(item: Item, before: View, after: View) -> bool:
+    """Whether ``item``'s failure is explained by the PVC moving under the pass (``before`` read
+    as it began, ``after`` once it had failed), not by damage: a checkpoint no longer there
+    (rotated, or set aside by a resume), a pointer replaced, an artifact the log records by now."""
+    if item.kind == "checkpoint":
+        return item.path.removeprefix("checkpoints/") not in after.committed
+    if item.kind == "pointer":
+        return before.pointer != after.pointer
+    return item.kind == "artifact" and item.verdict == "unlogged" and item.path in after.logged
+
+
+def retry(report: Report, before: View, after: View) -> bool:
+    """Pass again: the verdict failed, and only because of what moved."""
+    return bool(report.failing) and all(moved(item, before, after) for item in report.failing)
+
+
+def view(pvc: Pvc, store: CheckpointStore | None = None, log_path: Path | None = None) -> View:
+    """The pointer's bytes; with ``store`` and ``log_path``, the rest of the View too."""
+    try:
+        pointer: bytes | str | None = pvc.read_bytes(pvc.checkpoint_path, MAX_RECORD)
+    except InputError as exc:
+        pointer = str(exc)
+    if store is None or log_path is None:
+        return View(pointer)
+    return View(pointer, frozenset(ref.name for ref in store.committed()), frozenset(logged_artifacts(log_path)))
+
+
+def verify_pvc(pvc: Pvc, log_path: Path, tries: int = TRIES) -> Report:
     if not pvc.local:
         pvc.backend.list("")  # a missing bucket or refused credentials: one line, exit 2
     elif not pvc.root.is_dir():
         raise InputError(f"{pvc.root}: not a PVC directory")
     store = CheckpointStore(pvc)
-    items, ok = [], True
+    for _ in range(tries):
+        before = view(pvc)
+        report = verify_once(pvc, store, log_path)
+        if report.ok or not retry(report, before, view(pvc, store, log_path)):
+            return report
+    moving = ", ".join(i.path for i in report.failing)
+    raise TryAgainLater(f"{pvc.root}: changed under each of {tries} passes of verify (the running job moved "
+                        f"{moving} every time); run it again, or once the job is over")
+
+
+def verify_once(pvc: Pvc, store: CheckpointStore, log_path: Path) -> Report:
+    """One pass over the PVC as it is (see the module's docstring for what may move under it)."""
+    items = []
     try:
         pointer, pointer_problem = pvc.read_checkpoint(), ""
     except InputError as exc:
@@ -61,7 +120,6 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
             else:
                 partial = pvc.backend.size(store.rel(store.path(ref) / MANIFEST)) is None
                 items.append(Item("checkpoint", rel, "partial" if partial else "corrupt", verdict.reason))
-                ok = ok and ref not in newest
         elif name.startswith(TMP):
             items.append(Item("checkpoint", rel, "in-flight", "staging: being written, or abandoned by a "
                               "kill (the next start removes it); never loaded"))
@@ -74,25 +132,23 @@ def verify_pvc(pvc: Pvc, log_path: Path) -> Report:
 
     if pointer_problem:
         items.append(Item("pointer", "checkpoint.json", "corrupt", pointer_problem))
-        ok = False
     elif pointer is not None:
         if named is not None and Ref.parse(named) in committed:
             good = any(i.path == pointer.dir and i.verdict == "ok" for i in items)
             items.append(Item("pointer", "checkpoint.json", "ok" if good else "corrupt",
                               f"names {pointer.dir} (step {pointer.step})"))
-            ok = ok and good
         else:
             items.append(Item("pointer", "checkpoint.json", "missing", f"names {pointer.dir}, which is not there"))
-            ok = False
 
     logged = logged_artifacts(log_path)
     on_disk = sorted(f"artifacts/{name}" for name in pvc.artifact_names())
     for rel in sorted(set(logged) | set(on_disk)):
         items.append(check_artifact(pvc, rel, logged.get(rel)))
-        ok = ok and items[-1].verdict == "ok"
     if not items:
         raise InputError(nothing_to_verify(pvc, log_path))
-    return Report(items=items, ok=ok)
+    decisive = {f"checkpoints/{ref.name}" for ref in newest}  # of the checkpoints, only the newest decides
+    failing = [i for i in items if i.verdict != "ok" and (i.kind != "checkpoint" or i.path in decisive)]
+    return Report(items=items, ok=not failing, failing=failing)
 
 
 def nothing_to_verify(pvc: Pvc, log_path: Path) -> str:

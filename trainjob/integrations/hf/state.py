@@ -5,10 +5,15 @@
     optim       the optimizer's state by FQN from step 0 and its param groups (``TrainingState``)
     scaler      accelerate's GradScaler, when the run uses one (fp16)
     hf          plain text: the LR scheduler's ``state_dict()`` and the Trainer's own ``TrainerState``
-                (global step, epoch, log history, the states of its ExportableState callbacks), each as
+                (global step, epoch, log history, best metric, the states of its ExportableState
+                callbacks: an EarlyStoppingCallback's patience counter) with its control's
+                ``should_training_stop`` (a callback's early stop, decided in the saved step) and
+                where the data stands (``POSITION``: the pass over the train data and the batches
+                taken from it, what a stream's resume needs), each as
                 one JSON string: they grow as the run goes (the log history), and a checkpoint's plain
                 values must otherwise keep their shape from the first one on
-    rank        RankLocal: this rank's RNG streams (Python, numpy, torch CPU and CUDA)
+    rank        RankLocal: this rank's RNG streams (Python, numpy, torch CPU and CUDA), and the frozen
+                parameters' reference (``TrainingState``: a LoRA's base is not written, its digest is)
 
 A resume puts the model, the optimizer and the scaler back at once (the Run's load); the rest
 waits in ``resumed`` until the Trainer's loop asks for it where its own resume would read its
@@ -36,6 +41,8 @@ class Resumed:
 
     step: int
     trainer_state: dict[str, Any]
+    stopped: bool  # a callback stopped the training at this step: the run ends here (an early stop)
+    position: tuple[int, int] | None  # (the pass over the train data, batches taken from it); None: not saved
     scheduler: Any
     param_groups: list[dict[str, Any]]
     rng: dict[str, Any]
@@ -51,6 +58,7 @@ class TrainerCheckpoint:
     def __init__(self, trainer: Any, refusal: str | None = None) -> None:
         self.trainer, self.refusal = trainer, refusal
         self.resumed: Resumed | None = None
+        self.position = (0, 0)  # the Trainer's pass over the train data and the batches taken from it (hooks.py)
         self._torch: TrainingState | None = None
         if refusal is None:
             self._torch = TrainingState(model=trainer.model, optimizer=trainer.optimizer,
@@ -66,25 +74,35 @@ class TrainerCheckpoint:
             for group in out["optim"]["param_groups"]:
                 group.setdefault("initial_lr", group["lr"])
         out["hf"] = {"scheduler": plain.encode(None if scheduler is None else scheduler.state_dict(), "scheduler"),
-                     "trainer": plain.encode(trainer_state(self.trainer), "trainer_state")}
-        out["rank"] = RankLocal({"rng": streams.capture()})
+                     "trainer": plain.encode({**trainer_state(self.trainer), POSITION: list(self.position)},
+                                             "trainer_state")}
+        out["rank"] = RankLocal({**out.get("rank", {}), "rng": streams.capture()})
         return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         assert self._torch is not None
         self._torch.load_state_dict(state)
         saved = plain.decode(state["hf"]["trainer"])
+        stopped = bool(saved.pop(STOPPED, False))  # both absent from checkpoints written before they were saved
+        position = saved.pop(POSITION, None)
         rng = state["rank"]["rng"] if "rank" in state else streams.capture()
         streams.restore(rng)  # now, for a resume that goes straight to the gate; again where the loop wants it
-        self.resumed = Resumed(step=int(saved["global_step"]), trainer_state=saved,
+        self.resumed = Resumed(step=int(saved["global_step"]), trainer_state=saved, stopped=stopped,
+                               position=None if position is None else (int(position[0]), int(position[1])),
                                scheduler=plain.decode(state["hf"]["scheduler"]),
                                param_groups=list(state["optim"]["param_groups"]), rng=rng)
 
 
+# Saved beside the TrainerState's fields: the TrainerControl's early stop (a callback's decision), and
+# the pass over the train data with the batches taken from it.
+STOPPED, POSITION = "should_training_stop", "trainjob_data_position"
+
+
 def trainer_state(trainer: Any) -> dict[str, Any]:
     """The Trainer's ``TrainerState`` as plain values, with its ExportableState callbacks' states
-    as the Trainer's own checkpoint records them (by class name; the TrainerControl's flags are
-    left out: they say what the step that is being saved should still do)."""
+    as the Trainer's own checkpoint records them (by class name), and ``STOPPED``: whether a
+    callback stopped the training in the step being saved, before its last (the TrainerControl's
+    other flags are left out: they say what the step that is being saved should still do)."""
     from transformers.trainer_callback import ExportableState
 
     state = dataclasses.asdict(trainer.state)
@@ -93,4 +111,5 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
         if isinstance(cb, ExportableState):
             callbacks.setdefault(type(cb).__name__, []).append(cb.state())
     state["stateful_callbacks"] = callbacks
+    state[STOPPED] = bool(trainer.control.should_training_stop) and trainer.state.global_step < trainer.state.max_steps
     return state

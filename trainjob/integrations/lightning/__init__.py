@@ -10,6 +10,10 @@
 checkpoint holds: the script's training state and the fit loop's counters). docs/lightning.md.
 """
 
-from .callback import TrainJob
+from ...errors import require
+
+require("trainjob.integrations.lightning", "lightning", "lightning", "torch", "torchdata")
+
+from .callback import TrainJob  # noqa: E402
 
 __all__ = ["TrainJob"]

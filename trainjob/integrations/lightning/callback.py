@@ -2,20 +2,26 @@
 
 Lightning owns the loop, so the callback drives the Run's step iterator from Lightning's hooks:
 
+    setup               before the strategy wraps the model: what cannot train is refused in one line
+                        (``sync_batchnorm=True`` on CPU, which DDP itself refuses with a traceback);
+                        the callback moves itself after every other callback, so that a checkpoint
+                        holds what EarlyStopping decided in the same hook
     on_fit_start        the strategy has set the model and optimizer up: the fit loop's data is set
                         up (``estimated_stepping_batches``, the Run's ``steps``), the Run entered: it
                         takes the PVC's lock, decides how the launch begins and, on a resume, loads
                         the newest verified checkpoint into the live state (``state.py``); on a
-                        fresh start, the loader's workers start anew, wrapped (``restart_workers``)
-    on_train_start      Lightning has put its SIGTERM handler in front of the Run's: the Run's alone
-                        again (Lightning's would raise its own exit mid-epoch, and under DDP it
-                        broadcasts from inside the handler)
-    on_train_batch_end  after a batch that stepped the optimizer: ``report`` its loss, and the Run's
+                        fresh start, the loader's first iterator built anew (``LightningState.restart``);
+                        SIGTERM and SIGINT stay the Run's from here on (``_keep_signals``)
+    on_train_batch_end  after a batch that stepped the optimizer: ``report`` the step's loss (under
+                        gradient accumulation, the mean of its batches' losses), and the Run's
                         next step: its checkpoint when due, a stop agreed by the ranks (the step is
                         saved, ``killed``); when Lightning validates after the batch, that comes
                         in ``on_validation_end`` instead
     on_train_end        the gate: ``gate(module)`` scores the holdout and the baseline, ``export``
-                        what the artifact publishes (the module's state_dict by default)
+                        what the artifact publishes (the module's state_dict by default); a fit
+                        that ended before the last step because ``trainer.should_stop`` was set
+                        (EarlyStopping, max_time) ends the Run there (``Run.end_early``: that step
+                        saved, with the stop decision and the callbacks' state, then the gate)
     on_fit_end          the Run is left; ``on_exception``: an error ends it with its code
 
 A trainjob step is a batch that stepped the optimizer (gradient accumulation's other batches are
@@ -41,13 +47,13 @@ import torch
 from packaging.version import Version  # lightning's own dependency
 
 from .state import LightningState, script_state, train_loader
-from ...engine.run import Run
+from ...engine.run import Run, gate_arguments
 from ...errors import PeerFailed, UsageError, one_line
 from ...exits import EXIT_INTERNAL, exit_code_for
-from ...records import Score
+from ...records import Metric, Score
 
 MIN_LIGHTNING = Version("2.5")  # its fit loop's restart stages (pyproject.toml's lightning extra says why)
-Gate = Callable[[pl.LightningModule], tuple[Score, Score]]
+Gate = Callable[[pl.LightningModule], Metric | tuple[Score, Score]]
 Export = Callable[[pl.LightningModule], Mapping[str, Any]]
 
 
@@ -58,8 +64,9 @@ class _Ended(SystemExit):
 class TrainJob(pl.Callback):
     """Checkpoints, resume, stop, gate and exit code of ``trainjob run`` for a ``Trainer.fit``.
 
-    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns the holdout's and
-    the frozen baseline's ``Score`` after the last step; ``export(module)`` the arrays the artifact
+    ``pvc`` and ``ckpt_every`` as ``trainjob.Run``'s; ``gate(module)`` returns, after the last
+    step, a ``trainjob.Metric`` (a validation loss against its frozen value, say) or the
+    holdout's and the frozen baseline's ``Score``, judged as ``Run.gate`` judges them; ``export(module)`` the arrays the artifact
     publishes (default: the module's ``state_dict()``). ``run_options``: any other keyword of
     ``trainjob.Run`` (``max_drop``, ``keep``, ``backoff_limit``, ``idempotent``,
     ``async_checkpoint``, ``rank_timeout``, ``log``, ``die_at``). The number of steps is
@@ -69,12 +76,14 @@ class TrainJob(pl.Callback):
     def __init__(self, pvc: str | os.PathLike[str], *, ckpt_every: int, gate: Gate, export: Export | None = None,
                  **run_options: Any) -> None:
         self.pvc, self.ckpt_every, self.gate, self.export = pvc, ckpt_every, gate, export
-        self.run_options = {"name": "lightning", **run_options}
+        # Lightning draws its own progress bar: the run adds only the line saying how it ended.
+        self.run_options = {"name": "lightning", "progress": False, **run_options}
         self.run: Run | None = None
         self._code: int | None = None  # an end decided before the Run existed
         self._steps: Iterator[int] | None = None
         self._step: int | None = None  # the step Lightning trains next, or None: the Run's loop is over
         self._stepped_from = 0  # trainer.global_step when the batch began
+        self._window: list[Any] = []  # the losses of the step's batches so far (gradient accumulation)
         self._left = False  # the Run's ``with`` is over
         self._after_validation = False  # the step's checkpoint waits for the validation after it
 
@@ -89,6 +98,14 @@ class TrainJob(pl.Callback):
 
     # --- Lightning's hooks ----------------------------------------------------------------------
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            with self._guard():
+                _refuse_sync_batchnorm_on_cpu(trainer, pl_module)
+            # Last: the hooks that share an event with EarlyStopping (on_validation_end) see its
+            # decision before the step is saved. A new list: Lightning is iterating the old one.
+            trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         with self._guard():
             if Version(pl.__version__) < MIN_LIGHTNING:
@@ -99,6 +116,8 @@ class TrainJob(pl.Callback):
                 raise UsageError("trainer.fit(ckpt_path=...) with trainjob's callback: trainjob resumes from "
                                  "the PVC on its own; leave ckpt_path out")
             steps = trainer.estimated_stepping_batches  # sets the fit loop's data up (configure_optimizers may have)
+            if trainer.train_dataloader is None:  # max_steps without max_epochs: Lightning answers max_steps as is
+                trainer.fit_loop.setup_data()
             if not isinstance(steps, int) or steps < 1:
                 raise UsageError(f"Lightning estimates {steps} optimizer steps; trainjob needs a finite number: "
                                  "set max_epochs or max_steps")
@@ -110,19 +129,13 @@ class TrainJob(pl.Callback):
             # Nothing to train (out of retries, an error, an idempotent relaunch of a completed
             # job): the process ends here, before Lightning trains anything, 0 included.
             self._leave(always=True)
+        assert self.run.stop is not None
+        _keep_signals(trainer, self.run.stop._handle)
         with self._guard():
             if not state.loaded:  # a fresh start (a resume's load started the workers anew)
-                state.restart_workers()
+                state.restart()
             self._steps = iter(self.run)
             self._next()
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        assert self.run is not None and self.run.stop is not None
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self.run.stop._handle)
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None:  # a SIGTERM since Lightning's handler went in: the Run's flag has it too
-            connector.received_sigterm = False
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
@@ -134,11 +147,19 @@ class TrainJob(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if trainer.global_step == self._stepped_from:
-            return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
+        stepped = trainer.global_step != self._stepped_from
         with self._guard():
+            loss = _loss(outputs, self._step, required=stepped)
+            if loss is not None:
+                # Lightning hands out each batch's loss divided by accumulate_grad_batches (what
+                # it backpropagates); the step's loss is the mean of its batches' own.
+                self._window.append(loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization
+                                    else loss)
+            if not stepped:
+                return  # gradient accumulation: the optimizer did not step, the trainjob step goes on
             assert self.run is not None
-            self.run.report(_loss(outputs, self._step))
+            window, self._window = self._window, []
+            self.run.report(window[0] if len(window) == 1 else sum(window) / len(window))
             if _validates_next(trainer):
                 # The step is saved once the validation that follows it is over, as Lightning's
                 # ModelCheckpoint saves then: a resume does not run that validation again, and
@@ -156,9 +177,13 @@ class TrainJob(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._step is not None:
             with self._guard():
-                raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} (early "
-                                 "stopping, max_time, trainer.should_stop?): a trainjob run trains the steps it "
-                                 "was given; the steps since the last checkpoint are not saved")
+                if not trainer.should_stop:
+                    raise UsageError(f"Lightning's fit ended before step {self._step} of {self._steps_total()} "
+                                     "without a stop decided (trainer.should_stop): the train loader ran out before "
+                                     "estimated_stepping_batches? The steps since the last checkpoint are not saved")
+                assert self.run is not None
+                self.run.end_early()  # step self._step was not trained: the run ends at the one before
+                self._next()
         self._gate(pl_module)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -186,9 +211,9 @@ class TrainJob(pl.Callback):
         if self.run is None or not self.run.gate_due:
             return
         with self._guard():
-            holdout, baseline = self.gate(module)
+            verdict = gate_arguments(self.gate(module))  # a Metric, or the holdout's and the baseline's Score
             export = self.export(module) if self.export is not None else module.state_dict()
-            self.run.gate(holdout=holdout, baseline=baseline, export=dict(export))
+            self.run.gate(**verdict, export=dict(export))
 
     def _steps_total(self) -> int:
         assert self.run is not None
@@ -234,12 +259,59 @@ class TrainJob(pl.Callback):
             raise _Ended(self.run.exit_code)
 
 
-def _loss(outputs: Any, step: int | None) -> Any:
-    """The loss Lightning's training_step returned for the batch that stepped."""
+def _keep_signals(trainer: pl.Trainer, handler: Callable[[int, Any], None]) -> None:
+    """SIGTERM and SIGINT stay the Run's (``handler``) from the moment it began. Lightning
+    registers its own SIGTERM handler after ``on_fit_start``, with the Run's behind it: a SIGTERM
+    there (its sanity check, its first batch) raised Lightning's own exit ("Received SIGTERM"),
+    nothing saved and no ``killed`` logged, and under DDP it broadcasts from inside the handler.
+    And its teardown puts back the handlers it found, the Run's among them, after the Run has
+    left (a stop's ``_Ended``): Python resets a handler to the default while it shuts down, so a
+    second SIGTERM then (Slurm's preemption sends two) ended the process by the signal, 143.
+    So its registration is wrapped, on this trainer only: signals wait while Lightning
+    registers, the Run's handler goes back in, and Lightning neither restores nor claims these two."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or threading.current_thread() is not threading.main_thread():
+        return
+    register = connector.register_signal_handlers
+    stops = {signal.SIGTERM, signal.SIGINT}
+
+    def register_around_the_run() -> None:
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, stops)  # one sent meanwhile waits for the Run's handler
+        try:
+            register()
+            signal.signal(signal.SIGTERM, handler)
+            for sig in stops:
+                getattr(connector, "_original_handlers", {}).pop(sig, None)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+    connector.register_signal_handlers = register_around_the_run
+
+
+def _loss(outputs: Any, step: int | None, required: bool) -> Any:
+    """The loss Lightning's training_step returned for a batch (``required``: the batch that
+    stepped), as Lightning hands it to the callbacks."""
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    if loss is None:
+    if loss is None and required:
         raise UsageError(f"step {step}: training_step returned no loss (return the loss, or a dict with 'loss')")
     return loss.detach() if isinstance(loss, torch.Tensor) else loss
+
+
+def _refuse_sync_batchnorm_on_cpu(trainer: pl.Trainer, module: pl.LightningModule) -> None:
+    """``sync_batchnorm=True`` (or the module's own SyncBatchNorm layers) under DDP on CPU: torch's
+    DistributedDataParallel refuses SyncBatchNorm on CPU with a ValueError when the strategy wraps
+    the model, which would end the run 70 for a configuration."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = trainer.strategy
+    if not isinstance(strategy, DDPStrategy) or strategy.root_device.type != "cpu":
+        return
+    if isinstance(getattr(strategy, "_layer_sync", None), TorchSyncBatchNorm) \
+            or any(isinstance(m, torch.nn.SyncBatchNorm) for m in module.modules()):
+        raise UsageError("sync_batchnorm=True on CPU: torch's SyncBatchNorm works only on GPUs (DDP refuses it on "
+                         "CPU); leave it out: trainjob saves BatchNorm's statistics as DDP keeps them, rank 0's, "
+                         "which DDP hands to every rank at each forward")
 
 
 def _validates_next(trainer: pl.Trainer) -> bool:

@@ -14,6 +14,10 @@ it from ``trainjob.torch``, the one public path. Needs the optional ``torch`` ex
 (``trainjob[torch]``); ``torchdata`` for a ``StatefulDataLoader``.
 """
 
-from .state import TrainingState
+from ...errors import require
+
+require("trainjob.torch", "torch", "torch")  # before the modules below import it: one line naming the extra
+
+from .state import TrainingState  # noqa: E402
 
 __all__ = ["TrainingState"]

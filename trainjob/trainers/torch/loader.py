@@ -16,6 +16,13 @@ generator of its own, a loader draws a seed from torch's *global* stream for eve
 builds, the resumed one included, where the uninterrupted run drew none: every dropout mask after
 the resume would differ (``trainjob prove`` found it in a script passing no ``generator=``). So
 that stream is put back too.
+
+A sampler shuffled by epoch (torch's ``DistributedSampler``, which Lightning puts into every
+loader under DDP) draws its order from ``seed + epoch``, and the loader's state holds only how far
+into that order it is: a resumed iterator built while the sampler is still at epoch 0 walks
+epoch 0's order from the saved position (``trainjob prove`` found Lightning's DDP default
+diverging from the first resume past epoch 0). So each such sampler's epoch is saved too, and put
+back before the resumed iterator is built.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ def check(loader: object) -> None:
 def _out(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
-        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes().hex()
+        return {_TENSOR: [str(t.dtype).removeprefix("torch."), list(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes().hex()
                           if t.numel() else ""]}
     if isinstance(value, bytes):
         return {_BYTES: value.hex()}
@@ -65,6 +72,16 @@ def _in(value: Any) -> Any:
     return value
 
 
+def as_text(value: Any, what: str) -> str:
+    """A nested value with tensors and bytes in it (a loader's or a callback's state) as one JSON
+    string, exactly (module docstring); PlainError naming ``what`` for anything else."""
+    return plain.encode(_out(value), what)
+
+
+def from_text(text: str) -> Any:
+    return _in(plain.decode(text))
+
+
 def _generators(loader: Any) -> list[torch.Generator]:
     found: list[torch.Generator] = []
     for g in (getattr(loader, "generator", None), getattr(getattr(loader, "sampler", None), "generator", None)):
@@ -73,14 +90,33 @@ def _generators(loader: Any) -> list[torch.Generator]:
     return found
 
 
+def epoch_samplers(loader: Any) -> list[Any]:
+    """The loader's samplers that are told their epoch (``set_epoch``), as Lightning finds them:
+    its ``sampler`` and its batch sampler's."""
+    found: list[Any] = []
+    for s in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        if callable(getattr(s, "set_epoch", None)) and isinstance(getattr(s, "epoch", None), int) \
+                and all(s is not f for f in found):
+            found.append(s)
+    return found
+
+
 def state_dict(loader: Any) -> str:
     state = {"loader": loader.state_dict(), "generators": [g.get_state() for g in _generators(loader)]}
+    if samplers := epoch_samplers(loader):  # absent otherwise: the record as before
+        state["samplers"] = [{"sampler": type(s).__name__, "epoch": s.epoch} for s in samplers]
     worker_rng.check_state(loader, state["loader"])
-    return plain.encode(_out(state), "loader")
+    return as_text(state, "loader")
 
 
 def load_state_dict(loader: Any, text: str) -> None:
-    state = _in(plain.decode(text))
+    state = from_text(text)
+    samplers, saved = epoch_samplers(loader), state.get("samplers", [])
+    if saved and len(samplers) != len(saved):
+        raise ValueError(f"the loader has {len(samplers)} sampler(s) with an epoch, the checkpoint's "
+                         f"{len(saved)}")
+    for sampler, record in zip(samplers, saved):  # before the resumed iterator draws its order
+        sampler.set_epoch(record["epoch"])
     loader.load_state_dict(state["loader"])
     generators = _generators(loader)
     if len(generators) != len(state["generators"]):

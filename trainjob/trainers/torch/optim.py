@@ -10,7 +10,8 @@ Here the real optimizer is never stepped. ``Layout`` runs the optimizer's class 
 parameters of the meta device (no memory, nothing real changes) to learn which entries its lazy
 state has, with which dtypes and shapes; until torch creates a parameter's state, the checkpoint
 holds zeros of that layout and records ``created: false`` for it, and a resume leaves such a
-parameter's state uncreated, for torch to create exactly as it would have. Parameters whose state
+parameter's state uncreated, for torch to create exactly as it would have. A parameter that does
+not require grad (frozen: it gets no gradient, so torch creates no state for it) has none. Parameters whose state
 exists go through ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` as they are.
 """
 
@@ -23,6 +24,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
+
+from . import names
+from ...errors import UsageError
 
 # Not strict: a parameter whose state torch has not created is left out of what is loaded.
 _NOT_STRICT = StateDictOptions(strict=False)
@@ -50,6 +54,7 @@ class Layout:
             raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not the model's")
         self.fqns = [fqn_of[p] for p in self.params]
         self.entries = self._learn(optimizer)
+        self.sharded = names.sharded(model)  # FSDP: DCP's get_optimizer_state_dict, always
 
     def _learn(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
         created = {p: optimizer.state[p] for p in self.params if p in optimizer.state}
@@ -58,7 +63,8 @@ class Layout:
         shadows = []
         for p in self.params:
             s = torch.zeros_like(p, device="meta").requires_grad_(p.requires_grad)
-            s.grad = torch.zeros_like(s)
+            if p.requires_grad:  # a frozen parameter gets no gradient, so torch never creates its state
+                s.grad = torch.zeros_like(s)
             shadows.append(s)
         by_param = dict(zip(self.params, shadows))
         groups = []
@@ -118,12 +124,20 @@ def _describe(state: dict[str, Any], like: torch.Tensor | None = None) -> dict[s
 def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> dict[str, Any]:
     """``{"state": {fqn: {key: tensor or value}}, "param_groups": [...], "created": {fqn: bool}}``;
     the tensors are the optimizer's own (a 0-d one as a shape-(1,) view)."""
-    if optimizer.state:
+    now = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(now) != len(layout.params) or any(a is not b for a, b in zip(now, layout.params)):
+        raise UsageError(f"the optimizer's parameters changed since the run began ({len(layout.params)} then, "
+                         f"{len(now)} now: a param group added as layers are unfrozen?); a checkpoint holds the "
+                         "same entries at every step: give the optimizer every parameter it will train from the "
+                         "start (a frozen one gets no state until it has a gradient)")
+    if optimizer.state and layout.sharded:
         sd = get_optimizer_state_dict(model, optimizer)  # its dummy step runs only on an empty state
         state = {fqn: {k: _axis(v) for k, v in entries.items()} for fqn, entries in sd["state"].items()}
         groups = sd["param_groups"]
-    else:
-        state, groups = {}, _groups(optimizer, layout)
+    else:  # what get_optimizer_state_dict gives, by the names the layout learnt (names.py)
+        own = optimizer.state_dict()
+        state = {layout.fqns[i]: {k: _axis(v) for k, v in entries.items()} for i, entries in own["state"].items()}
+        groups = _groups(own, layout)
     created = {fqn: fqn in state for fqn in layout.fqns}
     for fqn in layout.fqns:
         if fqn not in state:
@@ -131,9 +145,10 @@ def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout:
     return {"state": state, "param_groups": groups, "created": created}
 
 
-def _groups(optimizer: torch.optim.Optimizer, layout: Layout) -> list[dict[str, Any]]:
-    """The param groups as ``get_optimizer_state_dict`` gives them, without its dummy step."""
-    groups = optimizer.state_dict()["param_groups"]
+def _groups(own: dict[str, Any], layout: Layout) -> list[dict[str, Any]]:
+    """The param groups of ``own`` (``optimizer.state_dict()``) as ``get_optimizer_state_dict``
+    gives them, without its dummy step."""
+    groups = own["param_groups"]
     for g in groups:
         g["params"] = [layout.fqns[i] for i in g["params"]]
     return groups

@@ -7,14 +7,17 @@
 ``state_dict()`` hands out, as one nested mapping (``state_tree.py``):
 
     model       the module's tensors by FQN (torch.distributed.checkpoint's get_model_state_dict:
-                plain, DDP and torch.compile'd modules alike), the live tensors, never copies
+                plain, DDP and torch.compile'd modules alike), the live tensors, never copies;
+                without its frozen parameters (those that do not require grad: ``frozen.py``),
+                which the rank part references by their digest
     optim       the optimizer's state by parameter FQN, from step 0 (``optim.py``), its param
                 groups (lr as the scheduler left it, betas, weight decay, initial_lr) as plain values
     scheduler   any torch.optim.lr_scheduler's state_dict(): plain values
     scaler      a torch.amp.GradScaler's state_dict(): plain values
     extra       each named member's state_dict() (a module's as the model's: 0-d tensors given an axis)
     rank        RankLocal: this rank's RNG streams (``rng.py``; ``rng=False`` leaves them out), the
-                loader's position (``loader.py``), the named torch/numpy Generators in ``extra``
+                loader's position (``loader.py``), the named torch/numpy Generators in ``extra``,
+                the frozen parameters' reference (their sha256; a resume checks the live ones)
 
 ``load_state_dict`` puts each back where it came from, in that order. Under DDP every rank holds
 the same parameters, optimizer and scheduler: those are written once, split across ranks; DDP's
@@ -28,12 +31,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from . import ddp, loader as loader_state, optim, rng as streams, worker_rng, workers
+from . import ddp, frozen as frozen_base, loader as loader_state, names, optim, rng as streams, worker_rng, workers
 from ...plain import PlainError
 from ...state_tree import RankLocal
 from ...errors import UsageError
+
+
+# A load without the frozen parameters: they stay as the script built them (``frozen.py``).
+_NOT_STRICT = StateDictOptions(strict=False)
 
 
 class TrainingState:
@@ -47,12 +54,15 @@ class TrainingState:
     ``torch.amp.GradScaler``; ``extra``: more members by name, each an object with
     ``state_dict()``/``load_state_dict()`` (same on every rank) or a ``torch.Generator``/
     ``numpy.random.Generator`` (per rank). ``rng=False``: leave the global RNG streams out (a
-    script that draws nothing random after its start).
+    script that draws nothing random after its start). The model's parameters that do not
+    require grad (a LoRA's base, frozen layers) are referenced by their digest, not written
+    (``frozen.py``); ``write_frozen=True`` writes them at every checkpoint (a script that changes
+    them itself, or unfreezes layers as it trains).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: Any = None, loader: Any = None, scaler: Any = None,
-                 extra: Mapping[str, Any] | None = None, rng: bool = True) -> None:
+                 extra: Mapping[str, Any] | None = None, rng: bool = True, write_frozen: bool = False) -> None:
         """Checks what it is given, but refuses it only when the state is first asked for (at
         the ``with trainjob.Run``): raised here, before the Run exists, a refusal would end the
         script in Python's exit 1, which trainjob's table keeps for an honest failure."""
@@ -61,6 +71,8 @@ class TrainingState:
         self._layout: optim.Layout | None = None
         self._refusal: str | None = None
         self._marks = ddp.Marks(model) if isinstance(model, torch.nn.Module) else None
+        self._base = frozen_base.Base(model) if isinstance(model, torch.nn.Module) and not write_frozen else None
+        self._names = names.ModelNames(model) if isinstance(model, torch.nn.Module) else None
         try:
             self._check()
         except (TypeError, ValueError) as exc:
@@ -92,7 +104,8 @@ class TrainingState:
     def state_dict(self) -> dict[str, Any]:
         self._refuse()
         assert self._marks is not None
-        tensors = {k: _axis(v) for k, v in get_model_state_dict(self.model).items()}
+        assert self._names is not None
+        tensors, frozen = self._split(self._names.state_dict())
         out: dict[str, Any] = {"model": self._marks.model(tensors)}
         if self.optimizer is not None:
             assert self._layout is not None
@@ -102,6 +115,9 @@ class TrainingState:
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         local: dict[str, Any] = {}
+        if frozen:
+            assert self._base is not None
+            local["frozen"] = self._base.reference(frozen)
         if (buffers := self._marks.rank_local(tensors)) is not None:
             local["buffers"] = buffers
         shared = {k: _module_state(m) if isinstance(m, torch.nn.Module) else m.state_dict()
@@ -127,12 +143,17 @@ class TrainingState:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._refuse()
         live = get_model_state_dict(self.model)
-        saved = dict(state["model"])
         local = state.get("rank")  # absent after `trainjob reshard --drop-rank-local`
+        _, frozen = self._split(live)
+        if frozen:  # before anything is loaded: a checkpoint of another base is refused untouched
+            assert self._base is not None
+            self._base.check(frozen, None if local is None else local.get("frozen"))
+        saved = dict(state["model"])
         if self._marks is not None and self._marks.per_rank:  # DDP's buffers: this rank's own, else the live ones
             for k in self._marks.buffers & live.keys():
                 saved[k] = local["buffers"][k] if local is not None else live[k]
-        set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in saved.items()})
+        set_model_state_dict(self.model, {k: _unaxis(v, live[k].shape) for k, v in saved.items()},
+                             options=_NOT_STRICT if frozen else None)
         if self.optimizer is not None:
             assert self._layout is not None
             optim.load_state_dict(self.model, self.optimizer, self._layout, state["optim"])
@@ -156,6 +177,12 @@ class TrainingState:
             streams.restore(local["rng"])
         if self.loader is not None:
             loader_state.load_state_dict(self.loader, local["loader"])
+
+
+    def _split(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The model's entries a checkpoint writes (a 0-d one given an axis), and its frozen ones."""
+        kept, frozen = self._base.split(tensors) if self._base is not None else (dict(tensors), {})
+        return {k: _axis(v) for k, v in kept.items()}, frozen
 
 
 def _is_stateful(obj: object) -> bool:

@@ -28,10 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-try:
-    import torch
-except ImportError as exc:  # a user trainer importing this without the extra: say which one
-    raise ImportError("the PyTorch adapter needs torch: pip install 'trainjob[torch]'") from exc
+import torch  # the package's __init__ said which extra brings it, if it is missing
 
 MODEL, OPTIM = "model.", "optim."
 
