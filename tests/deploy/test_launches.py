@@ -121,3 +121,36 @@ def test_grace_ended_is_sigterm_to_the_first_process_then_sigkill_to_every_proce
 def test_kill_when_keeps_its_old_meaning_for_a_bare_signal():
     assert launches.Stop("x", launches.signal.SIGTERM).everyone is False
     assert launches.NODE_DIES.everyone and launches.NODE_DIES.sig == launches.signal.SIGKILL
+
+
+FORKER = """
+import os, sys, time
+os.setsid()  # as torchrun's workers: a session of their own, out of the launch's process group
+while True:
+    if os.fork() == 0:
+        time.sleep(30)  # marker: {marker}
+        os._exit(0)
+"""
+
+
+@pytest.mark.process
+def test_a_sigkill_of_a_launch_leaves_no_process_that_was_forking_as_it_landed(tmp_path):
+    """The walk of a launch's processes and the SIGKILL are two moments: a worker forked between
+    them escaped (an orphan with no parent to notice its death). Each launch here forks without
+    pause in a session of its own, so only the walk reaches its children."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    marker = f"forker-{os.getpid()}-{time.monotonic_ns()}"
+    code = FORKER.format(marker=marker)
+    for _ in range(10):
+        proc = launches.spawn([sys.executable, "-c", f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {code!r}])"])
+        time.sleep(0.3)
+        launches.kill_launch(proc)
+        proc.wait()
+    time.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
+    subprocess.run(["pkill", "-KILL", "-f", marker])
+    assert not left, f"{len(left)} forked processes outlived their launch"

@@ -8,6 +8,7 @@ process.
 from __future__ import annotations
 
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -320,6 +321,31 @@ def test_a_run_that_outruns_every_signal_is_redrawn_then_untested_never_proven(t
     assert captured.err.count("the run ended before its signal landed") == prove.MAX_DRAWS
     work = next(tmp_path.glob("trainjob-prove-*"))
     assert sorted(p.name for p in work.glob("trial-*")) == ["trial-01", "trial-01-draw-2", "trial-01-draw-3"]
+
+
+@pytest.mark.process
+def test_a_relaunch_that_hangs_is_killed_whole_and_named_hung(tmp_path, capsys, monkeypatch):
+    """A relaunch waited on without a bound: two DDP ranks stuck in a collective held a CI run for
+    the collective's 30-minute timeout. The command's first launch logs a checkpoint and sleeps (the
+    trial's signal lands there); its relaunch sleeps for good."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(prove, "GRACE", 2)
+    monkeypatch.setattr(prove, "HUNG_AFTER", 1)  # the reference's second, at least GRACE
+    monkeypatch.setattr(prove, "STACKS_SECONDS", 0.5)
+    line = '{"ts":"t","event":"%s","detail":""}'
+    hang = f"{sys.executable} -c 'import time; time.sleep(600)'"
+    once = (f"[ -e {{pvc}}/began ] && exec {hang}; mkdir -p {{pvc}}/artifacts && touch {{pvc}}/began && "
+            f"echo '{line % 'checkpointed'}' > {{pvc}}/log.jsonl && sleep 1 && printf w > {{pvc}}/artifacts/model-v1.json "
+            f"&& echo '{line % 'completed'}' >> {{pvc}}/log.jsonl")
+    code = cli.main(["prove", "--kills", "1", "--", "sh", "-c", once])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert re.search(r"verdict: HUNG: trial 1's launch 2 was still running after [23] s \(1 times the reference's "
+                     r"time, at least 2 s\) and was killed", out), out
+    stderr = next(tmp_path.glob("trainjob-prove-*/trial-01/launch-02.stderr"))
+    assert "trial-01/launch-02.stderr" in out and "(most recent call first)" in stderr.read_text()  # its stack
+    left = subprocess.run(["pgrep", "-f", "time.sleep.600"], capture_output=True, text=True).stdout.split()
+    assert not left, f"the hung launch's processes still run: {left}"
 
 
 def test_a_trial_pvc_verify_refuses_is_named_by_its_first_bad_item_and_an_empty_one_by_verify(tmp_path, capsys):

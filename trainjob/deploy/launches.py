@@ -43,13 +43,30 @@ def with_descendants(root: int) -> list[int]:
 def kill_launch(proc: subprocess.Popen, torchrun: bool = True, sig: int = signal.SIGKILL) -> None:
     """Signal a launch, every process of it at once, as a node or container dies. torchrun starts
     each worker in a session of its own, so its process group alone would leave them running:
-    with ``torchrun``, every descendant is found (before any dies) and signalled too."""
-    pids = with_descendants(proc.pid) if torchrun else [proc.pid]
+    with ``torchrun``, every descendant is found and signalled too. A process forked between the
+    walk and the signal (a data loader's worker starting) would escape a SIGKILL and outlive its
+    launch, so for SIGKILL every process is stopped first and the walk repeated until it finds no
+    new one: a stopped process forks nothing."""
+    if not torchrun:
+        _signal(proc.pid, sig, group=True)
+        return
+    pids = with_descendants(proc.pid)
+    if sig == signal.SIGKILL:
+        stopped: set[int] = set()
+        while fresh := [pid for pid in pids if pid not in stopped]:
+            for pid in fresh:
+                _signal(pid, signal.SIGSTOP, group=pid == proc.pid)
+            stopped.update(fresh)
+            pids = with_descendants(proc.pid)
     for pid in pids:
-        try:
-            os.killpg(pid, sig) if pid == proc.pid else os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+        _signal(pid, sig, group=pid == proc.pid)
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        os.killpg(pid, sig) if group else os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 @attrs.frozen

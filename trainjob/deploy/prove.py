@@ -25,9 +25,11 @@ are apart from the launches.
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -51,6 +53,11 @@ TERMS = ("preempted", "grace ended")  # how the TERM trials are stopped, in turn
 GRACE = 120  # seconds a signalled launch gets to checkpoint and exit before it is killed whole
 MAX_LAUNCHES = 20  # a trial that still says "relaunch" after this many launches is a loop, not a resume
 MAX_DRAWS = 3  # instants drawn for one trial whose signal the run keeps outrunning, before it is reported untested
+# A relaunch still running after this many times the reference's time (and at least GRACE) has hung
+# (ranks waiting on one another in a collective whose default timeout is 30 minutes): it is killed
+# whole and its trial fails, rather than prove waiting as long as the command would.
+HUNG_AFTER = 10
+STACKS_SECONDS = 3  # a hung launch's time to write its stacks (SIGABRT) before it is killed whole
 PVC = "{pvc}"
 
 
@@ -71,6 +78,7 @@ class Outcome:
     delivered: bool = True  # the signal reached a launch that had not ended by itself
     draws: int = 1  # instants drawn until it was delivered (or MAX_DRAWS, when it never was)
     disagreements: tuple[str, ...] = ()  # launches whose exit code their log does not say
+    hung: tuple[int, float] | None = None  # the launch that hung and the seconds it was given, if one did
 
 
 @attrs.frozen
@@ -175,7 +183,9 @@ def _launch(cmd: list[str], pvc: Path, n: int) -> subprocess.Popen:
     lines, if it prints any, are read by ``divergence``; the stderr is named in the report)."""
     with open(pvc.parent / f"launch-{n:02d}.stdout", "w") as out, \
             open(pvc.parent / f"launch-{n:02d}.stderr", "w") as err:
-        return spawn(cmd, stdout=out, stderr=err)  # the child holds its own copies
+        # faulthandler: a Python process that aborts (a hung launch's SIGABRT) writes every
+        # thread's stack to its stderr first; it changes nothing else a run does.
+        return spawn(cmd, stdout=out, stderr=err, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
 
 
 def run_reference(cmd: Sequence[str], work: Path, name: str = "reference") -> Outcome:
@@ -221,7 +231,7 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, kind: str,
         at = draw(phase, reference, rng, at)
         how = stop_for(kind, reference, rng)
         folder = work / (f"trial-{index:02d}" if n == 1 else f"trial-{index:02d}-draw-{n}")
-        outcome = attrs.evolve(_signalled(cmd, folder / "pvc", phase, how, at), draws=n)
+        outcome = attrs.evolve(_signalled(cmd, folder / "pvc", phase, how, at, hung_after(reference)), draws=n)
         if outcome.delivered:
             return outcome
         progress(f"prove: trial {index}: the run ended before its signal landed; "
@@ -229,8 +239,14 @@ def run_trial(cmd: Sequence[str], work: Path, index: int, phase: str, kind: str,
     return outcome
 
 
-def _signalled(cmd: Sequence[str], pvc: Path, phase: str, how: Stop, at: Draw) -> Outcome:
-    """Stop the first launch at the instant ``at``, then relaunch while the job says relaunch."""
+def hung_after(reference: Outcome) -> float:
+    """Seconds a relaunch may run before it counts as hung (``HUNG_AFTER``)."""
+    return max(float(GRACE), HUNG_AFTER * reference.seconds)
+
+
+def _signalled(cmd: Sequence[str], pvc: Path, phase: str, how: Stop, at: Draw, limit: float) -> Outcome:
+    """Stop the first launch at the instant ``at``, then relaunch while the job says relaunch; a
+    relaunch still running after ``limit`` seconds is killed whole and the trial ends there."""
     pvc.parent.mkdir(parents=True)
     started = time.monotonic()
     ready = target(phase, at, pvc)
@@ -250,18 +266,28 @@ def _signalled(cmd: Sequence[str], pvc: Path, phase: str, how: Stop, at: Draw) -
         codes = [proc.wait()]
     said = [f"launch 1 {problem}" for problem in [disagreement(codes[0], events(pvc))] if problem]
     code = job_exit(codes)
+    hung = None
     while code == EXIT_RELAUNCH and len(codes) < MAX_LAUNCHES:
         if last_event(pvc) == "completed":
             code = EXIT_OK  # killed after completing: the job is done, nothing to relaunch
             break
         before = len(events(pvc))
         proc = _launch(for_pvc(cmd, pvc), pvc, len(codes) + 1)
-        codes.append(proc.wait())
+        try:
+            codes.append(proc.wait(timeout=limit))
+        except subprocess.TimeoutExpired:
+            kill_launch(proc, sig=signal.SIGABRT)  # each Python process's stacks, into the launch's stderr
+            time.sleep(STACKS_SECONDS)
+            kill_launch(proc)
+            codes.append(proc.wait())
+            hung = (len(codes), limit)
+            code = codes[-1]
+            break
         if problem := disagreement(codes[-1], events(pvc), before):
             said.append(f"launch {len(codes)} {problem}")
         code = job_exit(codes[-1:])
     return Outcome(pvc, tuple(codes), code, time.monotonic() - started, artifacts(pvc),
-                   phase, how.name, landed, delivered=delivered, disagreements=tuple(said))
+                   phase, how.name, landed, delivered=delivered, disagreements=tuple(said), hung=hung)
 
 
 def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path], str | None]) -> Verdict:
@@ -270,6 +296,8 @@ def judge(index: int, trial: Outcome, reference: Outcome, verify: Callable[[Path
     if not trial.delivered:
         return Verdict(index, (), untested=True)
     problems = []
+    if trial.hung is not None:
+        problems.append(f"launch {trial.hung[0]} hung: still running after {trial.hung[1]:.0f} s, killed")
     if trial.code != reference.code:
         problems.append(f"ended {trial.code} (launches {list(trial.codes)}), the reference {reference.code}")
     if trial.artifacts != reference.artifacts:
@@ -376,6 +404,16 @@ def report(reference: Outcome, trials: list[Outcome], verdicts: list[Verdict], w
         name, blob = next(iter(reference.artifacts.items()))
         lines.append(f"verdict: PROVEN: every trial resumed to the reference's {name} "
                      f"(sha256 {hashlib.sha256(blob).hexdigest()[:12]}...)")
+        return lines
+    if hanging := [(v, t) for v, t in zip(verdicts, trials) if t.hung is not None]:
+        # A hang, like a crash, says nothing of how the command resumes.
+        v, t = hanging[0]
+        n, limit = t.hung  # type: ignore[misc]
+        lines.append(f"verdict: HUNG: trial {v.trial}'s launch {n} was still running after {limit:.0f} s "
+                     f"({HUNG_AFTER} times the reference's time, at least {GRACE} s) and was killed: ranks waiting "
+                     "on one another, or a wait with no timeout, in the command or in trainjob")
+        lines.append(f"runs kept in {work} ({t.pvc.parent.relative_to(work)}/launch-{n:02d}.stderr: all it "
+                     "said, and each Python process's stacks when it was stopped)")
         return lines
     if crashed := [(v, t) for v, t in zip(verdicts, trials) if v.problems and crash(t) is not None]:
         # A crash says nothing of how the command resumes: neither a divergence nor a command
