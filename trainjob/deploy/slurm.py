@@ -286,8 +286,8 @@ def script(target: Target) -> str:
         '             scontrol requeue "$job" || echo "trainjob slurm: scontrol requeue $job failed; the job '
         'ends here (submit it again to resume)" >&2',
         '             exit "$exit" ;;',
-        f'    *) echo "trainjob slurm: the launch exited $code and trainjob slurm after could not judge it; '
-        f'not requeued" >&2; exit 70 ;;',
+        '    *) echo "trainjob slurm: the launch exited $code and trainjob slurm after could not judge it; '
+        'not requeued" >&2; exit 70 ;;',
         "esac",
     ]
     return "\n".join(lines) + "\n"
