@@ -12,7 +12,8 @@
 # `slurmctld -D`, `slurmd -D`) as a background process of this script whose PID goes to DIR/pids.
 # Three partitions: `debug` (the default), and `low`, whose jobs a job in `high` preempts by
 # requeueing them after a GraceTime (what a shared cluster's preemption does). A requeued job waits
-# cred_expire (5 s here, 120 by default) and a scheduling cycle before it starts again.
+# cred_expire (5 s here, Slurm's least; 120 by default) and a scheduling cycle before it starts again.
+# The node claims at least 8 CPUs whatever the machine has, so that jobs that mostly wait run side by side.
 set -euo pipefail
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }

@@ -6,6 +6,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,16 @@ def agrees_with_its_log(code: int, pvc: Path, before: int = 0) -> None:
 
     problem = disagreement(code, logged(pvc), before)
     assert problem is None, problem
+
+
+# The progress lines rank 0 prints off a terminal (trainjob/engine/progress.py): where the launch
+# began, and each checkpoint.
+PROGRESS = re.compile(r"trainjob: (attempt \d+ started: \d+ steps|resumed from step \d+ of \d+|checkpointed step \d+/\d+  .*)")
+
+
+def said(stderr: str) -> list[str]:
+    """What a run printed on stderr besides its progress lines: its last line, or its error."""
+    return [line for line in stderr.strip().splitlines() if not PROGRESS.fullmatch(line)]
 
 
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
@@ -183,7 +194,8 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @contextmanager
-def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest, alone: bool) -> Iterator[dict[str, str]]:
+def _using_cluster(slurm_cluster: dict[str, str], request: pytest.FixtureRequest,
+                   alone: bool) -> Iterator[dict[str, str]]:
     """The cluster for one test, beside the others that share it or alone (``flock``: shared or
     exclusive), whichever xdist worker runs them. Every job the test submits is named after it
     (``SBATCH_JOB_NAME`` overrides the script's ``--job-name``), and those alone are cancelled after it."""

@@ -234,7 +234,31 @@ def require(what: str, extra: str, *packages: str) -> None:
         except (ImportError, ValueError):  # a finder that refuses it, or a stub left in sys.modules
             found = False
         if not found:
+            _say_if_uncaught()
             raise _missing(package, extra, what)
+
+
+def _say_if_uncaught() -> None:
+    """A script's own ``import`` of an integration raises MissingExtra before trainjob runs
+    anything, so nothing else can give it trainjob's exit code: if it is never caught (a script may
+    try the import and go without: it stays an ImportError), Python's handler of uncaught exceptions
+    ends the process with one line and exit 2, not a traceback and exit 1. Installed once, in front of
+    the handler there is; any other exception goes on to that one."""
+    import sys
+
+    previous = sys.excepthook
+    if getattr(previous, "_trainjob_extra", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: object) -> None:
+        if isinstance(exc, MissingExtra):
+            print(f"trainjob: {exc} (exit 2)", file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(2)  # EXIT_USAGE (exits.py imports this module)
+        previous(kind, exc, tb)  # type: ignore[arg-type]
+
+    hook._trainjob_extra = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _os_fault(exc: BaseException) -> OSError | None:

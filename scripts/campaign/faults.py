@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from trainjob.deploy.launches import last_event
+from trainjob.deploy.launches import last_event, with_descendants
 
 from pathlib import Path
 
@@ -172,14 +172,7 @@ FSDP = ROOT / "examples/fsdp.py"
 def descendant_of_rank(root: int, rank: int) -> int | None:
     """The pid of the process below ``root`` whose environment says RANK=``rank`` (a torchrun
     worker), or None while there is none."""
-    pids = [root]
-    for pid in pids:  # grows while walked
-        for task in Path(f"/proc/{pid}/task").glob("*"):
-            try:
-                pids += [int(c) for c in (task / "children").read_text().split()]
-            except OSError:
-                pass
-    for pid in pids[1:]:
+    for pid in with_descendants(root)[1:]:
         try:
             if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 return pid

@@ -169,7 +169,8 @@ def test_bad_input_a_spent_budget_and_storage_that_always_fails_each_end_the_job
                        "budget1": ["--backoff-limit", "1", "--", "run", "--force-weights", "0,0,0"],
                        "full": ["--max-stalls", "2", "--", "run"]}.items():
         (tmp_path / name).mkdir()
-        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", pvcs[name], *args))
+        # --grace given: render need not time a run of each to size it
+        jobs[name] = submit(slurm, tmp_path / name, render(slurm, "--pvc", pvcs[name], "--grace", "30", *args))
     expected = {"bad": ("2:0", 0, []), "rank1": ("2:0", 0, None),
                 "budget0": ("1:0", 0, ["job_started", "drift_failed"]),
                 "budget1": ("1:0", 1, ["job_started", "drift_failed", "job_started", "drift_failed"]),
@@ -210,8 +211,9 @@ def test_w2_both_ways_preempted_and_an_own_loop_scancelled_each_resume_and_compl
         (tmp_path / way).mkdir()
         jobs[way] = submit(env, tmp_path / way, render(env, "--pvc", pvcs[way], "--partition", "low", "--grace", "20",
                                                        *ranks, "--", "run", *SLOW))
-    # 1000 quick steps, a checkpoint every 10: seconds of training after the first, for the signal to land in.
-    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "1000", "--ckpt-every", "10"]
+    # 2000 quick steps, a checkpoint every 50: seconds of training after the first, for the signal to land in.
+    loop = [sys.executable, str(ROOT / "examples/own_loop.py"), "--pvc", "{pvc}", "--steps", "2000",
+            "--ckpt-every", "50"]
     (tmp_path / "own-loop").mkdir()
     own = submit(env, tmp_path / "own-loop", render(env, "--pvc", pvcs["own-loop"], "--", *loop))
     signalled: set[str] = set()

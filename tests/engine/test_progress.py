@@ -105,6 +105,20 @@ def test_the_last_line_says_each_ending_with_what_to_know_next():
     assert metric_verdict(accuracy, 100).endswith("(higher is better; at least 0 passes with max_drop 100%)")
 
 
+class Full(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("stream", [None, Full()], ids=["stderr-closed", "stderr-full"])
+def test_a_stderr_that_is_closed_or_cannot_be_written_changes_nothing(stream):
+    narrator = Narrator(stream, 2, "p")
+    narrator.told("job_started", "steps=2 attempt=1")
+    narrator.step(1, 100)
+    narrator.told("checkpointed", "step=1 loss_milli=100")
+    narrator.ending("killed", 75)
+
+
 class Vector:
     def __init__(self) -> None:
         self.w = np.zeros(3)

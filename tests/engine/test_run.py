@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 import trainjob
-from conftest import agrees_with_its_log, events, snapshot
+from conftest import agrees_with_its_log, events, said, snapshot
 from trainjob import Run, Score, cli
 from trainjob.trainers.linear import make as linear
 
@@ -106,18 +105,14 @@ def test_an_own_loop_completes_with_a_verified_artifact_and_exit_0(pvc):
     assert cli.main(["status", "--path", str(pvc / "log.jsonl")]) == 0  # a legal path of the table
 
 
-# The progress lines rank 0 prints off a terminal (engine/progress.py): where the launch began, each checkpoint.
-PROGRESS = re.compile(r"trainjob: (attempt \d+ started: \d+ steps|resumed from step \d+ of \d+|checkpointed step \d+/\d+  .*)")
-
-
-def said(capsys) -> list[str]:
+def told(capsys) -> list[str]:
     """What the run printed on stderr besides its progress lines."""
-    return [line for line in capsys.readouterr().err.strip().splitlines() if not PROGRESS.fullmatch(line)]
+    return said(capsys.readouterr().err)
 
 
 def resumes_after(pvc: Path, first_code: int, capsys) -> None:
     """The misuse left the attempt in flight: a correct relaunch resumes it and completes."""
-    err = said(capsys)
+    err = told(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: ") and f"(exit {first_code})" in err[0], err
     agrees_with_its_log(first_code, pvc)  # the log says so too: `refused`, status 2
     run, state = own(pvc, good)
@@ -273,7 +268,7 @@ def test_an_export_with_nothing_or_a_bad_entry_is_refused_in_one_line_naming_it_
             run.report(state.step(step))
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=0, total=1), export=export)
     assert run.exit_code == 2 and str(run.error).startswith(f"refused at step 2: {says}"), run.error
-    err = said(capsys)
+    err = told(capsys)
     assert len(err) == 1 and "Attribute(" not in err[0] and "state_dict()" not in err[0], err
     kind, detail = events(pvc / "log.jsonl")[-1]
     assert kind == "refused" and detail.startswith(f"at_step=2 reason={says}"), detail
@@ -382,7 +377,7 @@ def test_a_trainjob_error_in_the_body_keeps_its_code(pvc, capsys):
 
     run, _ = own(pvc, peer_gone)
     assert run.exit_code == 75
-    assert said(capsys) == ["trainjob: a peer left (exit 75)"]
+    assert told(capsys) == ["trainjob: a peer left (exit 75)"]
 
 
 def test_sigterm_in_the_body_saves_that_step_and_ends_killed_75(pvc):
@@ -673,7 +668,7 @@ def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, cap
     (relaunch) where the run had exited 2."""
     run, _ = own(pvc, reporting(value), steps=2)
     assert run.exit_code == 2 and says in str(run.error), run.error
-    err = said(capsys)
+    err = told(capsys)
     assert len(err) == 1 and err[0].startswith("trainjob: step 1: ") and err[0].endswith("(exit 2)"), err
     assert events(pvc / "log.jsonl")[-1][1].startswith("at_step=1 reason=step 1: the loss ")
     assert cli.main(["status", str(pvc / "log.jsonl")]) == 2
@@ -682,11 +677,11 @@ def test_an_odd_and_wrong_loss_is_exit_2_in_one_line_and_logged_refused(pvc, cap
 def test_a_torch_loss_of_one_element_is_accepted_more_or_a_meta_one_is_exit_2(pvc, capsys):
     torch = pytest.importorskip("torch")
     run, _ = own(pvc, reporting(lambda: torch.tensor([0.5], requires_grad=True) * 1), steps=2)
-    assert run.exit_code == 0 and said(capsys)[-1].startswith("trainjob: completed (exit 0): published ")
+    assert run.exit_code == 0 and told(capsys)[-1].startswith("trainjob: completed (exit 0): published ")
     for n, value in enumerate([torch.tensor([0.5, 0.6]), torch.tensor(0.5, device="meta")]):
         run, _ = own(pvc.parent / str(n), reporting(value), steps=2)
         assert run.exit_code == 2 and ("2 elements" if n == 0 else "meta") in str(run.error), run.error
-        assert len(said(capsys)) == 1
+        assert len(told(capsys)) == 1
 
 
 class MetaState(Vector):
@@ -708,7 +703,7 @@ def test_a_meta_tensor_in_the_state_or_the_export_is_exit_2_in_one_line(pvc, cap
         run.gate(holdout=Score(correct=1, total=1), baseline=Score(correct=1, total=1),
                  export={"w": torch.empty(4, device="meta")})
     assert run.exit_code == 2 and "meta" in str(run.error)
-    err = said(capsys)
+    err = told(capsys)
     assert len(err) == 2 and all(line.endswith("(exit 2)") for line in err), err
 
 
@@ -718,7 +713,7 @@ def test_a_run_entered_off_the_main_thread_is_refused_in_one_line(pvc, capsys):
     worker.start()
     worker.join()
     assert found and found[0].exit_code == 2 and "main thread" in str(found[0].error)
-    err = said(capsys)
+    err = told(capsys)
     assert len(err) == 1 and err[0].endswith("(exit 2)"), err
     assert not pvc.exists()
 

@@ -112,10 +112,11 @@ def finish(pvc: Path, *flags: str, script: Path = EXAMPLE) -> tuple[int, dict[in
 
 
 def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, script: Path = EXAMPLE,
-              flags: tuple[str, ...] = (), group: bool = False) -> tuple[int, str]:
+              flags: tuple[str, ...] = (), group: bool = False, twice: bool = False) -> tuple[int, str]:
     """Run until the loss line of step ``at_line`` or a later one, ``then`` seconds more, and send
     ``sig`` (a loss line is printed before the step's checkpoint: a kill soon after one lands in it)
-    to the process, or with ``group`` to its whole process group (its loader's workers too)."""
+    to the process, or with ``group`` to its whole process group (its loader's workers too); with
+    ``twice``, again half a second later, if it still runs (Slurm's preemption)."""
     before = log_length(pvc)
     proc = launch(pvc, *flags, script=script)
     assert proc.stdout is not None
@@ -123,10 +124,10 @@ def signalled(pvc: Path, sig: signal.Signals, at_line: int, then: float = 0.0, s
         if (step := losses(line)) and min(step) >= at_line:
             break
     time.sleep(then)
-    if group:
-        os.killpg(proc.pid, sig)
-    else:
-        proc.send_signal(sig)
+    for n in range(2 if twice else 1):
+        time.sleep(0.5 if n else 0)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
     agrees_with_its_log(proc.returncode, pvc, before)
     return proc.returncode, err
@@ -328,21 +329,29 @@ def test_a_gate_on_an_eval_metric_compares_it_with_the_frozen_value(tmp_path):
 
 @pytest.mark.process
 @pytest.mark.killpoint
-def test_a_sigterm_to_the_whole_process_group_with_loader_workers_is_a_saved_step_and_75(reference, tmp_path):
-    """Two launches with 2 loader workers: SIGTERM to the process group (Slurm's scancel, Ctrl-C)
-    reaches the workers too (the integration guards them as TrainingState guards a script's
-    loader); the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes (the
-    workers change no batch). Not a control for the guard: without it this run also ended 75 once
-    (the Trainer prefetches a step's batches before training it); tests/trainers/test_workers.py
-    tests the guard itself."""
-    expected, _, _ = reference
+def test_a_sigterm_to_the_whole_process_group_twice_with_workers_on_every_loader_is_a_saved_step_and_75(tmp_path):
+    """Slurm's preemption: SIGTERM to the process group, twice, half a second apart, with 2 workers
+    on the train loader and 2 on the loader of an evaluation every 4 steps (eval_dataset), sent
+    as step 12's evaluation begins. The
+    integration guarded the train loader's workers only: the eval loader's died of the signal and
+    the run ended 70 ("DataLoader worker ... is killed by signal"). Now every loader's workers
+    outlive it: the step is saved, exit 75, and the relaunch publishes the uninterrupted bytes of
+    the same script. Three launches: the uninterrupted one, the stopped one, the relaunch."""
+    _needs_transformers()
+    script = variant(tmp_path / "hf_eval_workers.py",
+                     ("train_dataset=train)", "train_dataset=train, eval_dataset=holdout * 8)"),
+                     ('save_strategy="steps",', 'save_strategy="steps", eval_strategy="steps", eval_steps=4,'))
+    flags = ("--workers", "2")
+    code, _, err = finish(tmp_path / "ref", *flags, script=script)
+    assert code == 0, err[-2000:]
     pvc = tmp_path / "pvc"
-    code, err = signalled(pvc, signal.SIGTERM, 12, flags=("--workers", "2"), group=True)
+    # Step 12's loss line is printed just before its evaluation (64 batches): the signal lands there.
+    code, err = signalled(pvc, signal.SIGTERM, 12, script=script, flags=flags, group=True, twice=True)
     assert code == 75, err[-2000:]
     assert events(pvc)[-1]["event"] == "killed"
-    code, _, err = finish(pvc, "--workers", "2")
+    code, _, err = finish(pvc, *flags, script=script)
     assert code == 0, err[-2000:]
-    assert artifact(pvc) == expected
+    assert artifact(pvc) == artifact(tmp_path / "ref")
 
 
 @pytest.mark.process

@@ -39,8 +39,12 @@ def test_any_other_error_goes_to_pythons_own_handler():
     assert not construction.refused_construction(*raised(other, TRAINER))
 
 
-def test_importing_the_integration_puts_the_hook_in_front_once():
-    assert getattr(sys.excepthook, "_trainjob_hf", False)
-    before = sys.excepthook
+def test_the_hook_goes_in_front_of_the_handler_there_is_once(monkeypatch):
+    """Importing the integration installs it; a handler put in front since (torch.distributed's) gets
+    it in front again, and installing twice in a row adds nothing."""
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     construction.install()
-    assert sys.excepthook is before
+    installed = sys.excepthook
+    assert getattr(installed, "_trainjob_hf", False)
+    construction.install()
+    assert sys.excepthook is installed

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -150,6 +150,7 @@ WORDS = torch.from_numpy(np.random.default_rng(0).integers(-2 ** 31, 2 ** 31, 3 
 positions = st.integers(0, len(WORDS) - 1)
 
 
+@settings(max_examples=40)  # each example reads 49 kB four times
 @given(positions, positions, st.integers(1, 2 ** 31 - 1))
 @example(1, frozen._COLUMNS, 1)  # (row 0, column 1) and (row 1, column 0): the same row + column
 @example(frozen._COLUMNS - 1, 3 * frozen._COLUMNS, 1)  # the last column of row 0, the first word past the rows

@@ -79,3 +79,21 @@ def test_a_module_with_state_that_is_not_a_tensor_stays_on_dcp():
     first, second = got.state_dict(), got.state_dict()
     assert got._dcp and first.keys() == second.keys() == get_model_state_dict(model).keys()
     assert second["0._extra_state"] == {"calls": 1}
+
+
+def test_a_param_group_added_during_the_run_is_refused_in_one_line_naming_it():
+    """Gradual unfreezing (Lightning's BaseFinetuning adds a group as it unfreezes a layer): the
+    names the layout learnt no longer cover the optimizer; refused (exit 2), not an IndexError (70)."""
+    from trainjob.errors import UsageError
+
+    model = net()
+    model[1].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    state = TrainingState(model=model, optimizer=opt, rng=False)
+    state.state_dict()
+    model[1].requires_grad_(True)
+    opt.add_param_group({"params": list(model[1].parameters())})
+    model(torch.tensor([1, 2, 3, 4])).sum().backward()
+    opt.step()
+    with pytest.raises(UsageError, match=r"optimizer's parameters changed since the run began \(3 then, 5 now"):
+        state.state_dict()

@@ -207,3 +207,15 @@ def test_a_sigkilled_runs_workers_leave_even_with_a_full_result_pipe(tmp_path):
     for p in alive:
         os.kill(p, signal.SIGKILL)
     assert not alive, "a worker outlived its killed run"
+
+
+def test_importing_the_torch_adapter_guards_every_loaders_workers_once():
+    """Every worker torch or torchdata starts calls ``_set_worker_signal_handlers`` first: the
+    guard follows it there, whichever loader started the worker (the train loader's, a
+    validation loader's, a script's own), once however often the hook is installed."""
+    from torch.utils.data._utils import signal_handling
+
+    hooked = signal_handling._set_worker_signal_handlers
+    assert isinstance(hooked, workers._GuardAfter) and not isinstance(hooked.original, workers._GuardAfter)
+    workers._hook()
+    assert signal_handling._set_worker_signal_handlers is hooked

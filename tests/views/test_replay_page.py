@@ -127,7 +127,10 @@ def test_every_kind_of_line_renders(every_kind_log):
     assert {n: kind for n, kind in kinds.items() if kind != "step"} == {5: "aside", last - 1: "skipped", last: "aside"}
     by_event = {f["event"]: f for f in frames}
     assert tuple(by_event["cleaned_up"]["edge"]) == ("pending", "resumed")  # named by the resume after it
-    assert "shard-00000-of-00001.safetensors: not a valid safetensors file" in by_event["checkpoint_rejected"]["why"][0]
+    # The byte the fixture damages sits in the shard's header, which since manifest schema 3 also says where
+    # each slice sits: the refusal names the shard, whichever of its header's checks the byte breaks.
+    rejected = by_event["checkpoint_rejected"]["why"][0]
+    assert "failed verification (checkpoints/step-00000004-a0001-w001: shard-00000-of-00001.safetensors: " in rejected
     assert "The run's own state stays killed" in by_event["resharded"]["why"][1]
     assert by_event["resharded"]["state"] == "resharded"
     held = dict(frames[-1]["pvc"])

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -83,7 +84,7 @@ def pointer_to(pvc: Path, name: str) -> None:
 
 
 @pytest.fixture
-def one_step_back(tmp_path, completed) -> tuple[Path, callable]:
+def one_step_back(tmp_path, completed) -> tuple[Path, Callable[[], None]]:
     """The PVC as it was one step earlier (step 10 not committed yet, the pointer on 9), and the
     job's next step as a function: commit 10, point at it, rotate 8 and 9 away (``--keep 1``)."""
     pvc, later = tmp_path / "pvc", tmp_path / "later"

@@ -152,10 +152,6 @@ def as_tensor(array: np.ndarray) -> Any:
 def _check(name: str, value: object, source: str = STATE) -> str:
     """The safetensors dtype code of one state value; UsageError saying what to change."""
     where = f"{source}[{name!r}]"
-    if not isinstance(name, str) or re.fullmatch(PLAIN_NAME, name) is None:
-        shown = one_line(repr(name)) if len(str(name)) <= 60 else f"{one_line(repr(str(name)[:40]))}... ({len(name)} characters)"
-        raise UsageError(f"{source}: the name {shown} cannot be stored; a name is 1 to 200 letters, digits, '_', "
-                         "'.' or '-', not beginning with '.' or '-'")
     if is_dtensor(value):
         dtensor_box(name, value)  # its placements, before anything is written
         value = value.to_local()
@@ -220,7 +216,21 @@ def specs_of(state: Mapping[str, Any], source: str = STATE) -> tuple[TensorSpec,
     (``source``: what handed it out, named in the message)."""
     if not isinstance(state, Mapping):
         raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
-    return tuple(TensorSpec(name=n, dtype=_check(n, v, source), shape=tuple(v.shape)) for n, v in sorted(state.items()))
+    specs = []
+    for name, value in sorted(state.items()):
+        dtype = _check(name, value, source)
+        try:
+            specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(value.shape)))
+        except (TypeError, ValueError) as exc:  # what the manifest cannot hold: one line, not the validator's repr
+            raise UsageError(_unstorable(name, source) if re.fullmatch(PLAIN_NAME, name) is None else
+                             f"{source}[{name!r}]: cannot be checkpointed: {one_line(str(exc.args[0]))[:200]}") from None
+    return tuple(specs)
+
+
+def _unstorable(name: str, source: str) -> str:
+    shown = one_line(repr(name)) if len(name) <= 60 else f"{one_line(repr(name[:40]))}... ({len(name)} characters)"
+    return (f"{source}: the name {shown} cannot be stored; a name is 1 to 200 letters, digits, '_', '.' or '-', "
+            "not beginning with '.' or '-'")
 
 
 def _changes(first: tuple[TensorSpec, ...], now: tuple[TensorSpec, ...]) -> str:

@@ -28,18 +28,23 @@ def spawn(argv: Sequence[str], *, stdout=subprocess.DEVNULL, stderr=subprocess.P
     return subprocess.Popen(list(argv), stdout=stdout, stderr=stderr, text=True, env=env, start_new_session=True)
 
 
+def with_descendants(root: int) -> list[int]:
+    """``root`` and every process below it (from /proc's children lists), parents first."""
+    pids = [root]
+    for pid in pids:  # grows while walked
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                pids += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return pids
+
+
 def kill_launch(proc: subprocess.Popen, torchrun: bool = True, sig: int = signal.SIGKILL) -> None:
     """Signal a launch, every process of it at once, as a node or container dies. torchrun starts
     each worker in a session of its own, so its process group alone would leave them running:
     with ``torchrun``, every descendant is found (before any dies) and signalled too."""
-    pids = [proc.pid]
-    if torchrun:
-        for pid in pids:  # grows while walked
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    pids += [int(c) for c in (task / "children").read_text().split()]
-                except OSError:
-                    pass
+    pids = with_descendants(proc.pid) if torchrun else [proc.pid]
     for pid in pids:
         try:
             os.killpg(pid, sig) if pid == proc.pid else os.kill(pid, sig)

@@ -175,7 +175,7 @@ class Target:
         if self.partition and not _PARTITION.fullmatch(self.partition):
             raise UsageError(f"--partition must be a partition name (or several, comma-separated), "
                              f"got {self.partition!r}")
-        if self.grace is not None and self.grace < 1:  # 0 means SIGKILL at once: no checkpoint, the kill loses the step
+        if self.grace is not None and self.grace < 1:  # 0: SIGKILL at once, no checkpoint, the step lost
             raise UsageError(f"--grace must be at least 1 second, long enough to checkpoint, got {self.grace}")
         if self.grace is not None and self.time and self.grace + SLURMCTLD_PERIOD >= time_seconds(self.time):
             raise UsageError(f"--grace {self.grace} with --time {self.time}: Slurm may signal up to "

@@ -93,7 +93,7 @@ class Narrator:
     """Rank 0's voice on ``stream``: the progress of ``steps`` steps (``progress``: on a terminal a
     line rewritten in place, else a line per checkpoint), then the final line."""
 
-    def __init__(self, stream: TextIO, steps: int, where: str, *, progress: bool = True,
+    def __init__(self, stream: TextIO | None, steps: int, where: str, *, progress: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.stream, self.steps, self.where, self.clock = stream, steps, where, clock
         self.tty = progress and _is_terminal(stream)
@@ -161,6 +161,8 @@ class Narrator:
                                verdict=self.verdict) + "\n")
 
     def _write(self, text: str) -> None:
+        if self.stream is None:  # stderr closed (2>&-): Python's sys.stderr is None
+            return
         try:
             self.stream.write(text)
             self.stream.flush()
@@ -181,7 +183,7 @@ class Narrated(EventLog):
         return record
 
 
-def _is_terminal(stream: TextIO) -> bool:
+def _is_terminal(stream: TextIO | None) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, _get_fqns
                                                      set_optimizer_state_dict)
 
 from . import names
+from ...errors import UsageError
 
 # Not strict: a parameter whose state torch has not created is left out of what is loaded.
 _NOT_STRICT = StateDictOptions(strict=False)
@@ -123,6 +124,12 @@ def _describe(state: dict[str, Any], like: torch.Tensor | None = None) -> dict[s
 def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout: Layout) -> dict[str, Any]:
     """``{"state": {fqn: {key: tensor or value}}, "param_groups": [...], "created": {fqn: bool}}``;
     the tensors are the optimizer's own (a 0-d one as a shape-(1,) view)."""
+    now = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(now) != len(layout.params) or any(a is not b for a, b in zip(now, layout.params)):
+        raise UsageError(f"the optimizer's parameters changed since the run began ({len(layout.params)} then, "
+                         f"{len(now)} now: a param group added as layers are unfrozen?); a checkpoint holds the "
+                         "same entries at every step: give the optimizer every parameter it will train from the "
+                         "start (a frozen one gets no state until it has a gradient)")
     if optimizer.state and layout.sharded:
         sd = get_optimizer_state_dict(model, optimizer)  # its dummy step runs only on an empty state
         state = {fqn: {k: _axis(v) for k, v in entries.items()} for fqn, entries in sd["state"].items()}
