@@ -240,6 +240,17 @@ class RankNote:
 
 
 @attrs.frozen
+class Refusal:
+    """A rank >= 1 ending the launch it trained in with exit 2 (a loss that is not a number, a
+    state it cannot checkpoint): rank 0 logs it (``refused``) and ends every rank with 2, so the
+    log says what the job's exit says, though only this rank saw the cause."""
+
+    rank: int = attrs.field(validator=v.ge(1))
+    step: int = attrs.field(validator=v.ge(0))
+    message: str
+
+
+@attrs.frozen
 class Candidate:
     """A checkpoint rank 0 asks every rank to verify its share of before it resumes from it
     (the store's ``verify`` key: ranks/store.py's verdict round). ``nonce`` names the rank 0

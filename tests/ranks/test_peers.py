@@ -355,3 +355,34 @@ def test_each_rank_relaunched_after_its_launch_completed_exits_0_at_once(tmp_pat
         assert done.returncode == 0, (how, env, done.stderr)
         assert "already completed (attempt 1): artifacts/model-v1.json verified" in done.stdout
     assert untouched(pvc) == before
+
+
+# --- a refusal only one rank saw ---------------------------------------------------------------------
+
+@pytest.mark.process
+@pytest.mark.parametrize("transport", ["files", pytest.param("store", marks=pytest.mark.torchrun)])
+def test_a_refusal_only_rank_1_saw_is_logged_by_rank_0_and_every_rank_exits_2(tmp_path, transport):
+    """Rank 1 alone reports a NaN at step 7 (tests/helpers/refuse_on_one_rank.py). It used to exit 2
+    with rank 0 logging nothing: the launch ended 2 while `status` said 75 (relaunch), and with
+    files rank 0 first waited out --rank-timeout (20 s here) at the next checkpoint. Rank 0 now
+    logs `refused`, naming rank 1 and its reason, and every rank exits 2, at once."""
+    from conftest import agrees_with_its_log
+
+    pvc, script = tmp_path / "pvc", str(ROOT / "tests/helpers/refuse_on_one_rank.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    if transport == "files":
+        ranks = [subprocess.Popen([sys.executable, script, str(pvc), str(r), "2"], env=env, stderr=subprocess.PIPE,
+                                  text=True) for r in (1, 0)]
+        codes = [p.wait(60) for p in ranks]
+    else:
+        launch = subprocess.run([sys.executable, "-m", "trainjob", "torchrun", "--standalone", "--nproc-per-node", "2",
+                                 "--monitor-interval", "0.1", script, str(pvc)], env=env, capture_output=True,
+                                text=True, timeout=120)
+        codes = [launch.returncode]
+        assert "workers' codes {0: 2, 1: 2}" in launch.stderr, launch.stderr[-2000:]
+    assert codes == [2] * len(codes)
+    assert time.monotonic() - started < 15  # not after --rank-timeout (20 s)
+    last = json.loads((pvc / "log.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "refused" and "reason=rank 1: step 7: the loss is nan" in last["detail"], last
+    agrees_with_its_log(codes[0], pvc)

@@ -26,7 +26,7 @@ from trainjob.exits import exit_code_for
 from trainjob.ranks import connect
 from trainjob.ranks.coordination import Coordinator, Follower
 from trainjob.ranks.peers import PvcCoordinator
-from trainjob.records import ShardEntry, Session
+from trainjob.records import Refusal, ShardEntry, Session
 from trainjob.storage.pvc import Pvc
 
 dist = pytest.importorskip("torch.distributed", reason="torch is not installed (pip install 'trainjob[torch]')")
@@ -399,6 +399,27 @@ def test_every_rank_ends_with_rank_0s_exit_code_and_rank_0_waits_until_they_read
     assert [type(r) for r in results] == [error, error]
     assert {exit_code_for(type(r)) for r in results} == {code}
     assert code == 75 or finished[0] >= read_at
+
+
+def test_a_followers_refusal_reaches_rank_0_which_then_waits_only_for_the_ranks_still_there(server, pvc):
+    """Rank 0 ends a launch with 2 waiting until every other rank has read its outcome: a rank
+    that refused the launch and left never will, and rank 0 waited out --rank-timeout (30 s here)."""
+    rank0, (rank1, rank2) = launch(server, pvc, 3, timeout=30.0)
+    assert rank0.refusals() == []
+    rank1.step = 7
+    rank1.refuse(Refusal(rank=1, step=7, message="step 7: the loss is nan"))
+    deadline = time.monotonic() + 5  # a TCPStore set is not acknowledged: another client sees it soon after
+    while not rank0.refusals() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rank0.refusals() == [Refusal(rank=1, step=7, message="step 7: the loss is nan")]
+    ended: list = []
+    t = threading.Thread(target=lambda: ended.append(in_threads([rank2], lambda f: f.stop_wanted())[0]))
+    t.start()  # rank 2 reads the outcome from its round
+    started = time.monotonic()
+    rank0.finish("error", "PeerRefused: rank 1: step 7: the loss is nan", 2)
+    assert time.monotonic() - started < 10
+    t.join(10)
+    assert isinstance(ended[0], PeerRefused) and "rank 1: step 7" in str(ended[0])
 
 
 def test_rank_0_failing_before_it_published_a_session_ends_every_joining_rank_with_its_code(server, pvc):

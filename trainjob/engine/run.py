@@ -97,13 +97,13 @@ from ..checkpoint.plan import Ref
 from ..checkpoint.snapshot import Gathered, HostState
 from ..checkpoint.store import Loaded, ShardWriter
 from ..defaults import ASYNC_WRITE_TIMEOUT, BACKOFF_LIMIT
-from ..errors import (InputError, PeerFailed, Refused, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
+from ..errors import (InputError, PeerFailed, PeerRefused, Refused, ReplicasDisagree, StateMismatch, Superseded, TrainJobError,
                       TryAgainLater, UsageError, memory_errors, missing_extra, one_line, os_errors)
-from ..exits import EXIT_INTERNAL, EXIT_USAGE, exit_code_for, exit_code_for_state
+from ..exits import EXIT_INTERNAL, EXIT_RELAUNCH, EXIT_USAGE, exit_code_for, exit_code_for_state
 from ..ranks.identity import resolve_rank
 from ..ranks import connect, lost, torchrun
-from ..ranks.peers import stopped_before_joining
-from ..records import Candidate, Metric, Score, Session
+from ..ranks.peers import refused_by, stopped_before_joining
+from ..records import Candidate, Metric, Refusal, Score, Session
 from ..states import State as JobState
 from ..storage.eventlog import check_writable
 from ..storage.backend import Url, as_location
@@ -722,8 +722,11 @@ class Run:
         if self._narrator is not None:
             self._narrator.close()  # a progress line left open: what follows starts on its own line
         self.error = exc = missing_extra(exc) or exc  # an optional package not installed: 2, naming its extra
+        if self.rank == 0 and self._launch_open and exit_code_for(type(exc)) == EXIT_RELAUNCH:
+            self.error = exc = self._refused_by_a_peer(exc)
         try:
             self._close_writes()
+            self._tell_rank_0(exc)
             self._log_refusal(exc)
             if self._launch_open:
                 self._launch_open = False
@@ -742,6 +745,28 @@ class Run:
             if not isinstance(exc, TrainJobError):  # a bug, here or in the loop: all of it
                 _say("".join(traceback.format_exception(exc)).rstrip())
             _say(f"trainjob: {one_line(str(exc))} (exit {code})")
+
+    def _refused_by_a_peer(self, exc: BaseException) -> BaseException:
+        """(rank 0, ending the launch with 75) A rank that refused the launch and left (a NaN
+        only it saw) is why this rank found it gone: the launch is refused (2, logged) as the job's
+        exit says, not a relaunch. ``exc`` when no rank refused, or the peers cannot say."""
+        try:
+            refusals = self._peers.refusals()
+        except TrainJobError:  # the store went with the launcher: the peer's word is lost
+            return exc
+        if not refusals:
+            return exc
+        refused = refused_by(refusals[0])
+        refused.__cause__ = exc
+        return refused
+
+    def _tell_rank_0(self, exc: BaseException) -> None:
+        """(ranks >= 1) An exit 2 of this rank's own (not rank 0's word) in a joined launch: said
+        to rank 0, which logs it and ends every rank with it."""
+        if (self.rank != 0 and self._session is not None and exit_code_for(type(exc)) == EXIT_USAGE
+                and not isinstance(exc, PeerRefused)):
+            step = self._step if self._step is not None else self._peers.step
+            self._peers.refuse(Refusal(rank=self.rank, step=step, message=one_line(str(exc))[:400]))
 
     def _log_refusal(self, exc: BaseException) -> None:
         """(rank 0) An error that ends a launch which began (``job_started`` or ``resumed`` is

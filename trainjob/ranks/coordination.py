@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from ..records import Candidate, Outcome, Session, ShardEntry
+from ..records import Candidate, Outcome, Refusal, Session, ShardEntry
 
 
 @runtime_checkable
@@ -97,6 +97,10 @@ class Coordinator(Coordination, Protocol):
     def peer_signal(self) -> str | None:
         """(rank 0, when a stop ends the launch) Which rank's signal started it, for the log."""
 
+    def refusals(self) -> list[Refusal]:
+        """(rank 0, ending the launch as a relaunch: a peer gone, a round never ended) The other
+        ranks' refusals of this launch (``Follower.refuse``), by rank: the job refuses with them."""
+
     def finish(self, state: str, message: str = "", code: int | None = None) -> None:
         """(rank 0, last; also after an error before ``publish``) End the launch with the
         machine's final ``state`` (or ``"error"``, a message and the exit ``code`` rank 0 ends
@@ -136,6 +140,10 @@ class Follower(Coordination, Protocol):
 
     def check_current(self) -> None:
         """(ranks >= 1, when a write fails) Raise Superseded if rank 0 started a newer launch."""
+
+    def refuse(self, refusal: Refusal) -> None:
+        """(ranks >= 1, ending a joined launch with exit 2 that rank 0 did not decide) Say why,
+        before exiting: rank 0, which then finds this rank gone, refuses the launch with it."""
 
     def wait_outcome(self) -> Outcome:
         """(ranks >= 1, last) Wait for how rank 0 ended the launch; PeerFailed if it failed."""

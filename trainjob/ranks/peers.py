@@ -7,6 +7,7 @@ Ranks share nothing but the PVC (a ReadWriteMany volume in Kubernetes). Every wa
     g00000003/join-00001.json    rank 1 joined generation 3
     g00000003/join-00000.json    rank 0 saw every rank join: generation 3 begins
     g00000003/stop-00001.json    rank 1 must stop (a signal, its own or a peer's): after which step
+    g00000003/refused-00001.json rank 1 refused generation 3 and left (a Refusal: a NaN only it saw)
     g00000003/outcome.json       how rank 0 ended generation 3 (the other ranks exit with it)
 
 The protocol, in short (docs/checkpoints.md has the long form):
@@ -40,7 +41,7 @@ from ..errors import (InputError, PeerFailed, PeerRefused, RankTimeout, Supersed
                       os_errors)
 from ..storage.durable import atomic_write, make_dir
 from ..storage.pvc import Pvc
-from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps
+from ..records import Candidate, Outcome, RankNote, Refusal, Session, ShardEntry, dumps
 from ..exits import exit_code_for_state
 from .coordination import Follower
 
@@ -103,6 +104,11 @@ def begun_or_ended(follower: Follower) -> bool | None:
     outcome = follower.read_outcome()
     raise_if_failed(outcome)
     return None if outcome is None else True
+
+
+def refused_by(refusal: Refusal) -> PeerRefused:
+    """(rank 0, either transport) The error rank 0 ends a launch with when another rank refused it."""
+    return PeerRefused(f"rank {refusal.rank}: {refusal.message}")  # the log's `refused` says rank 0's step
 
 
 def ended(generation: int, state: str, message: str, code: int | None) -> Outcome:
@@ -273,6 +279,17 @@ class PvcCoordinator(PvcPeers):
                 return f"{note.signal}@rank{r}"
         return None
 
+    def refusals(self) -> list[Refusal]:
+        notes = [self.pvc.read_record(self._note_path("refused", r), Refusal) for r in range(1, self.world_size)]
+        return [n for n in notes if n is not None]
+
+    def poll(self) -> None:
+        """(rank 0) Run during every wait: pass on a stop; a rank that refused the launch and left
+        will never deliver what is waited for, so the launch is refused now, not at the timeout."""
+        super().poll()
+        if not self.solo and any(p.name.startswith("refused-") and p.name.endswith(".json") for p in self._listdir()):
+            raise refused_by(self.refusals()[0])
+
     def finish(self, state: str, message: str = "", code: int | None = None) -> None:
         """(rank 0, last) How this launch ended (the machine's state, or "error" and its exit
         ``code``): the others exit with it. Before a launch was published there is nothing to
@@ -335,6 +352,9 @@ class PvcFollower(PvcPeers):
         s = self._read_session()
         if s is None or s.generation != self.generation:
             raise Superseded(f"generation {self.generation} was superseded")
+
+    def refuse(self, refusal: Refusal) -> None:
+        self._write(self._note_path("refused", self.rank), refusal)
 
     def wait_staging(self, staging: Path, step: int) -> None:
         """(ranks >= 1, at each checkpoint, before writing a shard) Rank 0 creates each

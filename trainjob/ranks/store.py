@@ -17,6 +17,7 @@ generation there, under the job lock). Keys, for generation 3:
     g00000003/durable/8/1      rank 1's shard of step 8 is durable (fsynced): rank 0 may commit
     verify                     Candidate: a checkpoint rank 0 asks every rank to verify its share of
     verify/NONCE/2/1           rank 1's verdict on rank 0's (process NONCE) 2nd candidate
+    g00000003/refused/1        Refusal: rank 1 refused the launch and left (a NaN only it saw)
     g00000003/outcome          Outcome: how rank 0 ended generation 3, with its exit code
     g00000003/outcome/read     how many other ranks have read it
     aborted, aborted/read      the same, when rank 0 ended on an error before publishing a session
@@ -69,7 +70,7 @@ from typing import Any, TypeVar
 from ..checkpoint.plan import shard_file
 from ..errors import InputError, PeerFailed, RankTimeout, Superseded
 from ..exits import EXIT_RELAUNCH, exit_code_for
-from ..records import Candidate, Outcome, RankNote, Session, ShardEntry, dumps, load
+from ..records import Candidate, Outcome, RankNote, Refusal, Session, ShardEntry, dumps, load
 from ..storage.durable import make_dir
 from ..storage.pvc import Pvc
 from .peers import (PvcCoordinator, begun_or_ended, ended, joinable, raise_if_failed, stopped_before_joining,
@@ -488,12 +489,17 @@ class StoreCoordinator(StorePeers):
                     return f"{note.signal}@rank{r}"
         return None
 
+    def refusals(self) -> list[Refusal]:
+        keys = [self.key(f"refused/{r}") for r in range(1, self.world_size)]
+        return [self.read(key, Refusal) for key in keys if self.has(key)]
+
     def finish(self, state: str, message: str = "", code: int | None = None) -> None:
         """(rank 0, last) The outcome, and the end of the round the others may be waiting in; an
         error before any session was published ends the launch's wait for one (``aborted``). Then,
         unless the code is 75 (what a rank that loses the store exits with anyway), wait until
-        every other rank has read it, at most ``--rank-timeout``: the store may die with this
-        process, and a rank that has not read the outcome by then could only say 75."""
+        every other rank has read it (but those that refused the launch and left), at most
+        ``--rank-timeout``: the store may die with this process, and a rank that has not read the
+        outcome by then could only say 75."""
         if self.solo:
             return
         outcome = ended(self.generation, state, message, code)
@@ -506,8 +512,9 @@ class StoreCoordinator(StorePeers):
             key = "aborted"
             self.set(key, dumps(outcome))
         if outcome.code != EXIT_RELAUNCH:
+            readers = self.world_size - 1 - (len(self.refusals()) if self.generation else 0)
             try:
-                wait_for(lambda: True if self.count(key + "/read") >= self.world_size - 1 else None, self.timeout,
+                wait_for(lambda: True if self.count(key + "/read") >= readers else None, self.timeout,
                          lambda: f"every rank to read how rank 0 ended ({outcome.state})", lambda: None)
             except RankTimeout:
                 pass  # the outcome stands; a rank that never read it exits 75 on its own
@@ -604,6 +611,9 @@ class StoreFollower(StorePeers):
             self._note_stop()
             self.set(self.key("stopping"), str(self.rank))
             self.stopping = True
+
+    def refuse(self, refusal: Refusal) -> None:
+        self.set(self.key(f"refused/{self.rank}"), dumps(refusal))
 
     def check_current(self) -> None:
         s = self._session()
