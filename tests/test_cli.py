@@ -145,6 +145,15 @@ def test_status_of_killed_run_is_75(pvc):
 
 
 @pytest.mark.process
+def test_status_of_a_pvc_directory_reads_its_log(pvc):
+    """`trainjob status pvc` was refused ("is a directory"): the PVC is what a user has in hand."""
+    trainjob("run", "--pvc", pvc, "--die-at", 2)
+    result = trainjob("status", pvc)
+    assert result.returncode == 75 and "last_event: killed" in result.stdout, result.stderr
+    assert trainjob("status", pvc, "--path").returncode == 75
+
+
+@pytest.mark.process
 def test_status_json(pvc):
     trainjob("run", "--pvc", pvc)
     result = trainjob("status", pvc / "log.jsonl", "--json")

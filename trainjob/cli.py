@@ -170,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--log", type=location_arg, help=f"decision log (default: PVC/{DEFAULT_LOG})")
 
     s = sub.add_parser("status", help="summarise a decision log; exit code says how the job stands")
-    s.add_argument("log", type=location_arg, help="the decision log (PVC/log.jsonl, or an s3:// URL)")
+    s.add_argument("log", type=location_arg,
+                   help=f"the decision log (PVC/{DEFAULT_LOG}, or the PVC directory itself, or an s3:// URL)")
     shape = s.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="the summary as one JSON object")
     shape.add_argument("--path", action="store_true",
@@ -526,6 +527,8 @@ def _print_path(log: Path) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if isinstance(args.log, Path) and args.log.is_dir():  # a PVC directory: its log, as `run` writes it
+        args.log = args.log / DEFAULT_LOG
     if args.path:
         return _print_path(args.log)
     with importing("the command's modules"):
