@@ -172,3 +172,30 @@ def test_a_partial_dtensor_is_refused_naming_the_entry_before_anything_is_writte
     pending = DTensor.from_local(torch.ones(4), mesh, [Partial()], run_check=False)
     with pytest.raises(UsageError, match=r"state_dict\(\)\['model.w'\]: a DTensor placed P.*Shard\(d\) and Replicate"):
         HostState().snapshot({"model.w": pending}, 0)
+
+
+def test_a_dtensors_box_is_worked_out_once_per_run_and_again_when_its_placements_change(mesh, monkeypatch):
+    """A DTensor's place in the whole depends only on its mesh, placements and whole shape: the
+    snapshot at every checkpoint must not redo that arithmetic (it was half of a small sharded
+    save's snapshot), but a DTensor handed out with other placements is worked out, and checked, anew."""
+    import torch
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from trainjob.checkpoint import snapshot
+    calls: list[str] = []
+    real = snapshot.dtensor_box
+    monkeypatch.setattr(snapshot, "dtensor_box", lambda name, t: calls.append(name) or real(name, t))
+    w, b = torch.arange(12.0).reshape(3, 4), torch.ones(3)
+
+    def state(placement):  # handed out anew each time, as state_dict() detaches FSDP2's parameters
+        return {"w": DTensor.from_local(w, mesh, [placement], run_check=False),
+                "b": DTensor.from_local(b, mesh, [Shard(0)], run_check=False)}
+
+    host = HostState()
+    for step in range(4):
+        arrays = host.snapshot(state(Shard(0)), step)
+    assert sorted(calls) == ["b", "w"]  # once each for the run, not twice per snapshot
+    assert arrays.boxes["w"] == real("w", state(Shard(0))["w"])
+    host.snapshot(state(Replicate()), 5)  # the same box on a mesh of one: accepted, but worked out again
+    assert sorted(calls) == ["b", "w", "w"]
+    with pytest.raises(UsageError, match=r"state_dict\(\)\['w'\]: a DTensor placed P"):
+        host.snapshot(state(Partial()), 6)  # a placement first seen now is checked now

@@ -63,12 +63,25 @@ def test_writeback_of_each_large_chunk_starts_as_soon_as_it_is_written(tmp_path,
     mib = 1 << 20
     chunks = [b"a" * mib, b"b" * 10, b"c" * (2 * mib)]
     written = write_staged(tmp_path / "shard", chunks)
-    assert started == [(0, mib), (mib + 10, 2 * mib)]  # the 10-byte chunk is left to the fsync
+    assert started == [(0, mib), (mib, 10 + 2 * mib)]  # every byte written is sent, in order
     assert (tmp_path / "shard").read_bytes() == b"".join(chunks)
     assert written.sha256 == hashlib.sha256(b"".join(chunks)).hexdigest()
     started.clear()
     atomic_write(tmp_path / "state.json", b"{}")
     assert started == []
+
+
+def test_writeback_starts_for_a_stream_of_small_chunks_once_enough_of_them_are_written(tmp_path, monkeypatch):
+    """A sharded model's shard is many tensors under 1 MiB each (a 4 MiB shard of an 8 MiB FSDP
+    state: 0.7 MiB at most): their writeback must start while the rest is written, not all of it
+    at the fsync (which then took 5 ms where a shard's writes took 4)."""
+    started = []
+    monkeypatch.setattr(durable, "_start_writeback", lambda fd, offset, nbytes: started.append((offset, nbytes)))
+    kib = 1 << 10
+    chunks = [bytes([i]) * (100 * kib) for i in range(8)] + [b"end"]
+    write_staged(tmp_path / "shard", chunks)
+    assert started == [(0, 300 * kib), (300 * kib, 300 * kib)]  # each 256 KiB or more as it is reached
+    assert (tmp_path / "shard").read_bytes() == b"".join(chunks)  # the last 203 bytes: the fsync's
 
 
 def test_the_writeback_hint_is_available_on_linux():

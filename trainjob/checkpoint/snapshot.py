@@ -25,7 +25,9 @@ ranks before a commit (``HostArrays.checked``, their digests: ``replicas.py``).
 
 A DTensor (FSDP2's parameters and optimizer state) is taken as its rank's local shard, with the
 place of that shard in the whole tensor (``dtensor_box``, from its placements): no rank gathers
-what it does not hold. ``live`` wraps a local shard read back into a DTensor of the same mesh
+what it does not hold. The place depends only on the DTensor's mesh, placements and whole shape,
+so a ``HostState`` works it out once per run for each of those (``HostState.box``), not at every
+checkpoint. ``live`` wraps a local shard read back into a DTensor of the same mesh
 and placements.
 
 torch is never imported here: a value is a tensor only if torch is already loaded (the trainer
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -149,11 +151,12 @@ def as_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def _check(name: str, value: object, source: str = STATE) -> str:
-    """The safetensors dtype code of one state value; UsageError saying what to change."""
+def _check(name: str, value: object, source: str = STATE, box: Callable[[str, Any], object] = dtensor_box) -> str:
+    """The safetensors dtype code of one state value; UsageError saying what to change. ``box``:
+    how a DTensor's placements are checked (``dtensor_box``, or a ``HostState``'s cached one)."""
     where = f"{source}[{name!r}]"
     if is_dtensor(value):
-        dtensor_box(name, value)  # its placements, before anything is written
+        box(name, value)  # its placements, before anything is written
         value = value.to_local()
     if is_tensor(value):
         t: Any = value
@@ -211,14 +214,15 @@ def exported(export: Mapping[str, Any], step: int) -> dict[str, np.ndarray]:
     return {n: a.reshape(()) if n in host.scalars else a for n, a in arrays.items()}
 
 
-def specs_of(state: Mapping[str, Any], source: str = STATE) -> tuple[TensorSpec, ...]:
+def specs_of(state: Mapping[str, Any], source: str = STATE,
+             box: Callable[[str, Any], object] = dtensor_box) -> tuple[TensorSpec, ...]:
     """The state as the manifest describes it; UsageError for a value that cannot be checkpointed
-    (``source``: what handed it out, named in the message)."""
+    (``source``: what handed it out, named in the message; ``box``: as ``_check``'s)."""
     if not isinstance(state, Mapping):
         raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
     specs = []
     for name, value in sorted(state.items()):
-        dtype = _check(name, value, source)
+        dtype = _check(name, value, source, box)
         try:
             specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(value.shape)))
         except (TypeError, ValueError) as exc:  # what the manifest cannot hold: one line, not the validator's repr
@@ -265,7 +269,21 @@ class HostState:
         self.scalars: set[str] = set()  # names whose live value is 0-d (stored as shape (1,))
         self.dtensors: dict[str, tuple[Any, Any, Any]] = {}  # name -> (mesh, placements, stride) of a DTensor
         self.boxes: dict[str, plan.Local] = {}  # name -> where this rank's shard of a DTensor sits
+        # (mesh, placements, whole shape) -> the box they give this rank: fixed for the run (``box``)
+        self.known_boxes: dict[tuple[Any, ...], plan.Local] = {}
         self.buffers: dict[str, np.ndarray] = {}
+
+    def box(self, name: str, t: Any) -> plan.Local:
+        """``dtensor_box(name, t)``, worked out once per run for each mesh, placements and whole
+        shape: all it depends on (this rank's coordinate in the mesh is fixed for the process).
+        A DTensor handed out anew at every checkpoint (``state_dict()`` detaches each parameter)
+        costs a dictionary lookup, not the placements' arithmetic; one whose mesh, placements
+        or shape changed is worked out (and checked) again."""
+        key = (t.device_mesh, tuple(t.placements), tuple(t.shape))
+        found = self.known_boxes.get(key)
+        if found is None:
+            found = self.known_boxes[key] = dtensor_box(name, t)
+        return found
 
     @property
     def sharded(self) -> bool:
@@ -313,8 +331,8 @@ class HostState:
         # view of its memory: a shard's slices split a tensor along its first axis.
         scalars = {n for n, v in state.items() if _ndim(v) == 0 and not is_dtensor(v)}
         state = {n: _with_axis(v) if n in scalars else v for n, v in state.items()}
-        specs = specs_of(state, source)  # a DTensor's whole shape; its placements checked
-        boxes = {n: dtensor_box(n, v) for n, v in state.items() if is_dtensor(v)}
+        specs = specs_of(state, source, self.box)  # a DTensor's whole shape; its placements checked
+        boxes = {n: self.box(n, v) for n, v in state.items() if is_dtensor(v)}
         if self.specs is None:
             self.specs, self.paths, self.scalars = specs, parts.paths, scalars
             self.plain, self.local = parts.plain, parts.local

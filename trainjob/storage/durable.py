@@ -3,7 +3,7 @@ leaves the old bytes or the new ones, never a mixture.
 
 ``atomic_write`` replaces one file (tmp file, write, fsync, rename, fsync the directory);
 ``write_staged`` writes a file into a staging directory that ``commit_dir`` then publishes with one
-rename. Large chunks start their writeback as they are written, and independent fsyncs run at once
+rename. Writeback starts as the bytes are written, and independent fsyncs run at once
 on one small pool (``settle`` waits for them), which ext4 commits in one journal transaction.
 Also here: the directories writes go to (``make_dir``, and ``missing_dirs``/``remove_empty`` to take
 back what a refused launch made) and the checks on a path before anything is written there
@@ -102,7 +102,7 @@ def _writeback_starter() -> Callable[[int, int, int], object] | None:
 
 
 _start_writeback = _writeback_starter()
-_WRITEBACK_MIN = 1 << 20  # small files are left to the one fsync
+_WRITEBACK_MIN = 256 << 10  # bytes written before their writeback starts; a smaller file is left to the one fsync
 
 
 def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync: bool = True,
@@ -112,9 +112,11 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
     the fsync: see digest.py). ``data`` may be an iterable of chunks, so a large shard streams through
     in bounded memory.
 
-    Each large chunk's writeback to the disk is started as soon as it is written, so the disk
-    works while the next chunks are written and hashed, and the final fsync finds little left to
-    do (docs/benchmarks.md: without this, a save was the hash's time plus the disk's, in series).
+    The writeback of what was written is started as soon as 256 KiB or more of it have gone in
+    (one large chunk, or several small ones: a sharded model's shard is many tensors of under a
+    MiB), so the disk works while the next chunks are written and hashed, and the final fsync
+    finds little left to do (docs/benchmarks.md: without this, a save was the hash's time plus the
+    disk's, in series).
     Starting writeback is only a hint; the fsync is what makes the bytes durable and reports
     errors, so a failed hint is ignored.
 
@@ -125,17 +127,18 @@ def _write_fsynced(path: Path, data: bytes | Iterable[bytes | memoryview], fsync
     # Every chunk is a view of bytes nobody changes until this returns (a trainer's arrays during
     # a save, async's staging copy, a record's bytes), so the writer never waits for the hash: it
     # writes every chunk and fsyncs while the helper thread hashes behind it (digest.py).
-    digest, size = Sha256Pipe(buffers_kept=True, parts=parts), 0
+    digest, size, started = Sha256Pipe(buffers_kept=True, parts=parts), 0, 0  # started: bytes sent to the disk
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
     try:
         for chunk in [data] if isinstance(data, (bytes, bytearray, memoryview)) else data:
             view = memoryview(chunk).cast("B")
             digest.update(view)
-            offset, size = size, size + len(view)
+            size += len(view)
             while view:
                 view = view[os.write(fd, view):]
-            if _start_writeback is not None and size - offset >= _WRITEBACK_MIN:
-                _start_writeback(fd, offset, size - offset)
+            if _start_writeback is not None and size - started >= _WRITEBACK_MIN:
+                _start_writeback(fd, started, size - started)
+                started = size
         if later is not None:
             later.append(_fsync_soon(fd, path))
             fd = -1  # the pool's now: it closes the descriptor after the fsync
