@@ -124,6 +124,27 @@ def test_a_state_that_changed_shape_is_refused_before_any_write_starts():
     assert len(started) == 1 and not saver.in_flight
 
 
+def test_a_write_staged_without_start_waits_for_start_and_close_drops_it_if_never_started():
+    """The engine logs ``snapshotted`` between the copy and the write's start (overlap.py)."""
+    saver, seen = BackgroundSaver(timeout=5), []
+    saver.hand_off(live_state(), 2, lambda arrays: seen.append(threading.current_thread()), start=False)
+    time.sleep(0.05)
+    assert seen == [] and saver.in_flight and not saver.done()
+    with pytest.raises(RuntimeError, match="never started"):
+        saver.wait()
+    saver.start()
+    with pytest.raises(RuntimeError, match="start"):
+        saver.start()  # once
+    saver.wait()
+    assert saver.take() is None and len(seen) == 1 and seen[0] is not threading.main_thread()
+    saver.hand_off(live_state(), 4, lambda arrays: seen.append(threading.current_thread()), start=False)
+    began = time.perf_counter()
+    saver.close(timeout=5)  # an error ended the run between the copy and the start: nothing to wait for
+    assert time.perf_counter() - began < 1 and not saver.in_flight
+    seen[0].join(5)
+    assert len(seen) == 1 and not seen[0].is_alive()
+
+
 def test_release_drops_the_staging_copy_but_never_under_a_write_in_flight():
     saver, release = BackgroundSaver(timeout=5), threading.Event()
     saver.hand_off(live_state(), 2, lambda arrays: release.wait(5))

@@ -71,6 +71,30 @@ def test_checkpointed_is_logged_only_once_the_commit_is_durable_and_from_the_mai
     assert [d for _, d, *_ in log_watch[::2]] == [d for _, d, *_ in log_watch[1::2]]
 
 
+def test_the_write_starts_only_once_its_snapshotted_line_is_logged(tmp_path, monkeypatch):
+    """The writer's first work is pure Python (header, manifest): started before the line, it held
+    the interpreter's lock while the loop appended it (2.4 ms instead of 0.6 with the HF Trainer)."""
+    from trainjob.engine.job import Job
+
+    order: list[tuple[str, int]] = []
+    real_append, real_write = eventlog.EventLog.append, Job.write_checkpoint
+
+    def append(self, event, detail, fsync=True):
+        if event == "snapshotted":
+            time.sleep(0.05)  # room for a writer already started to begin first
+            order.append(("line", int(detail.split()[0].removeprefix("step="))))
+        return real_append(self, event, detail, fsync)
+
+    def write_checkpoint(self, step, *args):
+        order.append(("write", step))
+        return real_write(self, step, *args)
+
+    monkeypatch.setattr(eventlog.EventLog, "append", append)
+    monkeypatch.setattr(Job, "write_checkpoint", write_checkpoint)
+    assert cli.main(["run", "--pvc", str(tmp_path / "pvc"), *FLAGS, *ASYNC]) == 0
+    assert order == [(kind, step) for step in (2, 4, 6, 8, 10) for kind in ("line", "write")]
+
+
 def test_an_async_run_publishes_the_synchronous_runs_bytes(tmp_path, slow_commits):
     assert cli.main(["run", "--pvc", str(tmp_path / "sync"), *FLAGS]) == 0
     assert cli.main(["run", "--pvc", str(tmp_path / "async"), *FLAGS, *ASYNC]) == 0

@@ -416,3 +416,19 @@ def test_an_early_stopping_callback_that_fires_ends_the_run_there_killed_or_not(
     code = cli.main(["prove", "--kills", "4", "--signal", "both", "--", sys.executable, str(script), "--pvc", "{pvc}"])
     out = capsys.readouterr().out
     assert code == 0 and "verdict: PROVEN" in out and out.count("same bytes, verified") == 4, out
+
+
+@pytest.mark.process
+def test_the_benchmark_times_each_contenders_stall_per_checkpoint(tmp_path):
+    """scripts/bench_hf.py at a toy size: the Trainer with save_steps, hf.run and hf.run async, each
+    with its step time and its held stall per checkpoint; it runs and reports, never a speed asserted."""
+    _needs_transformers()
+    done = subprocess.run([sys.executable, str(ROOT / "scripts/bench_hf.py"), "--width", "32", "--steps", "4",
+                           "--save-steps", "2", "--rounds", "1", "--json", str(tmp_path / "out.json")],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    runs = json.loads((tmp_path / "out.json").read_text())["runs"]
+    assert set(runs) == {"trainer", "sync", "async"}
+    for name, (run,) in runs.items():
+        assert run["checkpoints"] == 2 and run["step"] > 0 and "held" in run, (name, run)
+    assert "held stall per checkpoint, ms" in done.stdout and "train_runtime" not in done.stdout

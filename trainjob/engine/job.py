@@ -392,6 +392,8 @@ class Job(MachineModel, AsyncCheckpoints):
 
     def announce(self, ev: EventData) -> None:
         self._append(machine.EVENT_FOR_STATE[self.state], ev)
+        if self.state == JobState.snapshotted:
+            self.start_write()  # the staged write, once its line is out (overlap.py)
         if self.state == JobState.checkpointed and self.rotate_after is not None:
             # After the line: its fsync ran beside the one that makes the pointer's rename
             # durable, which rotation waits for before its own rename. Then the delete, the line

@@ -1,6 +1,7 @@
 """--async-checkpoint on the engine's side: the machine's callbacks for the edges where the training
 loop and the writer thread part (``checkpoint`` into ``snapshotted``) and meet (``land`` into
-``checkpointed``), and the two calls the loop makes at step boundaries.
+``checkpointed``), and the two calls the loop makes at step boundaries. The write is staged at
+``checkpoint`` and started once its ``snapshotted`` line is logged (``start_write``).
 
 ``AsyncCheckpoints`` is a mixin for the machine's model (``job.Job``): it owns a
 ``BackgroundSaver`` (checkpoint/background.py) when the run asked for asynchronous checkpoints,
@@ -52,14 +53,22 @@ class AsyncCheckpoints:
     # --- callbacks --------------------------------------------------------------------------------
 
     def hand_off(self, ev: EventData) -> None:
-        """Copy the live state into the staging buffers and start the write: the loop's only stall."""
+        """Copy the live state into the staging buffers and stage the write: the loop's stall.
+        The write starts once ``snapshotted`` is logged (``start_write``)."""
         kw, saver = ev.kwargs, self.saver
         assert saver is not None
         step, loss, last_size = kw["step"], kw["loss_milli"], self.last_size
         saver.hand_off(kw["live"], step,
                        lambda arrays: self.write_checkpoint(  # type: ignore[attr-defined]
-                           step, loss, arrays, saver.host.specs, last_size))
+                           step, loss, arrays, saver.host.specs, last_size), start=False)
         self.in_flight = dict(step=step, loss_milli=loss)
+
+    def start_write(self) -> None:
+        """(the ``snapshotted`` line appended) Start the staged write on the writer thread. Not
+        before: the writer's first work is pure Python (the shard's header, the manifest), and
+        the line's append would wait for the interpreter's lock meanwhile (background.py)."""
+        assert self.saver is not None
+        self.saver.start()
 
     def persist_landed(self, _ev: EventData) -> None:
         assert self.saver is not None
