@@ -92,6 +92,23 @@ def _pvc_of(args: tuple[str | Path, ...]) -> Path | None:
     return Path(words[words.index("--pvc") + 1]) if words[:1] == ["run"] and "--pvc" in words else None
 
 
+class _KeptStderr:
+    """A launch's stderr in a temporary file, not a pipe: a run writes a progress line per
+    checkpoint off a terminal, and one of 1000 checkpoints fills a pipe's 64 KiB long before it
+    exits, blocking there while the campaign waits for its exit (a race's winner timed out so).
+    ``read`` returns all of it, as a pipe's would after the exit."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile("w+")
+
+    def read(self) -> str:
+        self.file.seek(0)
+        return self.file.read()
+
+    def close(self) -> None:
+        self.file.close()
+
+
 class Launch(subprocess.Popen):
     """A run (``argv``, on ``pvc``; ``what`` names it) started in a session of its own, so that a
     kill reaches every rank, and judged by ``AUDIT`` the first time its exit status is read."""
@@ -105,7 +122,11 @@ class Launch(subprocess.Popen):
             for other in others:
                 other.shared = True
             AUDIT.running[pvc] = [*others, self]
-        super().__init__(argv, stdout=subprocess.DEVNULL, stderr=stderr, text=True, start_new_session=True)
+        kept = _KeptStderr() if stderr is subprocess.PIPE else None
+        super().__init__(argv, stdout=subprocess.DEVNULL, stderr=kept.file if kept else stderr, text=True,
+                         start_new_session=True)
+        if kept is not None:
+            self.stderr = kept  # type: ignore[assignment]
 
     def _judged(self, code: int | None) -> int | None:
         if code is not None and self.pvc is not None and not self.judged:
@@ -121,6 +142,13 @@ class Launch(subprocess.Popen):
 
     def wait(self, timeout: float | None = None) -> int:
         return self._judged(super().wait(timeout))  # type: ignore[return-value]
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[None, str | None]:  # noqa: A002
+        """Popen's, for a launch whose stderr is kept in a file (nothing to drain: its exit, then all it wrote)."""
+        if not isinstance(self.stderr, _KeptStderr):
+            return super().communicate(input, timeout)
+        self.wait(timeout)
+        return None, self.stderr.read()
 
 
 def trainjob(*args: str | Path, prefix: tuple[str, ...] = (), torchrun: bool = False,
