@@ -153,6 +153,31 @@ def test_a_peer_s_stop_note_counts_only_once_it_is_whole(tmp_path):
     assert rank0.stop_wanted() and rank0.peer_signal() == "SIGTERM@rank1"
 
 
+def test_rank_0s_poll_lists_the_generation_once_and_finds_both_a_stop_and_a_refusal(tmp_path, monkeypatch):
+    """Each wait polls every few milliseconds, on a PVC that may be a network file system: rank 0
+    asks two questions of the generation's notes (a peer's stop, a peer's refusal) from one listing."""
+    from trainjob.errors import PeerRefused
+    from trainjob.records import Refusal
+
+    pvc = Pvc(tmp_path / "pvc")
+    pvc.create()
+    rank0 = PvcCoordinator(pvc, 3, 5.0, lambda: None)
+    rank0.publish(session)
+    listings = []
+    real = Path.iterdir
+    monkeypatch.setattr(Path, "iterdir", lambda self: listings.append(self) or real(self))
+    rank0.poll()
+    assert len(listings) == 1 and rank0.stopping_note is None
+    stopped, refusing = PvcFollower(pvc, 1, 3, 5.0, lambda: "SIGTERM"), PvcFollower(pvc, 2, 3, 5.0, lambda: None)
+    stopped.generation = refusing.generation = rank0.generation
+    stopped.poll()  # notes its stop
+    refusing.refuse(Refusal(rank=2, step=4, message="step 4: the loss is nan"))
+    listings.clear()
+    with pytest.raises(PeerRefused, match="rank 2: step 4: the loss is nan"):
+        rank0.poll()
+    assert len(listings) == 1 and rank0.stopping_note is not None, listings
+
+
 @pytest.mark.parametrize("begun", [False, True])
 def test_a_rank_never_trains_for_a_dead_rank_0s_session_but_follows_the_next_one(tmp_path, begun):
     """The relaunch races the other way round: rank 1 reads the killed launch's session (generation

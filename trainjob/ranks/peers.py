@@ -157,18 +157,23 @@ class PvcPeers:
 
     def poll(self) -> None:
         """(all ranks) Run during every wait: pass on a stop."""
-        if self.stopping_note is None and (self.stop_signal() or self._peer_stopping()):
+        self._pass_on_stop(None)
+
+    def _pass_on_stop(self, notes: list[str] | None) -> None:
+        """Note a stop if a signal reached this rank or another rank noted one (``notes``: this
+        generation's notes, listed by the caller; listed here when needed if None)."""
+        if self.stopping_note is None and (self.stop_signal() or self._peer_stopping(notes)):
             self._note_stop()
 
-    def _peer_stopping(self) -> bool:
-        # A note counts once renamed into place: its tmp file (stop-00001.json.tmp.PID) seen here
-        # had rank 0 stop before the note's signal could be read, and log a kill without it.
-        return not self.solo and any(p.name.startswith("stop-") and p.name.endswith(".json")
-                                     for p in self._listdir())
+    def _peer_stopping(self, notes: list[str] | None = None) -> bool:
+        return not self.solo and any(n.startswith("stop-") for n in (self._notes() if notes is None else notes))
 
-    def _listdir(self) -> list[Path]:
+    def _notes(self) -> list[str]:
+        """The names of this generation's notes. A note counts once renamed into place: its tmp
+        file (stop-00001.json.tmp.PID) seen here had rank 0 stop before the note's signal could
+        be read, and log a kill without it."""
         try:
-            return list(self.gen_dir().iterdir())
+            return [p.name for p in self.gen_dir().iterdir() if p.name.endswith(".json")]
         except FileNotFoundError:
             return []
 
@@ -286,8 +291,9 @@ class PvcCoordinator(PvcPeers):
     def poll(self) -> None:
         """(rank 0) Run during every wait: pass on a stop; a rank that refused the launch and left
         will never deliver what is waited for, so the launch is refused now, not at the timeout."""
-        super().poll()
-        if not self.solo and any(p.name.startswith("refused-") and p.name.endswith(".json") for p in self._listdir()):
+        notes = [] if self.solo else self._notes()  # one listing per poll, for both questions
+        self._pass_on_stop(notes)
+        if any(n.startswith("refused-") for n in notes):
             raise refused_by(self.refusals()[0])
 
     def finish(self, state: str, message: str = "", code: int | None = None) -> None:
