@@ -120,26 +120,15 @@ def test_prove_finds_the_datamodule_script_with_early_stopping_proven(tmp_path, 
     proven([sys.executable, str(DATAMODULE)], tmp_path, monkeypatch, capsys)
 
 
-# Twice on 2026-12-07, under the acceptance step's three xdist workers, one of this script's
-# DataLoader workers never came out of os.fork(): one thread, in a futex, its only Python frame
-# multiprocessing's `self.pid = os.fork()` (faulthandler's dump, prove's PYTHONFAULTHANDLER=1), so
-# inside a C library's at-fork handler (no Python hook was running). Its rank then waited for the
-# worker's first batch forever and the other rank in DDP's all-reduce until gloo's 30-minute
-# timeout. Once in CI during a relaunch, once during prove's uninterrupted reference run: not a
-# resume. Standalone and at one xdist worker it passed every time (8 + 26 launches). Until the
-# deadlock is found (gdb on the stuck worker: its native stack), it runs on request only.
-FORK_HANG = "TRAINJOB_TEST_LIGHTNING_DDP"
-
-
-@pytest.mark.skipif(os.environ.get(FORK_HANG) != "1", reason=(
-    f"a DataLoader worker of this script deadlocked inside os.fork() under load (the comment above); set {FORK_HANG}=1"))
 @pytest.mark.killpoint
 @pytest.mark.torchrun
 def test_prove_finds_ddp_with_batchnorm_and_lightnings_sampler_proven_under_trainjob_torchrun(
         tmp_path, monkeypatch, capsys):
     """Slower than 20 s: the reference and four trials of two DDP ranks each. A TERM trial needs
     the validation loader's workers guarded against a group SIGTERM, as the train loader's are
-    (issue 54 item 8, ``trainers/torch/workers.py``): without it they die and the rank ends 70."""
+    (issue 54 item 8, ``trainers/torch/workers.py``): without it they die and the rank ends 70.
+    Under load, one DataLoader worker in some hundreds never came out of os.fork() (CPython 3.11's
+    gh-112275), holding the run until gloo's timeout: ``trainers/torch/forking.py``."""
     proven([*TORCHRUN, str(DDP)], tmp_path, monkeypatch, capsys)
 
 
