@@ -10,21 +10,22 @@ the holder can be descheduled inside that short section. A DataLoader worker for
 starts: its rank waits forever for the worker's first batch, and the other ranks wait in a
 collective until gloo's timeout (issue 56: a W=2 Lightning DDP run, twice under load).
 
-The remedy takes the lock across the fork. Python's before-fork hook (``os.register_at_fork``,
-``_arm``) registers three handlers with glibc (``__register_atfork``, what ``pthread_atfork``
-calls) for this one fork: *prepare*, which runs inside ``fork()`` after all of Python's own
-before-fork work, takes the lock, waiting out any other holder; *parent* and *child* release it,
-the child's before the interpreter's after-fork code wants it. The after-fork hooks unregister
-them again in the parent (``__cxa_finalize`` on this module's handle, as glibc does for a library it
-unloads), so a fork that does not go through ``os.fork()`` (C code calling ``fork()``) does not run
-them. The child leaves them registered, bound to a lock it no longer uses, where taking and
-releasing it is harmless: ``__cxa_finalize`` takes glibc's exit-handler lock, which another
-thread may have held at the fork. One ``os.fork()`` at a time is guarded: a second thread's,
-begun while the first one's handlers are registered, goes unguarded rather than waiting. The
-handlers are C functions bound to the lock (``functools.partial`` of the interpreter's own lock
-functions): no Python bytecode runs between the prepare step and the child's release, where a
-switch of thread or a collection could take the GIL or the lock elsewhere; automatic collection
-is off from the before-fork hook to the after-fork ones for the same reason.
+The remedy takes the lock across the fork. Python's before-fork hook (``os.register_at_fork``)
+registers three handlers with glibc (``__register_atfork``, what ``pthread_atfork`` calls):
+*prepare*, which runs inside ``fork()`` after all of Python's own before-fork work, takes the lock,
+waiting for any other holder (who needs neither the GIL nor anything else to let go); *parent* and
+*child* release it, the child's before the interpreter's after-fork code wants it. The parent's
+after-fork hook removes them again (``__cxa_finalize`` on this module's handle, as glibc does for a
+library it unloads), so a fork that does not go through ``os.fork()`` (C code calling ``fork()``)
+does not run them. One set is registered at a time: when two threads fork at once, the first fork
+runs it and the second goes unguarded, as without this module. A child leaves the set it inherited
+registered, bound to a lock it has replaced, where taking and releasing it is harmless
+(``__cxa_finalize`` would take glibc's exit-handler lock, which a thread gone with the fork may
+hold). The handlers are C functions bound to the lock (``functools.partial`` of the interpreter's
+own lock functions): no Python bytecode runs between the prepare step and the parent's or the
+child's release, where a switch of thread could hand the GIL to a thread that wants the lock;
+automatic collection, which runs finalizers, is off from the before-fork hook to the after-fork
+ones for the same reason.
 
 Reaching the lock means reading the runtime's layout, so this is done only on the interpreters
 that have the bug (``affected``), and only once ``_lock_slot`` has checked that layout. Anywhere
