@@ -130,9 +130,9 @@ def install() -> bool:
         # The set stays registered here, bound to the lock this process replaced (module docstring),
         # and _state may have been held by a thread that does not exist here.
         global _state, _registered
-        _state, _registered = threading.Lock(), False
-        if _collecting:
+        if _registered and _collecting:  # collection back as it was before the set was registered
             gc.enable()
+        _state, _registered = threading.Lock(), False
 
     os.register_at_fork(before=arm, after_in_parent=after_in_parent, after_in_child=after_in_child)
     return True
