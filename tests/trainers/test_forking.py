@@ -77,6 +77,28 @@ def test_forks_from_three_threads_beside_native_threads_making_thread_states_all
     assert json.loads(done.stdout) | {"callbacks": None} == {"exited": 300, "stuck": 0, "callbacks": None}, done.stdout
 
 
+@pytest.mark.process
+@GUARDED
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_fork_leaves_automatic_collection_as_the_script_had_it(collecting):
+    """Collection is off across a guarded fork, and back as it was after it, in both processes."""
+    script = f"""
+import gc, importlib.util, os
+spec = importlib.util.spec_from_file_location("forking", {str(ROOT / "trainjob/trainers/torch/forking.py")!r})
+forking = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(forking)
+assert forking.install()
+gc.enable() if {collecting} else gc.disable()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if gc.isenabled() == {collecting} else 3)
+assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, "the child's collection"
+assert gc.isenabled() == {collecting}, "the parent's collection"
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_importing_trainjobs_torch_adapter_installs_the_handler_where_it_applies():
     pytest.importorskip("torch")
     import trainjob.torch  # noqa: F401  (the package installs it on import)
