@@ -17,7 +17,10 @@ import sys
 import pytest
 
 from conftest import ROOT
-from trainjob.trainers.torch import forking
+
+pytest.importorskip("torch")  # the package holding the module needs it, though the module does not
+
+from trainjob.trainers.torch import forking  # noqa: E402
 
 HELPER = ROOT / "tests/helpers/fork_with_head_lock_held.py"
 STRESS = ROOT / "tests/helpers/fork_from_threads.py"
@@ -100,7 +103,6 @@ assert gc.isenabled() == {collecting}, "the parent's collection"
 
 
 def test_importing_trainjobs_torch_adapter_installs_the_handler_where_it_applies():
-    pytest.importorskip("torch")
     import trainjob.torch  # noqa: F401  (the package installs it on import)
 
     assert forking.install() == (forking.affected() and forking._lock_slot() is not None
