@@ -406,7 +406,13 @@ def test_an_early_stopping_callback_that_fires_ends_the_run_there_killed_or_not(
     with safe_open(str(tmp_path / "ref/artifacts/model-v1.safetensors"), "np") as f:
         assert json.loads(f.metadata()["trainjob.artifact"])["step"] == 33
     pvc = tmp_path / "pvc"
-    code, err = signalled(pvc, signal.SIGTERM, 33, script=script)
+    # Step 33 is the last: read from its loss line, a SIGTERM could land after the run completed
+    # (it did once, on a loaded machine). This copy holds step 33 for 3 s after printing its loss,
+    # so the signal lands in it; the training is the same.
+    printed = """print(f"step {self.state.global_step} loss {logs['loss']!r}", flush=True)"""
+    held = variant(tmp_path / "hf_early_held.py", *EARLY, (printed, printed + "; __import__('time').sleep("
+                                                                     "3 if self.state.global_step == 33 else 0)"))
+    code, err = signalled(pvc, signal.SIGTERM, 33, script=held)
     assert code == 75 and events(pvc)[-1]["detail"].startswith("at_step=33 "), err[-2000:]
     code, lines, err = finish(pvc, script=script)
     assert code == 0 and not lines, err[-2000:]  # nothing trained: the gate
