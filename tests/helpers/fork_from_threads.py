@@ -12,18 +12,14 @@ Prints one JSON line: the children that exited and those still inside fork() aft
 
 import ctypes
 import gc
-import importlib.util
 import json
 import os
 import sys
 import threading
 import time
-from pathlib import Path
 
-FILE = Path(__file__).resolve().parents[2] / "trainjob/trainers/torch/forking.py"
-spec = importlib.util.spec_from_file_location("forking", FILE)
-forking = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(forking)
+from forking_alone import forking
+
 if sys.argv[1] == "guard":
     assert forking.install(), "the fork handler was not installed"
 per_thread = int(sys.argv[2])

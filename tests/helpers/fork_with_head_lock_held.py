@@ -13,17 +13,13 @@ the child "exited" or was "stuck" for 5 s (then it is killed).
 """
 
 import ctypes
-import importlib.util
 import json
 import os
 import sys
 import time
-from pathlib import Path
 
-FILE = Path(__file__).resolve().parents[2] / "trainjob/trainers/torch/forking.py"
-spec = importlib.util.spec_from_file_location("forking", FILE)
-forking = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(forking)
+from forking_alone import forking
+
 if sys.argv[1] in ("guard", "raw"):
     assert forking.install(), "the fork handler was not installed"
 lock = forking._lock_slot().value

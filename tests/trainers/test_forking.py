@@ -86,10 +86,9 @@ def test_forks_from_three_threads_beside_native_threads_making_thread_states_all
 def test_a_fork_leaves_automatic_collection_as_the_script_had_it(collecting):
     """Collection is off across a guarded fork, and back as it was after it, in both processes."""
     script = f"""
-import gc, importlib.util, os
-spec = importlib.util.spec_from_file_location("forking", {str(ROOT / "trainjob/trainers/torch/forking.py")!r})
-forking = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(forking)
+import gc, os, sys
+sys.path.insert(0, {str(ROOT / "tests/helpers")!r})
+from forking_alone import forking
 assert forking.install()
 gc.enable() if {collecting} else gc.disable()
 pid = os.fork()
