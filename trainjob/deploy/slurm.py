@@ -87,6 +87,9 @@ def grace_for(stop: float | None, limit: int | None, unmeasured: str = "nothing 
     if stop is None:
         grace, why = DEFAULT_GRACE, f"the default, as {unmeasured}"
     else:
+        # Up to the tenth the reason shows, so that the grace is what a reader of it would compute
+        # (3.54 s shown as "3.5" gave 18, not 2 * 3.5 + 10 = 17: the clean-clone CI caught it).
+        stop = math.ceil(round(stop * 10, 6)) / 10
         grace = max(MIN_GRACE, math.ceil(2 * stop) + SCRIPT_SECONDS)
         why = f"twice the {stop:.1f} s a step and a checkpoint took at render, plus {SCRIPT_SECONDS} s"
     if limit is None:
