@@ -1,7 +1,7 @@
 """DCP's names at torch's own cost (trainers/torch/names.py, optim.py): after its first call,
 ``TrainingState`` hands out exactly what ``get_model_state_dict`` and ``get_optimizer_state_dict``
-would (the same names, the same live tensors, the same param groups) for a plain module and a
-DDP-wrapped one (in one process, a one-rank gloo group), without calling them."""
+would (the same names, the same live tensors, the same param groups) for a plain module, a
+DDP-wrapped one and an FSDP2 one (in one process, a one-rank gloo group), without calling them."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
 from trainjob.torch import TrainingState  # noqa: E402
@@ -36,6 +37,9 @@ def net() -> torch.nn.Module:
 def same(ours, theirs):
     assert ours.keys() == theirs.keys()
     for k, v in theirs.items():
+        if isinstance(v, DTensor):  # FSDP2: a new DTensor per call, over the same shard
+            assert isinstance(ours[k], DTensor) and ours[k].placements == v.placements, k
+            ours[k], v = ours[k].to_local(), v.to_local()
         if isinstance(v, torch.Tensor):
             ours[k] = getattr(ours[k], "array", ours[k])  # DDP's buffers are FromRank0
             assert ours[k].data_ptr() == v.data_ptr() and torch.equal(ours[k].reshape(v.shape), v), k
@@ -45,12 +49,17 @@ def same(ours, theirs):
             assert ours[k] == v, k
 
 
-@pytest.mark.parametrize("wrap", ["plain", "ddp"])
+@pytest.mark.parametrize("wrap", ["plain", "ddp", "fsdp2"])
 def test_the_state_names_and_tensors_are_dcps_at_every_checkpoint(wrap, request):
     model = net()
     if wrap == "ddp":
         request.getfixturevalue("group")
         model = DistributedDataParallel(model)
+    elif wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        request.getfixturevalue("group")
+        model = fully_shard(model)
     opt = torch.optim.AdamW([{"params": list(model.parameters())[:2]},
                              {"params": list(model.parameters())[2:], "lr": 0.5}], lr=0.1)
     state = TrainingState(model=model, optimizer=opt, rng=False)
@@ -62,7 +71,8 @@ def test_the_state_names_and_tensors_are_dcps_at_every_checkpoint(wrap, request)
         dcp = get_optimizer_state_dict(model, opt)
         same({k: v for k, v in sd["optim"]["state"].items() if sd["optim"]["created"][k]}, dcp["state"])
         assert sd["optim"]["param_groups"] == dcp["param_groups"]
-    assert state._names._rename is not None and not names.sharded(model)
+    assert state._names._rename is not None and not state._names._dcp  # learnt, and DCP no longer called
+    assert any(isinstance(v, DTensor) for v in sd["model"].values()) == (wrap == "fsdp2")
 
 
 class Extra(torch.nn.Linear):

@@ -6,9 +6,12 @@ parameters) on a loaded 2-core machine, at every checkpoint, where the adapter t
 milliseconds to write (issue 58). For a module no FSDP shards (plain, DDP- or
 torch.compile-wrapped), what they hand out is torch's own ``state_dict()`` with each key renamed
 (DDP's ``module.``, torch.compile's ``_orig_mod.`` dropped) and the optimizer's parameter indices
-named by FQN, which ``optim.Layout`` already knows. ``ModelNames`` learns the renaming at its
-first call, checks it against DCP's own result, and applies it after; a sharded module (a
-DTensor or FSDP1 parameter) always goes through DCP, which gathers or shards what torch's own
+named by FQN, which ``optim.Layout`` already knows. The same holds for FSDP2 (``fully_shard``):
+its own ``state_dict()`` already hands out each parameter as the DTensor of this rank's shard,
+which DCP passes on (a new DTensor object per call, over the same local tensor), and its
+optimizer's state is the optimizer's own DTensors. ``ModelNames`` learns the renaming at its
+first call, checks it against DCP's own result, and applies it after. An FSDP1 module
+(``FullyShardedDataParallel``) always goes through DCP, which gathers or shards what torch's own
 ``state_dict()`` does not.
 """
 
@@ -20,13 +23,12 @@ import torch
 from torch.distributed.checkpoint.state_dict import _get_fqns, get_model_state_dict
 
 
-def sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP (``fully_shard``'s DTensors, or FSDP1) holds some of ``model``'s parameters."""
+def fsdp1(model: torch.nn.Module) -> bool:
+    """Whether FSDP1 (``FullyShardedDataParallel``, whose ``state_dict()`` is not DCP's) wraps
+    some of ``model``."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in model.parameters()) or bool(
-        FullyShardedDataParallel.fsdp_modules(model))
+    return bool(FullyShardedDataParallel.fsdp_modules(model))
 
 
 class ModelNames:
@@ -34,7 +36,7 @@ class ModelNames:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self._dcp = sharded(model)
+        self._dcp = fsdp1(model)
         self._rename: dict[str, str] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -54,5 +56,10 @@ class ModelNames:
 
 
 def _same(a: Any, b: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(a, DTensor) or isinstance(b, DTensor):  # FSDP2: the same shard, placed the same
+        return (isinstance(a, DTensor) and isinstance(b, DTensor) and a.device_mesh == b.device_mesh
+                and a.placements == b.placements and a.shape == b.shape and _same(a.to_local(), b.to_local()))
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.data_ptr() == b.data_ptr()
             and a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride())

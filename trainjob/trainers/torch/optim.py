@@ -54,7 +54,7 @@ class Layout:
             raise ValueError(f"the optimizer holds {len(missing)} parameter(s) that are not the model's")
         self.fqns = [fqn_of[p] for p in self.params]
         self.entries = self._learn(optimizer)
-        self.sharded = names.sharded(model)  # FSDP: DCP's get_optimizer_state_dict, always
+        self.fsdp1 = names.fsdp1(model)  # DCP's get_optimizer_state_dict, always (names.py)
 
     def _learn(self, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
         created = {p: optimizer.state[p] for p in self.params if p in optimizer.state}
@@ -130,7 +130,7 @@ def state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer, layout:
                          f"{len(now)} now: a param group added as layers are unfrozen?); a checkpoint holds the "
                          "same entries at every step: give the optimizer every parameter it will train from the "
                          "start (a frozen one gets no state until it has a gradient)")
-    if optimizer.state and layout.sharded:
+    if optimizer.state and layout.fsdp1:
         sd = get_optimizer_state_dict(model, optimizer)  # its dummy step runs only on an empty state
         state = {fqn: {k: _axis(v) for k, v in entries.items()} for fqn, entries in sd["state"].items()}
         groups = sd["param_groups"]
