@@ -36,6 +36,7 @@ imported it), a DTensor only if torch.distributed.tensor is. No I/O.
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -151,13 +152,20 @@ def as_tensor(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-def _check(name: str, value: object, source: str = STATE, box: Callable[[str, Any], object] = dtensor_box) -> str:
-    """The safetensors dtype code of one state value; UsageError saying what to change. ``box``:
-    how a DTensor's placements are checked (``dtensor_box``, or a ``HostState``'s cached one)."""
+def _check(name: str, value: Any, source: str = STATE,
+           box: Callable[[str, Any], object] = dtensor_box) -> tuple[str, Any]:
+    """The safetensors dtype code of one state value, and the value as this rank holds it (a
+    DTensor's local shard); UsageError saying what to change. ``box``: how a DTensor's
+    placements are checked (``dtensor_box``, or a ``HostState``'s cached one)."""
     where = f"{source}[{name!r}]"
     if is_dtensor(value):
         box(name, value)  # its placements, before anything is written
-        value = value.to_local()
+        with _torch().no_grad():  # the local shard itself, not an autograd Function's output (20 us each)
+            value = value.to_local()
+    return _code(where, value), value
+
+
+def _code(where: str, value: Any) -> str:
     if is_tensor(value):
         t: Any = value
         if t.device.type == "meta":
@@ -218,17 +226,28 @@ def specs_of(state: Mapping[str, Any], source: str = STATE,
              box: Callable[[str, Any], object] = dtensor_box) -> tuple[TensorSpec, ...]:
     """The state as the manifest describes it; UsageError for a value that cannot be checkpointed
     (``source``: what handed it out, named in the message; ``box``: as ``_check``'s)."""
+    return _described(state, source, box)[0]
+
+
+def _described(state: Mapping[str, Any], source: str,
+               box: Callable[[str, Any], object]) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
+    """``specs_of``, and each value as this rank holds it (``_check``'s)."""
     if not isinstance(state, Mapping):
         raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
-    specs = []
+    specs, held = [], {}
     for name, value in sorted(state.items()):
-        dtype = _check(name, value, source, box)
+        dtype, held[name] = _check(name, value, source, box)
         try:
-            specs.append(TensorSpec(name=name, dtype=dtype, shape=tuple(value.shape)))
+            specs.append(_spec(name, dtype, tuple(value.shape)))
         except (TypeError, ValueError) as exc:  # what the manifest cannot hold: one line, not the validator's repr
             raise UsageError(_unstorable(name, source) if re.fullmatch(PLAIN_NAME, name) is None else
                              f"{source}[{name!r}]: cannot be checkpointed: {one_line(str(exc.args[0]))[:200]}") from None
-    return tuple(specs)
+    return tuple(specs), held
+
+
+# A state's description is the same at every checkpoint: each spec is validated once, not per save
+# (a hundredth of a millisecond each, for every array of the state; issue 56's sharded save).
+_spec = functools.lru_cache(maxsize=1 << 16)(lambda name, dtype, shape: TensorSpec(name=name, dtype=dtype, shape=shape))
 
 
 def _unstorable(name: str, source: str) -> str:
@@ -331,7 +350,7 @@ class HostState:
         # view of its memory: a shard's slices split a tensor along its first axis.
         scalars = {n for n, v in state.items() if _ndim(v) == 0 and not is_dtensor(v)}
         state = {n: _with_axis(v) if n in scalars else v for n, v in state.items()}
-        specs = specs_of(state, source, self.box)  # a DTensor's whole shape; its placements checked
+        specs, held = _described(state, source, self.box)  # a DTensor's whole shape; its placements checked
         boxes = {n: self.box(n, v) for n, v in state.items() if is_dtensor(v)}
         if self.specs is None:
             self.specs, self.paths, self.scalars = specs, parts.paths, scalars
@@ -348,9 +367,7 @@ class HostState:
         out: dict[str, np.ndarray] = {}
         device_copies = False
         for spec in specs:
-            value = state[spec.name]
-            if spec.name in boxes:
-                value = value.to_local()  # this rank's shard, its place in the whole in ``boxes``
+            value = held[spec.name]  # a DTensor's: this rank's shard, its place in the whole in ``boxes``
             on_host = not is_tensor(value) or value.device.type == "cpu"
             if on_host and not self.copy:
                 out[spec.name] = _cpu_view(value) if is_tensor(value) else value
