@@ -100,6 +100,7 @@ def preempt(env: dict[str, str], tmp_path: Path, spare: int = 0) -> str:
                           env=env, capture_output=True, text=True, check=True).stdout.strip()
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_requeue_scancel_and_preemption_each_resume_to_the_uninterrupted_bytes(slurm_alone, tmp_path):
     """One lab job, interrupted three ways in turn: `scontrol requeue` mid-run, `scancel
     --signal=TERM` (the tasks only: the script requeues itself on 75), and a preemption by a job in
@@ -193,6 +194,7 @@ def test_bad_input_a_spent_budget_and_storage_that_always_fails_each_end_the_job
     assert f"storage at {pvcs['full']}" in stop and "2 launches in a row" in stop
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun  # torchrun, and examples/own_loop.py imports torch
 def test_w2_both_ways_preempted_and_an_own_loop_scancelled_each_resume_and_complete(slurm_alone, tmp_path):
     """Three jobs that start torch, at once, so that their slow starts overlap. W=2 as two srun tasks

@@ -118,6 +118,7 @@ def torchrun(pvc: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun
 def test_under_torchrun_a_kill_of_either_rank_resumes_to_the_uninterrupted_bytes_and_losses(tmp_path):
     """DDP over gloo, each rank with its own loader and RNG (rank-local state, saved per rank). Slow

@@ -88,6 +88,7 @@ def test_a_sigkill_at_a_random_instant_resumes_to_the_uninterrupted_artifact_byt
     assert verified.returncode == 0 and "verdict: ok" in verified.stdout, verified.stdout
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_a_run_cut_short_at_two_ranks_resumes_at_one_and_four_and_another_shape_is_refused(tmp_path):
     """A W = 2 checkpoint is refused to another model and to W = 1 (nothing written); resharded
     to 4 ranks it resumes and is cut short again, resharded to 1 it resumes and completes, each
@@ -123,6 +124,7 @@ def test_the_docs_show_the_example_file_itself():
     assert '```python\n--8<-- "examples/fsdp.py"\n```' in (ROOT / "docs/howto/fsdp.md").read_text()
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_a_2d_mesh_state_is_saved_by_offsets_along_both_axes_and_resumes_to_the_same_values(tmp_path):
     """HSDP's placement (Replicate, Shard(0)) and a block per rank (Shard(0), Shard(1)) on a 2x2
     mesh of 4 ranks: two launches, the first ending abruptly after its step-2 checkpoint."""
@@ -151,6 +153,7 @@ def test_a_2d_mesh_state_is_saved_by_offsets_along_both_axes_and_resumes_to_the_
     assert (published["b"] == torch.arange(36.0).reshape(6, 6).numpy() * 16).all()
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_a_rank_killed_inside_the_forward_ends_the_launch_75_naming_it_and_a_relaunch_completes(tmp_path):
     """Rank 1 dies in its forward at step 10 (15 module forwards a step: the first of step 10's),
     before FSDP's all-gather of the root's parameters; rank 0, waiting in that all-gather, gets

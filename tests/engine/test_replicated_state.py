@@ -76,6 +76,7 @@ def reference(request, tmp_path_factory) -> tuple[tuple[str, ...], bytes]:
     return flags, artifact(built_once(tmp_path_factory, f"ddp-batchnorm-{request.param}", run) / "pvc")
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_a_kill_mid_run_resumes_to_the_uninterrupted_published_weights(reference, tmp_path):
     """Rank 1 SIGKILLed once the checkpoint of step 8 is committed (16 steps of 0.1 s still to go);
     the relaunch resumes from the newest one and publishes the uninterrupted bytes. Checked on the

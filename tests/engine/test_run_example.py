@@ -39,6 +39,7 @@ def test_the_example_runs_as_the_readme_shows_and_completes(tmp_path):
     assert holdout and int(holdout[1]) > int(holdout[2])  # it learned: better than always guessing one class
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.killpoint
 def test_the_example_killed_before_every_io_call_resumes_to_the_same_bytes_and_attempt(tmp_path):
     """Slower than 20 s under load, though it uses about 10 s of CPU: over 20 trials, each a fork
@@ -88,6 +89,7 @@ def interrupt(pvc: Path, victim: int, sig: signal.Signals, after_step: int, flag
 W2 = ("--steps", "200", "--ckpt-every", "5")
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_bytes(tmp_path):
     """Slower than 20 s: four launches of two torch workers (the reference, a SIGKILL of rank 1, one

@@ -169,6 +169,7 @@ def log_lines(pvc: Path) -> int:
     return len((pvc / "log.jsonl").read_text().splitlines())
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.process
 @pytest.mark.torchrun
 def test_every_pod_of_a_w_rank_job_exits_with_the_jobs_code(tmp_path):

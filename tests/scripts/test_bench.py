@@ -39,6 +39,7 @@ def test_each_contender_is_compared_with_the_reference_runs_on_either_side_of_it
     assert [r["ref_seconds"] for r in runs["raw"]] == [1.0, 3.0, 5.0]
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.process
 def test_bench_runs_at_a_tiny_size_and_reports_every_ratio(tmp_path):
     """Slower than 20 s under load: every section of scripts/bench.py but the torch ones, once, at

@@ -546,6 +546,7 @@ def test_a_rank_reads_its_share_of_a_bucket_checkpoint_by_ranged_gets_and_a_flip
         store.load_local(ref, tensor_specs(whole), wanted, 2)
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun
 def test_two_ranks_under_torchrun_share_only_the_bucket_and_survive_a_sigkill_of_the_launch(s3_pvc, tmp_path,
                                                                                           monkeypatch, capsys):

@@ -132,6 +132,7 @@ def interrupt_twice_then_finish(pvc: Path, data: Path, sig: signal.Signals) -> l
     return said
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun
 def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp_path, reference):
     """Slower than 20 s under load: three launches of two torch workers (rank 1 killed, rank 0
@@ -147,6 +148,7 @@ def test_torchrun_kill_either_rank_then_relaunch_resumes_to_the_same_weights(tmp
     assert [s["rank"] for s in manifest["shards"]] == [0, 1]
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.torchrun
 def test_torchrun_sigterm_to_either_rank_stops_both_at_one_step_with_a_checkpoint_and_resumes(tmp_path,
                                                                                              reference):

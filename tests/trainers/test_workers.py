@@ -120,6 +120,7 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> Callable[[tuple[str,
     (signal.SIGTERM, ("--eval-workers",), True),
     (signal.SIGINT, ("--context", "spawn", "--persistent", "--eval-workers"), False),
 ], ids=["sigterm-twice-fork", "sigint-spawn-persistent"])
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 def test_a_signal_to_the_whole_group_saves_the_step_exits_75_and_leaves_no_worker(references, tmp_path, sig, flags,
                                                                                   twice):
     """The SIGTERM case is scancel's and systemd's, sent twice half a second apart as Slurm's
