@@ -254,6 +254,7 @@ def test_a_model_built_before_any_seed_is_named_not_deterministic_without_twice(
     assert "transformers.set_seed" in out and "hint:" not in out, out
 
 
+@pytest.mark.acceptance  # 20 s or more of whole launches: the acceptance step (CONTRIBUTING.md)
 @pytest.mark.process
 @pytest.mark.killpoint
 @pytest.mark.torchrun
