@@ -143,6 +143,20 @@ def test_sync_batchnorm_on_cpu_is_refused_in_one_line_with_exit_2_before_the_pvc
     assert not (tmp_path / "pvc").exists()
 
 
+def test_stochastic_weight_averaging_is_refused_in_one_line_with_exit_2_before_the_pvc_is_touched(tmp_path):
+    """Lightning's StochasticWeightAveraging (as its docs add it: one callback) completed when
+    never killed, but a relaunch after a checkpoint of its epochs was refused at the resume
+    (exit 2: the optimizer's param groups had gained ``initial_lr`` and ``swa_lr``), the
+    training lost. Now refused before anything is written."""
+    done = launch(MAX_STEPS, tmp_path / "pvc", tmp_path, replace=(
+        "L.Trainer(max_steps=60, callbacks=[job])",
+        "L.Trainer(max_epochs=6, callbacks=[job, L.pytorch.callbacks.StochasticWeightAveraging(swa_lrs=1e-2)])"))
+    said = [line for line in done.stderr.splitlines() if line.startswith("trainjob:")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(said) == 1 and "StochasticWeightAveraging" in said[0] and said[0].endswith("(exit 2)"), said
+    assert not (tmp_path / "pvc").exists()
+
+
 @pytest.mark.killpoint
 def test_prove_finds_max_steps_alone_proven(tmp_path, monkeypatch, capsys):
     """Slower than 20 s: the reference and four trials."""

@@ -102,6 +102,7 @@ class TrainJob(pl.Callback):
         if stage == "fit":
             with self._guard():
                 _refuse_sync_batchnorm_on_cpu(trainer, pl_module)
+                _refuse_stochastic_weight_averaging(trainer)
             # Last: the hooks that share an event with EarlyStopping (on_validation_end) see its
             # decision before the step is saved. A new list: Lightning is iterating the old one.
             trainer.callbacks = [cb for cb in trainer.callbacks if cb is not self] + [self]
@@ -312,6 +313,21 @@ def _refuse_sync_batchnorm_on_cpu(trainer: pl.Trainer, module: pl.LightningModul
         raise UsageError("sync_batchnorm=True on CPU: torch's SyncBatchNorm works only on GPUs (DDP refuses it on "
                          "CPU); leave it out: trainjob saves BatchNorm's statistics as DDP keeps them, rank 0's, "
                          "which DDP hands to every rank at each forward")
+
+
+def _refuse_stochastic_weight_averaging(trainer: pl.Trainer) -> None:
+    """Lightning's ``StochasticWeightAveraging`` changes the fit partway: at its first epoch it
+    adds ``initial_lr`` and ``swa_lr`` to the optimizer's param groups and a SWALR scheduler to the
+    fit's. A launch resuming from a checkpoint saved after that begins without them, so the
+    checkpoint no longer fits the state it is loaded into: the uninterrupted run completed, a
+    killed one was refused at its relaunch (exit 2), its training lost. Refused before anything
+    is written, in one line."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
+        raise UsageError("StochasticWeightAveraging: trainjob cannot resume it (it adds a scheduler and optimizer "
+                         "settings partway through the fit, which a relaunch does not have until then); leave it "
+                         "out of the callbacks")
 
 
 def _validates_next(trainer: pl.Trainer) -> bool:
