@@ -70,8 +70,8 @@ step "pytest" .venv/bin/python -m pytest -n "$workers" --dist worksteal --durati
 step "lab checks" bash scripts/check.sh
 step "chaos campaign" .venv/bin/python scripts/chaos.py
 # The examples the issues were accepted on (vision, the HF Trainer and Lightning integrations:
-# killed, SIGTERMed, proven at W=1 and W=2), and every other test of 20 s or more of whole
-# launches (CONTRIBUTING.md): minutes of them, so the default suite above stays fast.
+# killed, SIGTERMed, proven at W=1 and W=2), and the default suite's slowest whole-launch
+# tests, 20 s or more each (CONTRIBUTING.md): minutes of them, so the default suite above stays fast.
 # Arguments that select no acceptance test (a file, a -k) leave it nothing to do: pytest's 5.
 acceptance() { .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=10 -m acceptance "$@" || [ $? = 5 ]; }
 step "acceptance" acceptance "$@"
