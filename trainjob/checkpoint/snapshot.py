@@ -153,16 +153,18 @@ def as_tensor(array: np.ndarray) -> Any:
 
 
 def _check(name: str, value: Any, source: str = STATE,
-           box: Callable[[str, Any], object] = dtensor_box) -> tuple[str, Any]:
-    """The safetensors dtype code of one state value, and the value as this rank holds it (a
-    DTensor's local shard); UsageError saying what to change. ``box``: how a DTensor's
-    placements are checked (``dtensor_box``, or a ``HostState``'s cached one)."""
+           box: Callable[[str, Any], object] = dtensor_box) -> tuple[str, Any, object]:
+    """The safetensors dtype code of one state value, the value as this rank holds it (a
+    DTensor's local shard) and, for a DTensor, ``box``'s answer (None otherwise); UsageError
+    saying what to change. ``box``: how a DTensor's placements are checked and where its shard
+    sits (``dtensor_box``, or a ``HostState``'s cached one)."""
     where = f"{source}[{name!r}]"
+    placed = None
     if is_dtensor(value):
-        box(name, value)  # its placements, before anything is written
+        placed = box(name, value)  # its placements, before anything is written
         with _torch().no_grad():  # the local shard itself, not an autograd Function's output (20 us each)
             value = value.to_local()
-    return _code(where, value), value
+    return _code(where, value), value, placed
 
 
 def _code(where: str, value: Any) -> str:
@@ -230,19 +232,21 @@ def specs_of(state: Mapping[str, Any], source: str = STATE,
 
 
 def _described(state: Mapping[str, Any], source: str,
-               box: Callable[[str, Any], object]) -> tuple[tuple[TensorSpec, ...], dict[str, Any]]:
-    """``specs_of``, and each value as this rank holds it (``_check``'s)."""
+               box: Callable[[str, Any], object]) -> tuple[tuple[TensorSpec, ...], dict[str, Any], dict[str, Any]]:
+    """``specs_of``, each value as this rank holds it, and each DTensor's box (``_check``'s)."""
     if not isinstance(state, Mapping):
         raise UsageError(f"{source} returned {type(state).__name__}, expected a mapping of names to arrays")
-    specs, held = [], {}
+    specs, held, boxes = [], {}, {}
     for name, value in sorted(state.items()):
-        dtype, held[name] = _check(name, value, source, box)
+        dtype, held[name], placed = _check(name, value, source, box)
+        if placed is not None:
+            boxes[name] = placed
         try:
             specs.append(_spec(name, dtype, tuple(value.shape)))
         except (TypeError, ValueError) as exc:  # what the manifest cannot hold: one line, not the validator's repr
             raise UsageError(_unstorable(name, source) if re.fullmatch(PLAIN_NAME, name) is None else
                              f"{source}[{name!r}]: cannot be checkpointed: {one_line(str(exc.args[0]))[:200]}") from None
-    return tuple(specs), held
+    return tuple(specs), held, boxes
 
 
 # A state's description is the same at every checkpoint: each spec is validated once, not per save
@@ -350,8 +354,8 @@ class HostState:
         # view of its memory: a shard's slices split a tensor along its first axis.
         scalars = {n for n, v in state.items() if _ndim(v) == 0 and not is_dtensor(v)}
         state = {n: _with_axis(v) if n in scalars else v for n, v in state.items()}
-        specs, held = _described(state, source, self.box)  # a DTensor's whole shape; its placements checked
-        boxes = {n: self.box(n, v) for n, v in state.items() if is_dtensor(v)}
+        # A DTensor's whole shape, its placements checked, and where this rank's shard sits.
+        specs, held, boxes = _described(state, source, self.box)
         if self.specs is None:
             self.specs, self.paths, self.scalars = specs, parts.paths, scalars
             self.plain, self.local = parts.plain, parts.local
