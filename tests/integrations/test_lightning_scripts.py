@@ -70,6 +70,14 @@ def launch(script: Path, pvc: Path, cwd: Path, *, replace: tuple[str, str] | Non
                           capture_output=True, text=True, timeout=900)
 
 
+def refused_in_one_line(done: subprocess.CompletedProcess, naming: str, pvc: Path) -> None:
+    """Exit 2, one ``trainjob:`` line naming ``naming``, no traceback, and no PVC made."""
+    said = [line for line in done.stderr.splitlines() if line.startswith("trainjob:")]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert len(said) == 1 and naming in said[0] and said[0].endswith("(exit 2)"), said
+    assert not pvc.exists()
+
+
 def events(pvc: Path) -> list[tuple[str, str]]:
     return [(e["event"], e["detail"]) for e in map(json.loads, (pvc / "log.jsonl").read_text().splitlines())]
 
@@ -137,10 +145,7 @@ def test_sync_batchnorm_on_cpu_is_refused_in_one_line_with_exit_2_before_the_pvc
     which ended the run 70 with a traceback. One DDP process (``devices=1``) is enough to show it."""
     done = launch(DDP, tmp_path / "pvc", tmp_path,
                   replace=('devices=2, strategy="ddp",', 'devices=1, strategy="ddp", sync_batchnorm=True,'))
-    said = [line for line in done.stderr.splitlines() if line.startswith("trainjob:")]
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert len(said) == 1 and "sync_batchnorm=True on CPU" in said[0] and said[0].endswith("(exit 2)"), said
-    assert not (tmp_path / "pvc").exists()
+    refused_in_one_line(done, "sync_batchnorm=True on CPU", tmp_path / "pvc")
 
 
 def test_stochastic_weight_averaging_is_refused_in_one_line_with_exit_2_before_the_pvc_is_touched(tmp_path):
@@ -151,10 +156,7 @@ def test_stochastic_weight_averaging_is_refused_in_one_line_with_exit_2_before_t
     done = launch(MAX_STEPS, tmp_path / "pvc", tmp_path, replace=(
         "L.Trainer(max_steps=60, callbacks=[job])",
         "L.Trainer(max_epochs=6, callbacks=[job, L.pytorch.callbacks.StochasticWeightAveraging(swa_lrs=1e-2)])"))
-    said = [line for line in done.stderr.splitlines() if line.startswith("trainjob:")]
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert len(said) == 1 and "StochasticWeightAveraging" in said[0] and said[0].endswith("(exit 2)"), said
-    assert not (tmp_path / "pvc").exists()
+    refused_in_one_line(done, "StochasticWeightAveraging", tmp_path / "pvc")
 
 
 @pytest.mark.killpoint
